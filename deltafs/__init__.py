@@ -1,0 +1,3 @@
+"""deltafs: lossless checkpoint deltas on any fsspec filesystem."""
+
+__version__ = "0.1.0"
