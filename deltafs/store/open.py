@@ -1,4 +1,10 @@
-"""Turn a URL (plain path, file://, memory://, s3:// …) into an ObjectStore."""
+"""Turn a URL (plain path, file://, memory://, s3:// …) into an ObjectStore.
+
+Storage options are fsspec's, passed to the backend unchanged, except one key of our own:
+"deltafs", an object with the store's tuning and capability overrides (see DELTAFS_OPTIONS).
+fsspec's own configuration (FSSPEC_S3_* variables, ~/.config/fsspec) and the backend's
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE …) apply as usual.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,21 @@ from typing import Any
 import fsspec
 
 from deltafs.errors import StoreError, UsageError
-from deltafs.store.objects import LocalObjectStore, MemoryObjectStore, ObjectStore
+from deltafs.store.objects import LocalObjectStore, MemoryObjectStore, ObjectStore, RetryPolicy
 
 # Which pip extra brings the fsspec backend for a protocol, for the error message.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+# Keys accepted under storage_options["deltafs"].
+DELTAFS_OPTIONS = {
+    "attempts": "tries per call on transient errors (default 5)",
+    "base_delay": "first backoff in seconds, doubled per retry (default 0.2)",
+    "max_delay": "largest backoff in seconds (default 5)",
+    "visibility_timeout": "seconds a referenced key may take to appear on an eventually consistent store (default 10)",
+    "max_workers": "parallel requests in get_many/put_many",
+    "read_after_write": "false for a store whose new objects may be invisible for a while",
+    "atomic_create": "false for an S3-compatible server that ignores If-None-Match",
+}
 
 
 def parse_storage_options(text: str | None) -> dict[str, Any]:
@@ -28,25 +45,81 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
     return value
 
 
+def _split_tuning(options: dict[str, Any]) -> tuple[RetryPolicy, dict[str, Any], dict[str, bool]]:
+    tuning = options.pop("deltafs", None) or {}
+    if not isinstance(tuning, dict):
+        raise UsageError('storage option "deltafs" must be a JSON object')
+    unknown = sorted(set(tuning) - set(DELTAFS_OPTIONS))
+    if unknown:
+        raise UsageError(f'unknown key(s) in storage option "deltafs": {", ".join(unknown)} '
+                         f'(known: {", ".join(DELTAFS_OPTIONS)})')
+    try:
+        retry = RetryPolicy(**{k: type(getattr(RetryPolicy(), k))(tuning[k])
+                               for k in ("attempts", "base_delay", "max_delay", "visibility_timeout") if k in tuning})
+        workers = {"max_workers": int(tuning["max_workers"])} if "max_workers" in tuning else {}
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f'bad value in storage option "deltafs": {exc}') from None
+    flags = {k: bool(tuning[k]) for k in ("read_after_write", "atomic_create") if k in tuning}
+    return retry, workers, flags
+
+
+def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """Defaults that make s3fs fail fast and leave retrying to deltafs (one policy, visible in errors).
+
+    Anything the user set, in storage options or fsspec's config, wins.
+    """
+    configured = {**fsspec.config.conf.get("s3", {}), **options}
+    out = dict(options)
+    # Listings are our source of truth for versions: never answer them from a cache.
+    out.setdefault("use_listings_cache", configured.get("use_listings_cache", False))
+    config = dict(configured.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", 10)
+    config.setdefault("read_timeout", 60)
+    # botocore's own retries would hide whether a conditional PUT that got 412 was our own
+    # earlier attempt; deltafs retries with backoff itself.
+    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    out["config_kwargs"] = config
+    return out
+
+
 def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
     """An ObjectStore for url; local paths get atomic rename-based writes."""
     options = dict(storage_options or {})
+    retry, workers, flags = _split_tuning(options)
     protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
+    store: ObjectStore
     if protocol in ("file", "local"):
         root = os.path.abspath(os.path.expanduser(rest))
-        return LocalObjectStore(fsspec.filesystem("file"), root, url)
+        store = LocalObjectStore(fsspec.filesystem("file"), root, url, retry=retry, **workers)
+    else:
+        if protocol in ("s3", "s3a"):
+            options = _s3_defaults(options)
+        fs, root = _filesystem(url, protocol, options)
+        if protocol == "memory":
+            store = MemoryObjectStore(fs, "/" + root.lstrip("/"), url, retry=retry, **workers)
+        elif protocol in ("s3", "s3a"):
+            from deltafs.store.s3 import S3ObjectStore
+
+            # s3fs retries each request itself too (class default 5); deltafs owns retrying.
+            fs.retries = 1
+            store = S3ObjectStore(fs, root, url, retry=retry, **workers)
+        else:
+            store = ObjectStore(fs, root, url, retry=retry, **workers)
+    if flags:
+        store.declare(**flags)
+    return store
+
+
+def _filesystem(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:
     try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
         extra = _EXTRAS.get(protocol)
-        hint = f" Install it with: pip install 'deltafs[{extra}]'" if extra else ""
-        raise StoreError(f"no backend installed for {protocol}:// ({exc}).{hint}") from None
+        hint = f"pip install 'deltafs[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
+        raise StoreError(f"no backend installed for {protocol}:// ({exc}); run: {hint}") from None
     except ValueError as exc:
+        if "Protocol not known" in str(exc):
+            raise StoreError(f"unknown storage protocol {protocol}:// in {url}") from None
         raise StoreError(f"cannot open {url}: {exc}") from None
-    if protocol == "memory":
-        return MemoryObjectStore(fs, "/" + root.lstrip("/"), url)
-    if protocol in ("s3", "s3a"):
-        from deltafs.store.s3 import S3ObjectStore
-
-        return S3ObjectStore(fs, root, url)
-    return ObjectStore(fs, root, url)
+    except TypeError as exc:
+        raise UsageError(f"bad storage options for {protocol}://: {exc}") from None

@@ -1,0 +1,177 @@
+"""push, pull, verify and log: each resolves its arguments, calls the library and prints."""
+
+from __future__ import annotations
+
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from deltafs.cli.options import Json, Quiet, StorageOptions, Version
+from deltafs.cli.output import Output, human_bytes
+from deltafs.errors import LockHeldError, UsageError
+from deltafs.store.open import parse_storage_options
+
+# `pull --once` exit codes, for cron (documented in the README).
+EXIT_UPDATED = 0
+EXIT_CURRENT = 100
+EXIT_BUSY = 101
+
+
+def _metadata(items: list[str] | None, text: str | None) -> dict:
+    meta: dict = {}
+    if text:
+        try:
+            loaded = json.loads(text)
+        except ValueError as exc:
+            raise UsageError(f"--metadata is not valid JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise UsageError("--metadata must be a JSON object")
+        meta.update(loaded)
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--meta expects KEY=VALUE, got {item!r}")
+        try:
+            meta[key] = json.loads(value)
+        except ValueError:
+            meta[key] = value
+    return meta
+
+
+def push_cmd(
+    src: Annotated[str, typer.Argument(help="A .safetensors file or an HF checkpoint directory.")],
+    store: Annotated[str, typer.Argument(help="Store URL: a path, file://, memory://, s3://bucket/prefix …")],
+    version: Version = None,
+    storage_options: StorageOptions = None,
+    meta: Annotated[Optional[list[str]], typer.Option("--meta", help="KEY=VALUE metadata (repeatable), e.g. step=1200.")] = None,
+    metadata: Annotated[Optional[str], typer.Option("--metadata", help="Metadata as a JSON object.")] = None,
+    full: Annotated[bool, typer.Option("--full", help="Store a full version (keyframe) even if a delta is possible.")] = False,
+    keyframe_every: Annotated[int, typer.Option("--keyframe-every", help="A full version at least every N versions (0: never).")] = 50,
+    keyframe_budget: Annotated[float, typer.Option("--keyframe-budget", help="A full version once the deltas since the last one exceed this many full sizes (0: never).")] = 1.0,
+    cache: Annotated[Optional[str], typer.Option("--cache", help="Push cache directory (default $DELTAFS_CACHE or ~/.cache/deltafs).")] = None,
+    level: Annotated[int, typer.Option("--level", help="zstd level for chunk payloads.")] = 3,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="Encoding threads (default: CPU count, at most 8).")] = None,
+    json_out: Json = False,
+    quiet: Quiet = False,
+) -> None:
+    """Publish SRC as the store's next version (a delta against HEAD, or a full version)."""
+    from deltafs.publish import push
+
+    out = Output(json_mode=json_out, quiet=quiet)
+    res = push(store, src, version=version, metadata=_metadata(meta, metadata), storage_options=parse_storage_options(storage_options),
+               cache_dir=cache, progress=out.progress, level=level, threads=threads, full=full,
+               keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None)
+    ratio = f"{res.full_bytes / res.bytes_written:.1f}x smaller than full" if res.bytes_written else ""
+    human = (f"pushed version {res.version} ({res.kind}) to {res.store}: {human_bytes(res.bytes_written)} written "
+             f"for {human_bytes(res.full_bytes)} of checkpoint, {ratio}; "
+             f"{res.changed_fraction * 100:.2f}% of elements changed; {res.seconds:.2f}s")
+    out.result(res.to_json(), human)
+
+
+def pull_cmd(
+    store: Annotated[str, typer.Argument(help="Store URL.")],
+    dest: Annotated[str, typer.Argument(help="Local checkpoint path (made a symlink to DEST.deltafs/<version>/).")],
+    version: Version = None,
+    storage_options: StorageOptions = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a DEST that holds another store's checkpoint or foreign files (moved aside, not deleted).")] = False,
+    once: Annotated[bool, typer.Option("--once", help="Cron mode: never wait for another pull's lock; exit 0 updated, 100 already current, 101 busy.")] = False,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine (sglang).")] = None,
+    engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="Download/decode threads.")] = None,
+    json_out: Json = False,
+    quiet: Quiet = False,
+) -> int:
+    """Make DEST a complete, verified checkpoint of a version (default: the newest)."""
+    from deltafs.pull import pull
+
+    out = Output(json_mode=json_out, quiet=quiet)
+    if engine and not engine_url:
+        raise UsageError("--engine needs --engine-url")
+    try:
+        res = pull(store, dest, version=version, storage_options=parse_storage_options(storage_options), force=force,
+                   progress=out.progress, wait_lock=not once, threads=threads)
+    except LockHeldError as exc:
+        if not once:
+            raise
+        out.info(f"deltafs: {exc}; skipping this run")
+        out.result({"status": "busy", "dest": dest}, None)
+        return EXIT_BUSY
+    data = res.to_json()
+    data["status"] = "updated" if res.updated else "current"
+    if res.updated and engine:
+        from deltafs.engines import reload_engine  # optional: only the engine extras need it
+
+        reload_engine(engine, engine_url, dest=dest, version=res.version)
+        data["engine_reloaded"] = True
+    if res.updated:
+        how = "from a full version" if res.from_full else f"from version {res.previous}"
+        human = f"pulled version {res.version} into {dest} ({how}{', after a fallback' if res.fallback else ''}): {human_bytes(res.bytes_read)} read, {res.seconds:.2f}s"
+    else:
+        human = f"{dest} already holds version {res.version}"
+    out.result(data, human)
+    return EXIT_CURRENT if once and not res.updated else EXIT_UPDATED
+
+
+def verify_cmd(
+    store: Annotated[str, typer.Argument(help="Store URL.")],
+    version: Version = None,
+    all_versions: Annotated[bool, typer.Option("--all", help="Verify every version in the store.")] = False,
+    local: Annotated[Optional[str], typer.Option("--local", help="Verify a pulled DEST against the store instead.")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Structure and chunk hashes only; skip rebuilding tensors.")] = False,
+    storage_options: StorageOptions = None,
+    json_out: Json = False,
+    quiet: Quiet = False,
+) -> int:
+    """Recompute chunk, tensor and file digests; exit 0 only if everything matches."""
+    from deltafs.maintenance.verify import verify
+
+    if all_versions and version is not None:
+        raise UsageError("use either --version or --all")
+    out = Output(json_mode=json_out, quiet=quiet)
+    rep = verify(store, version=version, all_versions=all_versions, local=local,
+                 storage_options=parse_storage_options(storage_options), deep=not quick)
+    if rep.ok:
+        what = f"{local}" if local else f"version{'s' if len(rep.versions) > 1 else ''} {', '.join(map(str, rep.versions))}"
+        human = f"ok: {what} verified ({rep.chunks_checked} chunks, {rep.files_checked} files)"
+    else:
+        human = "\n".join(f"FAILED: {p}" for p in rep.problems)
+    out.result(rep.to_json(), human)
+    if not rep.ok and quiet:
+        import sys
+
+        sys.stderr.write(f"deltafs: verify failed: {rep.problems[0]}\n")
+    return 0 if rep.ok else 6
+
+
+def log_cmd(
+    store: Annotated[str, typer.Argument(help="Store URL.")],
+    storage_options: StorageOptions = None,
+    json_out: Json = False,
+) -> None:
+    """List versions: number, kind, parent, changed fraction, bytes written, ratio to full, time."""
+    from deltafs.maintenance.log import log
+
+    entries = log(store, storage_options=parse_storage_options(storage_options))
+    out = Output(json_mode=json_out)
+    rows = [f"{'version':>8} {'kind':<6} {'parent':>7} {'changed':>8} {'written':>11} {'ratio':>8}  created"]
+    for e in entries:
+        changed = f"{e.changed_fraction * 100:.2f}%" if e.changed_fraction is not None else "-"
+        mark = " *" if e.kind == "full" else ""
+        created = e.created.replace("T", " ")[:19]
+        rows.append(f"{e.version:>8} {e.kind + mark:<6} {e.parent if e.parent is not None else '-':>7} {changed:>8} "
+                    f"{human_bytes(e.bytes_written):>11} {(str(e.ratio) + 'x') if e.ratio else '-':>8}  {created}"
+                    f"{'  (HEAD)' if e.head else ''}")
+    if len(entries) == 0:
+        rows.append("(no versions)")
+    out.result({"versions": [e.to_json() for e in entries]}, "\n".join(rows))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("push")(push_cmd)
+    app.command("pull")(pull_cmd)
+    app.command("verify")(verify_cmd)
+    app.command("log")(log_cmd)
+
+

@@ -1,0 +1,37 @@
+"""One output object: data on stdout (human text or one JSON object), messages on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+class Output:
+    def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
+        self.json_mode = json_mode
+        self.quiet = quiet
+
+    @property
+    def progress(self) -> bool:
+        """Progress bars only for a person at a terminal."""
+        return not (self.json_mode or self.quiet)
+
+    def result(self, data: Any, human: str | None = None) -> None:
+        if self.json_mode:
+            sys.stdout.write(json.dumps(data, sort_keys=True) + "\n")
+        elif not self.quiet and human is not None:
+            sys.stdout.write(human.rstrip("\n") + "\n")
+        sys.stdout.flush()
+
+    def info(self, message: str) -> None:
+        if not self.quiet and not self.json_mode:
+            sys.stderr.write(message + "\n")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,42 @@
+"""The version history of a store, one record per version."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deltafs.store.repo import Repository
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    version: int
+    kind: str
+    parent: int | None
+    changed_fraction: float | None
+    bytes_written: int
+    full_bytes: int
+    ratio: float | None
+    created: str
+    metadata: dict[str, Any]
+    head: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def log(store: str | Repository, *, storage_options: dict[str, Any] | None = None) -> list[LogEntry]:
+    """Every committed version, oldest first."""
+    repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
+    head = repo.head()
+    out = []
+    for v in repo.versions():
+        man = repo.manifest(v)
+        st = man.stats
+        written = int(st.get("chunk_bytes_stored", 0)) + repo.manifest_size(v)
+        full = int(st.get("full_bytes", man.raw_bytes))
+        total = int(st.get("elements_total", 0))
+        changed = (int(st.get("elements_changed", 0)) / total if total else 0.0) if man.kind == "delta" else None
+        out.append(LogEntry(v, man.kind, man.parent, changed, written, full, round(full / written, 2) if written else None,
+                            man.created, man.metadata, head is not None and head.version == v))
+    return out

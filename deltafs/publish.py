@@ -1,0 +1,356 @@
+"""Trainer side: checkpoint in → chunks, then manifest (the commit), then HEAD.
+
+The pusher encodes against a local copy of the store's HEAD version (the push cache, a deltafs-
+managed directory like a pull DEST). It writes that copy as it reads the source, so the next push
+finds its base without reading the store. If the cache is missing, stale (another writer, a
+restarted trainer) or corrupt, it is re-derived from the store with a pull: a delta is only ever
+encoded against bytes that readers can rebuild.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import xxhash
+
+from deltafs import codec
+from deltafs.errors import DeltafsError, IntegrityError, UsageError, VersionConflictError
+from deltafs.format.manifest import ChunkRef, FileEntry, Head, Manifest, Segment, canonical_json
+from deltafs.local import LocalCheckpoint, LocalState
+from deltafs.parallel import default_threads, ordered_map
+from deltafs.progress import Progress
+from deltafs.rebuild import LocalBaseError
+from deltafs.source import SourceFile, SourceSegment, scan_source
+from deltafs.store.repo import Repository, utcnow
+
+# Keyframe policy defaults: a full version every 50 versions, or sooner once the deltas since the
+# last full version add up to the size of a full version (a reader then reads at most ~2x full).
+DEFAULT_KEYFRAME_EVERY = 50
+DEFAULT_KEYFRAME_BUDGET = 1.0
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    kind: str
+    parent: int | None
+    bytes_written: int  # new bytes stored for this version: chunks plus manifest
+    full_bytes: int  # size of the checkpoint's files
+    chunks_written: int
+    changed_fraction: float  # elements that differ from the parent version
+    seconds: float
+    store: str
+    base_rederived: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ratio"] = round(self.full_bytes / self.bytes_written, 2) if self.bytes_written else None
+        return out
+
+
+def default_cache_dir(store_id: str) -> str:
+    root = os.environ.get("DELTAFS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "deltafs")
+    return os.path.join(root, "push", store_id)
+
+
+def push(store: str | Repository, src: str, *, version: int | None = None, metadata: Mapping[str, Any] | None = None,
+         storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, progress: bool = False,
+         level: int = codec.DEFAULT_LEVEL, threads: int | None = None, full: bool = False,
+         keyframe_every: int | None = DEFAULT_KEYFRAME_EVERY,
+         keyframe_budget: float | None = DEFAULT_KEYFRAME_BUDGET) -> PushResult:
+    """Publish the checkpoint at src (a directory or a .safetensors file) as the store's next version."""
+    t0 = time.monotonic()
+    meta = dict(metadata or {})
+    try:
+        canonical_json(meta)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"metadata is not JSON: {exc}") from None
+    files = scan_source(src)  # before touching the store: a bad source writes nothing
+    repo = store if isinstance(store, Repository) else Repository.open(store, storage_options, create=True)
+    head = repo.head()
+    if version is not None and head is not None and version <= head.version:
+        raise UsageError(f"version {version} is not newer than the store's newest version {head.version}")
+    new_version = version if version is not None else (head.version + 1 if head else 1)
+    cache = LocalCheckpoint(os.path.join(cache_dir or default_cache_dir(repo.store_id), "base"))
+    with cache.lock(wait=False, name="push.lock"):
+        rederived = False
+        for attempt in range(2):
+            base = _base_for(repo, cache, head, rederive=attempt > 0)
+            rederived = rederived or base[1]
+            try:
+                return _push_once(repo, files, cache, base[0], head, new_version, meta, level,
+                                  threads or default_threads(), full, keyframe_every, keyframe_budget, progress, t0, rederived)
+            except LocalBaseError:
+                if attempt:
+                    raise
+                _drop_cache(cache)
+    raise AssertionError("unreachable")
+
+
+def _base_for(repo: Repository, cache: LocalCheckpoint, head: Head | None, *, rederive: bool) -> tuple[LocalState | None, bool]:
+    """The push cache's state if it holds HEAD; otherwise rebuild it from the store."""
+    if head is None:
+        return None, False
+    state = cache.state()
+    if not rederive and state is not None and state.store_id == repo.store_id and state.version == head.version \
+            and state.digest == head.digest:
+        return state, False
+    from deltafs.pull import pull
+
+    pull(repo, cache.dest, version=head.version, force=True, keep=1)
+    state = cache.state()
+    assert state is not None
+    return state, True
+
+
+def _drop_cache(cache: LocalCheckpoint) -> None:
+    if os.path.islink(cache.dest):
+        os.unlink(cache.dest)
+    cache.cleanup(keep=0)
+
+
+def _push_once(repo: Repository, files: list[SourceFile], cache: LocalCheckpoint, base: LocalState | None,
+               head: Head | None, new_version: int, meta: dict[str, Any], level: int, threads: int, force_full: bool,
+               keyframe_every: int | None, keyframe_budget: float | None, progress: bool, t0: float,
+               rederived: bool) -> PushResult:
+    parent = base.manifest if base is not None else None
+    full_bytes = sum(f.size for f in files)
+    kind = "full" if parent is None or force_full or _keyframe_due(parent, full_bytes, keyframe_every, keyframe_budget) else "delta"
+    encoder = _Encoder(repo, base if kind == "delta" else None, level, threads, cache)
+    with Progress(f"push v{new_version}", full_bytes, enabled=progress) as bar:
+        entries = encoder.encode_files(files, bar.advance)
+    chain_bytes = encoder.stored + (int(parent.stats.get("chain_bytes", 0)) if kind == "delta" and parent else 0)
+    since_full = 0 if kind == "full" else int(parent.stats.get("since_full", 0)) + 1 if parent else 0
+    stats = {
+        "full_bytes": full_bytes,
+        "chunk_bytes_stored": encoder.stored,
+        "chunks_total": encoder.chunks_total,
+        "chunks_stored": encoder.chunks_written,
+        "elements_total": encoder.elements_total,
+        "elements_changed": encoder.elements_changed,
+        "chain_bytes": chain_bytes,
+        "since_full": since_full,
+    }
+    man = Manifest(
+        store_id=repo.store_id,
+        version=new_version,
+        parent=parent.version if parent else None,
+        parent_digest=parent.digest if parent else None,
+        kind=kind,
+        chunk_bytes=repo.config.chunk_bytes,
+        created=utcnow(),
+        files=tuple(entries),
+        metadata=meta,
+        stats=stats,
+    ).seal()
+    now = repo.head()
+    if (now is None) != (head is None) or (now is not None and head is not None and now.digest != head.digest):
+        encoder.discard_staging()
+        raise VersionConflictError(
+            f"HEAD of {repo.url} moved to version {now.version if now else None} during this push; another writer is publishing"
+        )
+    manifest_size = repo.commit(man)
+    encoder.install_cache(man)
+    changed = encoder.elements_changed / encoder.elements_total if encoder.elements_total else 0.0
+    return PushResult(
+        version=new_version,
+        kind=kind,
+        parent=man.parent,
+        bytes_written=encoder.stored + manifest_size,
+        full_bytes=full_bytes,
+        chunks_written=encoder.chunks_written,
+        changed_fraction=changed if kind == "delta" else 1.0,
+        seconds=time.monotonic() - t0,
+        store=repo.url,
+        base_rederived=rederived,
+        metadata=meta,
+    )
+
+
+def _keyframe_due(parent: Manifest, full_bytes: int, every: int | None, budget: float | None) -> bool:
+    since = int(parent.stats.get("since_full", 0))
+    if every is not None and every > 0 and since + 1 >= every:
+        return True
+    chain = int(parent.stats.get("chain_bytes", 0))
+    return budget is not None and budget > 0 and chain >= budget * full_bytes
+
+
+class _Encoder:
+    """Encodes files chunk by chunk in a thread pool and writes the new push cache as it goes."""
+
+    def __init__(self, repo: Repository, base: LocalState | None, level: int, threads: int, cache: LocalCheckpoint) -> None:
+        self.repo = repo
+        self.base = base
+        self.base_segments = base.manifest.segments() if base else {}
+        self.level = level
+        self.threads = threads
+        self.cache = cache
+        self.cb = repo.config.chunk_bytes
+        self.staging = cache.new_staging()
+        self.stored = self.chunks_written = self.chunks_total = 0
+        self.elements_total = self.elements_changed = 0
+
+    def discard_staging(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def install_cache(self, man: Manifest) -> None:
+        self.cache.install(self.staging, store_id=self.repo.store_id, store_url=self.repo.url, manifest=man)
+        self.cache.cleanup(keep=1)
+
+    def _base_of(self, seg: SourceSegment) -> tuple[str, Segment] | None:
+        if self.base is None:
+            return None
+        hit = self.base_segments.get(seg.key)
+        if hit is None:
+            return None
+        bfile, bseg = hit
+        if bseg.kind != seg.kind or bseg.size != seg.size or bseg.itemsize != seg.itemsize:
+            return None
+        return os.path.join(self.base.path, bfile.path), bseg
+
+    def encode_files(self, files: list[SourceFile], advance: Any) -> list[FileEntry]:
+        try:
+            return [self._encode_file(f, advance) for f in files]
+        except BaseException:
+            self.discard_staging()
+            raise
+
+    def _encode_file(self, f: SourceFile, advance: Any) -> FileEntry:
+        out_path = os.path.join(self.staging, f.path)
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
+        fhash = hashlib.sha256()
+        segments = []
+        with open(f.abspath, "rb") as src, open(out_path, "wb") as out:
+            fd = src.fileno()
+            for seg in f.segments:
+                base = self._base_of(seg)
+                bfd = open(base[0], "rb") if base else None
+                try:
+                    segments.append(self._encode_segment(fd, bfd, seg, base[1] if base else None, out, fhash, advance))
+                finally:
+                    if bfd is not None:
+                        bfd.close()
+            out.flush()
+            os.fsync(out.fileno())
+        size = os.path.getsize(out_path)
+        if size != f.size:
+            raise DeltafsError(f"{f.abspath} changed size while it was being pushed")
+        return FileEntry(f.path, f.size, fhash.hexdigest(), f.format, tuple(segments))
+
+    def _encode_segment(self, fd: int, bfile: Any, seg: SourceSegment, bseg: Segment | None, out: Any, fhash: Any,
+                        advance: Any) -> Segment:
+        n = (seg.size + self.cb - 1) // self.cb
+        itemsize = seg.itemsize
+
+        def work(i: int) -> tuple[bytes, bytes | None, codec.Encoded, str | None, bool]:
+            start = i * self.cb
+            size = min(self.cb, seg.size - start)
+            new = os.pread(fd, size, seg.offset + start)
+            if len(new) != size:
+                raise DeltafsError("source file shrank while it was being pushed")
+            old = None
+            if bseg is not None:
+                old = os.pread(bfile.fileno(), size, bseg.offset + start)
+                if len(old) != size:
+                    raise LocalBaseError("push cache file is truncated")
+            enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
+                               itemsize, level=self.level)
+            oid, fresh = (None, False)
+            if enc.payload is not None:
+                oid, fresh = self.repo.put_chunk(enc.payload)
+            return new, old, enc, oid, fresh
+
+        shash = xxhash.xxh3_128()
+        bhash = xxhash.xxh3_128()
+        chunks = []
+        for i, (new, old, enc, oid, fresh) in enumerate(ordered_map(work, range(n), self.threads, self.threads * 2)):
+            out.write(new)
+            fhash.update(new)
+            shash.update(new)
+            if old is not None:
+                bhash.update(old)
+            stored = len(enc.payload) if enc.payload is not None else 0
+            if fresh:
+                self.stored += stored
+            if enc.payload is not None:
+                self.chunks_written += 1
+            self.chunks_total += 1
+            if seg.kind == "tensor":
+                self.elements_total += len(new) // itemsize
+                self.elements_changed += enc.changed
+            chunks.append(ChunkRef(index=i, size=len(new), codec=enc.codec, object=oid, stored=stored))
+            advance(len(new))
+        if bseg is not None and "xxh3-128:" + bhash.hexdigest() != bseg.digest:
+            raise LocalBaseError(f"push cache does not match version {self.base.version if self.base else '?'} at {seg.key[2:]}")
+        return Segment(key=seg.key, kind=seg.kind, offset=seg.offset, size=seg.size,
+                       digest="xxh3-128:" + shash.hexdigest(), chunks=tuple(chunks), dtype=seg.dtype, shape=seg.shape)
+
+
+# --- tensors from Python ---------------------------------------------------------------------------
+DEFAULT_SHARD_BYTES = 5 << 30
+
+
+def write_hf_checkpoint(tensors: Mapping[str, Any], out_dir: str, *, extra_files: Mapping[str, bytes] | None = None,
+                        max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Serialize name → torch tensor (any device, any layout) as HF-style safetensors shards."""
+    import torch
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    seen_storage: set[int] = set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"{name} is not a torch.Tensor")
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        if ptr and ptr in seen_storage:
+            t = t.clone()  # tied weights: safetensors refuses shared storage
+        seen_storage.add(ptr)
+        nb = t.numel() * t.element_size()
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nb
+    os.makedirs(out_dir, exist_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        total = 0
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+            json.dump(index, fh, indent=2, sort_keys=True)
+    for rel, data in (extra_files or {}).items():
+        path = os.path.join(out_dir, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as fh:
+            fh.write(data)
+
+
+def push_tensors(store: str | Repository, tensors: Mapping[str, Any], *, extra_files: Mapping[str, bytes] | None = None,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, **kwargs: Any) -> PushResult:
+    """Publish a mapping of HF names to torch tensors (plus files such as config.json) as the next version."""
+    tmp_root = kwargs.pop("tmp_dir", None)
+    with tempfile.TemporaryDirectory(prefix="deltafs-push-", dir=tmp_root) as tmp:
+        write_hf_checkpoint(tensors, tmp, extra_files=extra_files, max_shard_bytes=max_shard_bytes)
+        return push(store, tmp, **kwargs)
+
+
+__all__ = ["PushResult", "push", "push_tensors", "write_hf_checkpoint", "IntegrityError"]

@@ -1,0 +1,135 @@
+"""Read a push source (a .safetensors file or an HF checkpoint directory) into files and segments."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+from deltafs.errors import FormatError, SourceError
+from deltafs.format.dtypes import DTYPE_SIZES, nbytes
+from deltafs.format.manifest import check_relpath
+
+# A safetensors header larger than this is not a real checkpoint (the format's own limit is 100 MB).
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class SourceSegment:
+    key: str
+    kind: str  # "header" | "tensor" | "blob"
+    offset: int
+    size: int
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype] if self.dtype else 1
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # relative, '/'-separated
+    abspath: str
+    size: int
+    format: str  # "safetensors" | "blob"
+    segments: tuple[SourceSegment, ...]
+
+
+def scan_source(src: str) -> list[SourceFile]:
+    """List the files of src with their segments; raise SourceError for anything unusable."""
+    src = os.path.expanduser(src)
+    if not os.path.exists(src):
+        raise SourceError(f"source {src} does not exist")
+    if os.path.isfile(src):
+        if not src.endswith(".safetensors"):
+            raise SourceError(f"{src} is not a .safetensors file or a checkpoint directory")
+        return [_scan_file(os.path.basename(src), src)]
+    if not os.path.isdir(src):
+        raise SourceError(f"{src} is neither a file nor a directory")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, src).replace(os.sep, "/")
+            if not os.path.isfile(full):  # dangling link, socket, fifo
+                raise SourceError(f"{full} is not a regular file")
+            files.append(_scan_file(rel, full))
+    if not files:
+        raise SourceError(f"{src} holds no files")
+    seen: dict[str, str] = {}
+    for f in files:
+        for seg in f.segments:
+            if seg.kind == "tensor":
+                if seg.key in seen:
+                    raise SourceError(f"tensor {seg.key[2:]} appears in both {seen[seg.key]} and {f.path}")
+                seen[seg.key] = f.path
+    return files
+
+
+def _scan_file(rel: str, full: str) -> SourceFile:
+    try:
+        check_relpath(rel)
+    except FormatError:
+        raise SourceError(f"unsupported file name {rel!r}") from None
+    try:
+        size = os.path.getsize(full)
+        if rel.endswith(".safetensors"):
+            with open(full, "rb") as fh:
+                segments = safetensors_segments(rel, fh.read(min(size, 8 + MAX_HEADER_BYTES)), size)
+            return SourceFile(rel, full, size, "safetensors", segments)
+        with open(full, "rb"):
+            pass  # readable?
+    except PermissionError:
+        raise SourceError(f"cannot read {full}: permission denied") from None
+    except OSError as exc:
+        raise SourceError(f"cannot read {full}: {exc.strerror or exc}") from None
+    return SourceFile(rel, full, size, "blob", (SourceSegment(f"f:{rel}", "blob", 0, size),))
+
+
+def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegment, ...]:
+    """Split a safetensors file into its header and one segment per tensor, in file order."""
+    bad = f"{rel} is not a valid safetensors file"
+    if size < 8 or len(head) < 8:
+        raise SourceError(f"{bad}: too short")
+    (hlen,) = struct.unpack("<Q", head[:8])
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size or 8 + hlen > len(head):
+        raise SourceError(f"{bad}: header length {hlen} does not fit the file")
+    try:
+        header = json.loads(head[8 : 8 + hlen])
+    except (ValueError, UnicodeDecodeError):
+        raise SourceError(f"{bad}: header is not JSON") from None
+    if not isinstance(header, dict):
+        raise SourceError(f"{bad}: header is not a JSON object")
+    data_start = 8 + hlen
+    tensors = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise SourceError(f"{bad}: entry {name!r} lacks dtype, shape or data_offsets") from None
+        if dtype not in DTYPE_SIZES:
+            raise SourceError(f"{rel}: tensor {name} has dtype {dtype!r}, which deltafs does not know")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise SourceError(f"{bad}: tensor {name} has a bad shape")
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise SourceError(f"{bad}: tensor {name} has bad data offsets")
+        if end - begin != nbytes(dtype, shape):
+            raise SourceError(f"{bad}: tensor {name} occupies {end - begin} bytes, its dtype and shape need {nbytes(dtype, shape)}")
+        tensors.append((begin, end, name, dtype, tuple(shape)))
+    tensors.sort()
+    pos = 0
+    segments = [SourceSegment(f"h:{rel}", "header", 0, data_start)]
+    for begin, end, name, dtype, shape in tensors:
+        if begin != pos:
+            raise SourceError(f"{bad}: tensor data has a hole or overlap at {name}")
+        segments.append(SourceSegment(f"t:{name}", "tensor", data_start + begin, end - begin, dtype, shape))
+        pos = end
+    if data_start + pos != size:
+        raise SourceError(f"{bad}: file is {size} bytes, header accounts for {data_start + pos} (truncated or padded)")
+    return tuple(segments)
