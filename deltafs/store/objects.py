@@ -216,7 +216,8 @@ class ObjectStore:
         return True
 
     def exists(self, key: str) -> bool:
-        return bool(self._call("check", key, lambda: self.fs.exists(self.path(key))))
+        # isfile, not exists: on object stores a key prefix looks like a directory.
+        return bool(self._call("check", key, lambda: self.fs.isfile(self.path(key))))
 
     def size(self, key: str) -> int:
         return int(self._call("stat", key, lambda: self.fs.size(self.path(key))))
@@ -258,7 +259,7 @@ class ObjectStore:
         if self._is_async():
             from fsspec.asyn import sync
 
-            pairs = sync(self.fs.loop, self._gather(unique, lambda k: self._aget(k, referenced)))
+            pairs = sync(self.fs.loop, self._gather, unique, lambda k: self._aget(k, referenced))
             return dict(pairs)
         return dict(self._pool(unique, lambda k: (k, self.get(k, referenced=referenced))))
 
@@ -272,7 +273,7 @@ class ObjectStore:
         if self._is_async():
             from fsspec.asyn import sync
 
-            pairs = sync(self.fs.loop, self._gather(list(items), lambda k: self._aput(k, items[k], if_absent)))
+            pairs = sync(self.fs.loop, self._gather, list(items), lambda k: self._aput(k, items[k], if_absent))
             return dict(pairs)
 
         def one(key: str) -> tuple[str, bool]:
@@ -327,7 +328,7 @@ class ObjectStore:
     async def _aput(self, key: str, data: bytes, if_absent: bool) -> tuple[str, bool]:
         path = self.path(key)
         if if_absent:
-            if await self._acall("check", key, lambda: self.fs._exists(path)):
+            if await self._acall("check", key, lambda: self.fs._isfile(path)):
                 return key, False
         await self._acall("write", key, lambda: self.fs._pipe_file(path, data))
         return key, True

@@ -51,6 +51,24 @@ class S3ObjectStore(ObjectStore):
     async def _aread(self, key: str) -> bytes:
         return bytes(await self.fs._cat_file(self.path(key), max_concurrency=1))
 
+    def _head(self, key: str) -> dict[str, Any]:
+        bucket, name, _ = self.fs.split_path(self.path(key))
+        return dict(self.fs.call_s3("head_object", Bucket=bucket, Key=name))
+
+    def exists(self, key: str) -> bool:
+        # One HEAD; s3fs's exists/isfile also list the prefix when the key is missing.
+        def check() -> bool:
+            try:
+                self._head(key)
+                return True
+            except FileNotFoundError:
+                return False
+
+        return self._call("check", key, check)
+
+    def size(self, key: str) -> int:
+        return self._call("stat", key, lambda: int(self._head(key)["ContentLength"]))
+
     def _unsupported(self, exc: BaseException) -> bool:
         return _error_code(exc) == "NotImplemented" or getattr(exc, "errno", None) == errno.ENOSYS
 

@@ -1,0 +1,122 @@
+"""A real S3 server on 127.0.0.1 for tests and benchmarks: moto's standalone server.
+
+Two ways to run it: in a thread of this process (fast to start; what the test session shares),
+or in a child process (its own interpreter, so it does not compete for our GIL, it can be killed
+to simulate a dead server, and its settings such as authentication are its own).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+# Any key works on moto unless authentication is switched on; real-looking values keep botocore happy.
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def quiet_logs() -> None:
+    """moto logs every request through werkzeug; keep test output readable."""
+    for name in ("werkzeug", "moto", "botocore", "aiobotocore"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@dataclass
+class S3Server:
+    """A running moto server; storage_options() is what deltafs/s3fs need to reach it."""
+
+    endpoint_url: str
+    _thread_server: Any = field(default=None, repr=False)
+    _process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def storage_options(self, **extra: Any) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "key": ACCESS_KEY, "secret": SECRET_KEY, "endpoint_url": self.endpoint_url,
+            "client_kwargs": {"region_name": REGION},
+        }
+        options.update(extra)
+        return options
+
+    def client(self) -> Any:
+        """A plain boto3 client, for setup steps that are not deltafs's business (buckets)."""
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint_url, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name=REGION)
+
+    def make_bucket(self, name: str | None = None) -> str:
+        name = name or f"deltafs-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def reset(self) -> None:
+        """Drop every bucket and object (moto's reset API)."""
+        import requests
+
+        requests.post(f"{self.endpoint_url}/moto-api/reset", timeout=30).raise_for_status()
+
+    def enable_auth(self) -> None:
+        """Make the server check credentials (only for a server that runs in its own process)."""
+        import requests
+
+        if self._process is None:
+            raise RuntimeError("enable_auth changes moto's global settings: use a process server")
+        requests.post(f"{self.endpoint_url}/moto-api/reset-auth", data=b"0",
+                      timeout=30).raise_for_status()
+
+    def stop(self) -> None:
+        if self._thread_server is not None:
+            self._thread_server.stop()
+            self._thread_server = None
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(timeout=30)
+            self._process = None
+
+
+def start_thread_server() -> S3Server:
+    """moto in a daemon thread of this process, on a free port of 127.0.0.1."""
+    from moto.server import ThreadedMotoServer
+
+    quiet_logs()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    return S3Server(endpoint_url=f"http://{host}:{port}", _thread_server=server)
+
+
+def start_process_server(timeout: float = 60.0) -> S3Server:
+    """moto in a child process (python -m moto.server), on a free port of 127.0.0.1."""
+    port = free_port()
+    env = dict(os.environ)
+    env.setdefault("AWS_DEFAULT_REGION", REGION)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )
+    server = S3Server(endpoint_url=f"http://127.0.0.1:{port}", _process=proc)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto server exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return server
+        except OSError:
+            time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"moto server did not listen on port {port} within {timeout:.0f}s")

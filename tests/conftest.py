@@ -1,0 +1,35 @@
+"""Shared fixtures: one moto S3 server for the whole session, a bucket in it, a fresh prefix per test."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from deltafs.testing.s3server import S3Server, start_thread_server
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's standalone S3 server on 127.0.0.1, a free port, shared by the session."""
+    server = start_thread_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(s3_server: S3Server) -> str:
+    return s3_server.make_bucket()
+
+
+@pytest.fixture
+def s3_options(s3_server: S3Server) -> dict[str, Any]:
+    """Storage options that reach the session server (pass them as --storage-options JSON too)."""
+    return s3_server.storage_options()
+
+
+@pytest.fixture
+def s3_url(s3_bucket: str) -> str:
+    """An empty s3:// store URL, unique to the test."""
+    return f"s3://{s3_bucket}/{uuid.uuid4().hex}"
