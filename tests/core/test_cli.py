@@ -1,0 +1,91 @@
+"""The command line as a user meets it: exit codes, one-line errors, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from deltafs.testing.checkpoints import files_of, run_cli
+
+
+def test_push_pull_verify_log_json(tmp_path, maker):
+    store = tmp_path / "store"
+    out = run_cli("push", maker.write(), store, "--json", "--meta", "step=0", check=0)
+    first = json.loads(out.stdout)
+    assert first["version"] == 1 and first["kind"] == "full" and first["bytes_written"] > 0 and first["full_bytes"] > 0
+    maker.advance()
+    src = maker.write()
+    second = json.loads(run_cli("push", src, store, "--json", "--meta", "step=1", check=0).stdout)
+    assert second["kind"] == "delta" and second["bytes_written"] < first["bytes_written"] / 5
+    pulled = json.loads(run_cli("pull", store, tmp_path / "dest", "--json", check=0).stdout)
+    assert pulled["version"] == 2 and pulled["status"] == "updated"
+    assert files_of(tmp_path / "dest") == files_of(src)
+    versions = json.loads(run_cli("log", store, "--json", check=0).stdout)["versions"]
+    assert [(v["version"], v["kind"], v["metadata"]["step"]) for v in versions] == [(1, "full", 0), (2, "delta", 1)]
+    assert versions[1]["ratio"] > 5 and 0 < versions[1]["changed_fraction"] < 0.05
+    human = run_cli("log", store, check=0).stdout
+    assert "full *" in human and "(HEAD)" in human
+    assert json.loads(run_cli("verify", store, "--all", "--json", check=0).stdout)["ok"] is True
+    run_cli("verify", store, "--local", tmp_path / "dest", check=0)
+
+
+def test_quiet_prints_nothing(tmp_path, maker):
+    proc = run_cli("push", maker.write(), tmp_path / "store", "--quiet", check=0)
+    assert proc.stdout == "" and proc.stderr == ""
+
+
+def test_pull_once_exit_codes(tmp_path, maker):
+    store = tmp_path / "store"
+    run_cli("push", maker.write(), store, check=0)
+    assert run_cli("pull", store, tmp_path / "dest", "--once").returncode == 0
+    assert run_cli("pull", store, tmp_path / "dest", "--once").returncode == 100
+    proc = run_cli("pull", "--once", str(store), str(tmp_path / "dest"), "--version", "9")
+    assert proc.returncode == 4 and "version 9 is not in" in proc.stderr
+
+
+def test_pull_once_skips_while_another_pull_holds_the_lock(tmp_path, maker):
+    import fcntl
+
+    store = tmp_path / "store"
+    run_cli("push", maker.write(), store, check=0)
+    os.makedirs(tmp_path / "dest.deltafs")
+    fd = os.open(tmp_path / "dest.deltafs" / "lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        proc = run_cli("pull", store, tmp_path / "dest", "--once")
+        assert proc.returncode == 101 and "another deltafs process" in proc.stderr
+    finally:
+        os.close(fd)
+
+
+def _one_line_error(proc, code, text):
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("deltafs: error:") and text in lines[0], proc.stderr
+
+
+def test_bad_inputs_get_one_line_errors(tmp_path, maker):
+    store = tmp_path / "store"
+    _one_line_error(run_cli("push", tmp_path / "nope", store), 2, "does not exist")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    _one_line_error(run_cli("push", bad, store), 2, "not a valid safetensors file")
+    trunc_dir = tmp_path / "trunc"
+    src = maker.write()
+    os.makedirs(trunc_dir)
+    data = open(os.path.join(src, "model.safetensors"), "rb").read()
+    (trunc_dir / "model.safetensors").write_bytes(data[:-10])
+    _one_line_error(run_cli("push", trunc_dir, store), 2, "truncated")
+    assert not store.exists()  # nothing was written for a bad source
+    _one_line_error(run_cli("pull", store, tmp_path / "d"), 3, "no deltafs store")
+    _one_line_error(run_cli("push", src, store, "--storage-options", "{oops"), 2, "--storage-options is not valid JSON")
+    _one_line_error(run_cli("push", src, "gs://bucket/x"), 3, "pip install 'deltafs[gcs]'")
+    _one_line_error(run_cli("push", src, "nosuchproto://x/y"), 3, "nosuchproto")
+
+
+def test_push_refuses_older_version_number(tmp_path, maker):
+    store = tmp_path / "store"
+    run_cli("push", maker.write(), store, "--version", "100", check=0)
+    _one_line_error(run_cli("push", maker.write("b"), store, "--version", "100"), 2, "not newer")
+    out = json.loads(run_cli("push", maker.write("c"), store, "--version", "150", "--json", check=0).stdout)
+    assert out["version"] == 150 and out["parent"] == 100

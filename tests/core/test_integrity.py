@@ -1,0 +1,190 @@
+"""Corruption anywhere is detected and named; DEST never changes to something unverified."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import zstandard
+
+from deltafs.errors import FormatError, IntegrityError, DestinationError
+from deltafs.format.manifest import Manifest, chunk_key, manifest_key
+from deltafs.maintenance.verify import verify
+from deltafs.publish import push
+from deltafs.pull import local_version, pull
+from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import files_of
+
+
+def _two_versions(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push(store, maker.write())
+    maker.advance()
+    push(store, maker.write())
+    return store
+
+
+def _delta_chunk_paths(store: str, version: int) -> list[str]:
+    man = Repository.open(store).manifest(version)
+    return [os.path.join(store, chunk_key(c.object)) for f in man.files for s in f.segments for c in s.chunks
+            if c.object and s.kind == "tensor"]
+
+
+def test_corrupt_chunk_is_named_and_dest_keeps_old_version(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    before = files_of(dest)
+    victim = _delta_chunk_paths(store, 2)[0]
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0x40
+    open(victim, "wb").write(bytes(data))
+    with pytest.raises(IntegrityError) as err:
+        pull(store, dest)
+    assert os.path.basename(victim) in str(err.value)
+    assert files_of(dest) == before and local_version(dest).version == 1
+    rep = verify(store, version=2)
+    assert not rep.ok and any(os.path.basename(victim) in p for p in rep.problems)
+
+
+def test_missing_chunk_fails_cleanly(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    os.unlink(_delta_chunk_paths(store, 2)[0])
+    rep = verify(store, all_versions=True)
+    assert not rep.ok and any("version 2" in p and "missing" in p for p in rep.problems)
+    with pytest.raises(Exception, match="missing"):
+        pull(store, str(tmp_path / "dest"))
+    assert not os.path.lexists(tmp_path / "dest")
+
+
+def test_edited_manifest_is_refused(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    path = os.path.join(store, manifest_key(2))
+    raw = json.loads(open(path).read())
+    raw["files"][0]["size"] += 1
+    open(path, "w").write(json.dumps(raw))
+    with pytest.raises(FormatError, match="version 2"):
+        pull(store, str(tmp_path / "dest"))
+    assert not verify(store, all_versions=True).ok
+
+
+def test_unknown_format_version_is_refused(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    path = os.path.join(store, manifest_key(2))
+    raw = json.loads(open(path).read())
+    raw["format_version"] = 99
+    open(path, "w").write(json.dumps(raw))
+    with pytest.raises(FormatError, match="unknown manifest format version 99"):
+        Repository.open(store).manifest(2)
+
+
+def test_garbage_manifest_is_refused(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    open(os.path.join(store, manifest_key(2)), "wb").write(b"\x00garbage")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        pull(store, str(tmp_path / "dest"))
+
+
+def _forge(store: str, version: int, edit) -> None:
+    """Rewrite a manifest with a valid self-digest, as a buggy or malicious writer could."""
+    repo = Repository.open(store)
+    path = os.path.join(store, manifest_key(version))
+    raw = json.loads(open(path).read())
+    edit(raw)
+    raw.pop("digest")
+    from deltafs.format.manifest import canonical_json, sha256_hex
+
+    raw["digest"] = "sha256:" + sha256_hex(canonical_json(raw))
+    open(path, "wb").write(canonical_json(raw))
+    repo._manifests.clear()
+
+
+def test_path_escaping_dest_is_refused(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+
+    def evil(raw):
+        raw["files"][0]["path"] = "../../escaped.json"
+
+    _forge(store, 1, evil)
+    with pytest.raises(FormatError, match="unsafe file path"):
+        pull(store, str(tmp_path / "dest"), version=1)
+    assert not glob.glob(str(tmp_path / "**" / "escaped.json"), recursive=True)
+
+
+def test_absolute_path_is_refused(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    _forge(store, 1, lambda raw: raw["files"][0].__setitem__("path", "/etc/passwd"))
+    with pytest.raises(FormatError, match="unsafe file path"):
+        Repository.open(store).manifest(1)
+
+
+def test_zstd_bomb_is_refused(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    repo = Repository.open(store)
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))
+    oid, _ = repo.put_chunk(bomb)
+
+    def swap(raw):
+        for f in raw["files"]:
+            for s in f["segments"]:
+                if s["kind"] == "tensor" and s["chunks"]:
+                    s["chunks"][0].update(object=oid, stored=len(bomb), codec={"name": "raw", "planes": 1})
+                    return
+
+    _forge(store, 1, swap)
+    with pytest.raises(IntegrityError):
+        pull(store, str(tmp_path / "dest"), version=1)
+    assert not os.path.lexists(tmp_path / "dest")
+
+
+def test_corrupt_local_file_detected_by_verify_local(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    dest = str(tmp_path / "dest")
+    pull(store, dest)
+    target = os.path.join(dest, "model.safetensors")
+    data = bytearray(open(target, "rb").read())
+    data[-3] ^= 1
+    open(target, "wb").write(bytes(data))
+    rep = verify(store, local=dest)
+    assert not rep.ok and "model.safetensors" in rep.problems[0]
+
+
+def test_corrupt_local_base_falls_back_to_full_version(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    target = os.path.join(dest, "model.safetensors")
+    data = bytearray(open(target, "rb").read())
+    data[-3] ^= 1
+    open(target, "wb").write(bytes(data))
+    res = pull(store, dest)
+    assert res.fallback and res.from_full and res.version == 2
+    assert verify(store, local=dest).ok
+
+
+def test_dest_of_another_store_is_refused_unless_forced(tmp_path, maker):
+    a = _two_versions(tmp_path, maker)
+    b = str(tmp_path / "other")
+    push(b, maker.write("other-src"))
+    dest = str(tmp_path / "dest")
+    pull(a, dest)
+    with pytest.raises(DestinationError, match="another store"):
+        pull(b, dest)
+    assert local_version(dest).store_url == a
+    pull(b, dest, force=True)
+    assert local_version(dest).store_url == b
+
+
+def test_foreign_directory_is_moved_aside_only_with_force(tmp_path, maker):
+    store = _two_versions(tmp_path, maker)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "precious.txt").write_text("mine")
+    with pytest.raises(DestinationError):
+        pull(store, str(dest))
+    assert (dest / "precious.txt").read_text() == "mine"
+    pull(store, str(dest), force=True)
+    kept = glob.glob(str(tmp_path / "dest.deltafs" / "displaced-*" / "precious.txt"))
+    assert len(kept) == 1 and open(kept[0]).read() == "mine"
