@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -120,3 +121,89 @@ def start_process_server(timeout: float = 60.0) -> S3Server:
             time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"moto server did not listen on port {port} within {timeout:.0f}s")
+
+
+class FlakyProxy:
+    """A TCP proxy in front of a server that misbehaves on purpose, for fault tests.
+
+    The first `drop` connections are closed as soon as the client has sent its request (a server
+    that drops connections); the next `cut` are forwarded but closed after `cut_after` bytes of
+    the answer (a transfer that breaks mid-way). Later connections are passed through.
+    """
+
+    def __init__(self, upstream_url: str, *, drop: int = 0, cut: int = 0, cut_after: int = 2048) -> None:
+        host_port = upstream_url.split("://", 1)[-1].rstrip("/")
+        host, _, port = host_port.partition(":")
+        self.upstream = (host, int(port))
+        self.drop, self.cut, self.cut_after = drop, cut, cut_after
+        self.connections = 0
+        self._lock = threading.Lock()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.endpoint_url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                n = self.connections
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(client, n), daemon=True).start()
+
+    def _serve(self, client: socket.socket, n: int) -> None:
+        if n < self.drop:
+            try:
+                client.settimeout(5)
+                client.recv(65536)
+            except OSError:
+                pass
+            client.close()
+            return
+        limit = self.cut_after if n < self.drop + self.cut else None
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=30)
+        except OSError:
+            client.close()
+            return
+        threading.Thread(target=_pipe, args=(client, upstream, None), daemon=True).start()
+        _pipe(upstream, client, limit)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+
+def _pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+    """Copy src to dst until EOF, or until limit bytes, then close both."""
+    sent = 0
+    try:
+        while limit is None or sent < limit:
+            data = src.recv(65536 if limit is None else min(65536, limit - sent))
+            if not data:
+                break
+            dst.sendall(data)
+            sent += len(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def hanging_endpoint() -> tuple[str, socket.socket]:
+    """A port that accepts connections and never answers: (endpoint_url, listener to close)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", listener

@@ -1,0 +1,192 @@
+"""Bad stores give one clear deltafs error quickly, and flaky ones are retried, never hung on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from deltafs.errors import ObjectNotFoundError, StoreError, StoreNotFoundError, UsageError
+from deltafs.store.open import open_objects
+from deltafs.store.repo import Repository
+from deltafs.testing.s3server import (
+    ACCESS_KEY,
+    SECRET_KEY,
+    FlakyProxy,
+    S3Server,
+    hanging_endpoint,
+    start_process_server,
+)
+
+FAST = {"attempts": 3, "base_delay": 0.05, "max_delay": 0.2}
+
+
+@pytest.fixture
+def process_server() -> Iterator[S3Server]:
+    """A moto server in its own process: it can be killed, and its auth settings are its own."""
+    server = start_process_server()
+    yield server
+    server.stop()
+
+
+def test_missing_bucket_is_a_clear_error(s3_server: S3Server, s3_options: dict[str, Any]) -> None:
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run1"
+    store = open_objects(url, s3_options)
+    for call in (lambda: store.get("HEAD"), lambda: store.put("HEAD", b"x"), lambda: store.list("manifests"),
+                 lambda: store.put_if_absent("k", b"x"), lambda: store.get_many(["a", "b"])):
+        with pytest.raises(StoreNotFoundError, match="does not exist: create it or fix the URL"):
+            call()
+    with pytest.raises(StoreNotFoundError, match="no-such-bucket"):
+        Repository.open(url, s3_options, create=True)
+
+
+def test_wrong_credentials_fail_at_once_with_a_hint(process_server: S3Server) -> None:
+    bucket = process_server.make_bucket()
+    process_server.enable_auth()
+    store = open_objects(f"s3://{bucket}/run1", process_server.storage_options(key="wrong", secret="wrong"))
+    started = time.monotonic()
+    for call in (lambda: store.get("HEAD"), lambda: store.put("HEAD", b"x"), lambda: store.exists("HEAD"),
+                 lambda: store.list("manifests"), lambda: store.put_many({"a": b"1", "b": b"2"})):
+        with pytest.raises(StoreError, match=f"access denied to s3://{bucket}/run1: check credentials"):
+            call()
+    assert time.monotonic() - started < 10, "a permanent error must not be retried"
+
+
+def test_closed_port_fails_after_bounded_retries() -> None:
+    from deltafs.testing.s3server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    store = open_objects("s3://bucket/run1", {"key": ACCESS_KEY, "secret": SECRET_KEY, "endpoint_url": url,
+                                              "deltafs": FAST})
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="after 3 attempts"):
+        store.get("HEAD")
+    with pytest.raises(StoreError, match="after 3 attempts"):
+        store.get_many(["a", "b", "c"])
+    assert time.monotonic() - started < 30
+
+
+def test_server_that_never_answers_times_out() -> None:
+    url, listener = hanging_endpoint()
+    try:
+        store = open_objects("s3://bucket/run1", {
+            "key": ACCESS_KEY, "secret": SECRET_KEY, "endpoint_url": url,
+            "config_kwargs": {"connect_timeout": 1, "read_timeout": 1}, "deltafs": {**FAST, "attempts": 2},
+        })
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="after 2 attempts"):
+            store.get("HEAD")
+        assert time.monotonic() - started < 20
+    finally:
+        listener.close()
+
+
+def test_server_that_dies_mid_way(process_server: S3Server) -> None:
+    bucket = process_server.make_bucket()
+    store = open_objects(f"s3://{bucket}/run1", process_server.storage_options(deltafs=FAST))
+    items = {f"chunks/{i:02x}/{i}": os.urandom(4096) for i in range(20)}
+    store.put_many(items)
+    assert store.get_many(list(items)) == items
+    process_server.stop()
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="after 3 attempts"):
+        store.get_many(list(items))
+    with pytest.raises(StoreError):
+        store.put_if_absent("manifests/v0000000002.json", b"{}")
+    assert time.monotonic() - started < 30
+
+
+def test_dropped_connections_are_retried(s3_server: S3Server, s3_url: str, s3_options: dict[str, Any]) -> None:
+    data = os.urandom(300_000)
+    open_objects(s3_url, s3_options).put("chunks/aa/blob", data)
+    proxy = FlakyProxy(s3_server.endpoint_url, drop=2)
+    try:
+        store = open_objects(s3_url, {**s3_options, "endpoint_url": proxy.endpoint_url, "deltafs": FAST})
+        assert store.get("chunks/aa/blob") == data
+        assert proxy.connections >= 3
+    finally:
+        proxy.close()
+
+
+def test_transfers_cut_mid_way_are_retried_and_complete(s3_server: S3Server, s3_url: str,
+                                                         s3_options: dict[str, Any]) -> None:
+    items = {f"chunks/{i:02x}/c{i}": os.urandom(200_000) for i in range(4)}
+    open_objects(s3_url, s3_options).put_many(items)
+    proxy = FlakyProxy(s3_server.endpoint_url, cut=2, cut_after=50_000)
+    try:
+        store = open_objects(s3_url, {**s3_options, "endpoint_url": proxy.endpoint_url,
+                                      "deltafs": {**FAST, "attempts": 5}})
+        assert store.get_many(list(items)) == items
+        assert store.get("chunks/00/c0") == items["chunks/00/c0"]
+        assert proxy.connections >= 3  # two were cut, so the data came through retries
+    finally:
+        proxy.close()
+
+
+def test_a_server_that_keeps_dropping_gives_up(s3_server: S3Server, s3_url: str, s3_options: dict[str, Any]) -> None:
+    proxy = FlakyProxy(s3_server.endpoint_url, drop=1000)
+    try:
+        store = open_objects(s3_url, {**s3_options, "endpoint_url": proxy.endpoint_url, "deltafs": FAST})
+        with pytest.raises(StoreError, match="after 3 attempts"):
+            store.put("HEAD", b"x")
+    finally:
+        proxy.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
+def test_backend_not_installed_names_the_extra() -> None:
+    with pytest.raises(StoreError, match=r"pip install 'deltafs\[gcs\]'") as info:
+        open_objects("gs://bucket/run1")
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_protocol() -> None:
+    with pytest.raises(StoreError, match="nosuchproto://"):
+        open_objects("nosuchproto://bucket/run1")
+
+
+def test_bad_deltafs_options_are_usage_errors() -> None:
+    with pytest.raises(UsageError, match="unknown key.*retries"):
+        open_objects("memory://x", {"deltafs": {"retries": 3}})
+    with pytest.raises(UsageError, match="must be a JSON object"):
+        open_objects("memory://x", {"deltafs": 3})
+
+
+def test_storage_option_declares_an_eventually_consistent_store(tmp_path: Any) -> None:
+    store = open_objects(str(tmp_path), {"deltafs": {"read_after_write": False, "visibility_timeout": 0.3}})
+    assert store.capabilities.read_after_write is False
+    started = time.monotonic()
+    with pytest.raises(ObjectNotFoundError):
+        store.get("manifests/v0000000001.json", referenced=True)
+    assert time.monotonic() - started >= 0.3
+
+
+_ENV_SCRIPT = """
+import sys
+from deltafs.store.open import open_objects
+store = open_objects(sys.argv[1])
+store.put("HEAD", b"from env")
+print(store.get("HEAD").decode())
+"""
+
+
+@pytest.mark.parametrize("style", ["aws", "fsspec"])
+def test_environment_configuration(s3_server: S3Server, s3_url: str, style: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_"))}
+    if style == "aws":  # botocore's own variables
+        env.update(AWS_ENDPOINT_URL=s3_server.endpoint_url, AWS_ACCESS_KEY_ID=ACCESS_KEY,
+                   AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION="us-east-1")
+    else:  # fsspec's configuration variables, FSSPEC_<PROTOCOL>_<OPTION>
+        env.update(FSSPEC_S3=json.dumps({"endpoint_url": s3_server.endpoint_url, "key": ACCESS_KEY,
+                                         "secret": SECRET_KEY}), AWS_DEFAULT_REGION="us-east-1")
+    out = subprocess.run([sys.executable, "-c", _ENV_SCRIPT, s3_url], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "from env"
