@@ -1,0 +1,132 @@
+"""`deltafs watch` (the rollout-host daemon) and `deltafs status` (the fleet ledger)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import signal
+from typing import Annotated, Any, Optional
+
+import typer
+
+from deltafs.cli.options import Json, Quiet, StorageOptions
+from deltafs.cli.output import Output
+from deltafs.errors import UsageError
+from deltafs.store.open import parse_storage_options
+
+EXIT_FLEET_PROBLEM = 1
+
+
+def watch_cmd(
+    store: Annotated[str, typer.Argument(help="Store URL: a path, file://, s3://bucket/prefix …")],
+    dest: Annotated[str, typer.Argument(help="Local checkpoint path the engine loads from (a symlink deltafs manages).")],
+    engine: Annotated[Optional[str], typer.Option("--engine", help="sglang or none (default: sglang when --engine-url is given, else none).")] = None,
+    engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
+    pause_mode: Annotated[str, typer.Option("--pause-mode", help="How SGLang pauses for the switch: abort, retract or in_place.")] = "retract",
+    boundary: Annotated[str, typer.Option("--boundary", help="When to switch: immediate, idle (no running requests) or signal.")] = "immediate",
+    max_wait: Annotated[float, typer.Option("--max-wait", help="idle: switch anyway after this many seconds.")] = 300.0,
+    boundary_file: Annotated[Optional[str], typer.Option("--boundary-file", help="signal: touching this file says 'switch now'.")] = None,
+    boundary_port: Annotated[Optional[int], typer.Option("--boundary-port", help="signal: also accept POST http://127.0.0.1:PORT/boundary.")] = None,
+    poll: Annotated[Optional[float], typer.Option("--poll", help="Poll HEAD every SECONDS instead of file events (NFS, FUSE); remote stores always poll (default 5s).")] = None,
+    storage_options: StorageOptions = None,
+    host_id: Annotated[Optional[str], typer.Option("--host-id", help="Name in the fleet ledger (default: the host name; set one per engine if a host runs several).")] = None,
+    no_ledger: Annotated[bool, typer.Option("--no-ledger", help="Do not write fleet/<host-id>.json to the store.")] = False,
+    load_timeout: Annotated[float, typer.Option("--load-timeout", help="Seconds the engine may take to load a version.")] = 900.0,
+    retry_max: Annotated[float, typer.Option("--retry-max", help="Longest wait between retries after failures, in seconds.")] = 300.0,
+    once: Annotated[bool, typer.Option("--once", help="One cycle (stage, boundary, switch), then exit: 0 done or current, else the error's code.")] = False,
+    quiet: Quiet = False,
+) -> int:
+    """Keep DEST and the engine at the store's newest verified version, switching at task boundaries."""
+    from deltafs.engines import make_engine
+    from deltafs.watch.boundary import make_boundary
+    from deltafs.watch.subscriber import Subscriber
+
+    _log_to_stderr(quiet)
+    kind = engine or ("sglang" if engine_url else "none")
+    eng = make_engine(kind, engine_url, pause_mode=pause_mode, load_timeout=load_timeout) if kind != "none" else make_engine("none")
+    if boundary not in ("immediate", "idle", "signal"):
+        raise UsageError(f"unknown boundary {boundary!r}; use immediate, idle or signal")
+    bound = make_boundary(boundary, max_wait=max_wait, file=boundary_file, port=boundary_port)
+    sub = Subscriber(store, dest, eng, storage_options=parse_storage_options(storage_options), boundary=bound,
+                     host_id=host_id, ledger=not no_ledger, poll=poll, retry_max=retry_max)
+    if once:
+        try:
+            sub.start()
+            sub.sync()
+            return 0
+        finally:
+            sub.close()
+    # SIGTERM (systemd stop) and Ctrl-C end the loop in order: a switch in progress completes
+    # and resumes the engine before the process exits.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sub.stop())
+    return sub.run()
+
+
+def status_cmd(
+    store: Annotated[str, typer.Argument(help="Store URL.")],
+    storage_options: StorageOptions = None,
+    stale_after: Annotated[float, typer.Option("--stale-after", help="A host silent for this many seconds is reported stale.")] = 300.0,
+    json_out: Json = False,
+) -> int:
+    """Show the fleet: which host serves which version, lag behind HEAD, failures. Exit 1 if any host has a problem."""
+    from deltafs.store.repo import Repository
+    from deltafs.watch.ledger import fleet_report
+
+    out = Output(json_mode=json_out)
+    repo = Repository.open(store, parse_storage_options(storage_options))
+    report = fleet_report(repo, stale_after=stale_after)
+    out.result(report.to_json(), render_fleet(report))
+    return 0 if report.healthy else EXIT_FLEET_PROBLEM
+
+
+def render_fleet(report: Any) -> str:
+    lines = [f"store {report.store_url}: HEAD is version {report.head if report.head is not None else '(none)'}"]
+    if not report.hosts:
+        lines.append("no watcher has reported yet")
+        return "\n".join(lines)
+    rows = [("HOST", "STATE", "SERVES", "LAG", "STAGED", "LAST SWITCH", "SEEN", "PROBLEM")]
+    for r in report.hosts:
+        st = r.status
+        if st is None:
+            rows.append((r.key, "?", "?", "?", "-", "-", "-", r.problem or ""))
+            continue
+        sync = st.last_sync or {}
+        last = f"v{sync['version']} pause {sync['pause_s']:.2f}s / {sync['sync_s']:.2f}s" if sync else "-"
+        rows.append((st.host_id, st.state, _v(st.served_version), "-" if r.lag is None else str(r.lag),
+                     _v(st.staged_version), last, _ago(st.updated_at), r.problem or ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def _v(version: int | None) -> str:
+    return "-" if version is None else str(version)
+
+
+def _ago(stamp: str | None) -> str:
+    from deltafs.watch.ledger import parse_time
+
+    when = parse_time(stamp)
+    if when is None:
+        return "?"
+    secs = int((_dt.datetime.now(_dt.timezone.utc) - when).total_seconds())
+    return f"{secs}s ago" if secs < 120 else f"{secs // 60}m ago" if secs < 7200 else f"{secs // 3600}h ago"
+
+
+def _log_to_stderr(quiet: bool) -> None:
+    """A daemon's log is its output: INFO lines (one per version) unless --quiet or DELTAFS_LOG_LEVEL."""
+    level = os.environ.get("DELTAFS_LOG_LEVEL") or ("WARNING" if quiet else "INFO")
+    logger = logging.getLogger("deltafs")
+    logger.setLevel(level.upper())
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("deltafs: %(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("watch")(watch_cmd)
+    app.command("status")(status_cmd)

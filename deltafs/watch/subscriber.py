@@ -1,0 +1,371 @@
+"""The rollout-host subscriber: notice a new version, stage it while serving, switch at a boundary.
+
+    sub = Subscriber("s3://bucket/run1", "/models/current", make_engine("sglang", url))
+    sub.start()
+    staged = sub.poll()      # pull + verify the newest version into DEST; the engine keeps serving
+    ...                      # the orchestrator finishes its task
+    applied = sub.apply()    # the only pause: the engine switches to the staged version
+
+`run()` is the daemon loop around those two calls (what `deltafs watch` runs). Weights reach the
+engine only from a directory that pull has verified; any failure leaves the engine on the version
+it served (or sends it back there) and is retried later with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from deltafs.engines import weight_version
+from deltafs.engines.base import Engine, SwitchError, Target
+from deltafs.engines.torch_module import read_version_manifest
+from deltafs.errors import (
+    DeltafsError,
+    DestinationError,
+    EngineError,
+    FormatError,
+    LockHeldError,
+    StoreError,
+    VersionNotFoundError,
+)
+from deltafs.local import LocalCheckpoint
+from deltafs.pull import PullResult, pull
+from deltafs.store.repo import Repository
+from deltafs.watch.boundary import Boundary, Immediate
+from deltafs.watch.ledger import HostStatus, check_host_id, default_host_id, utcnow, write_status
+from deltafs.watch.notify import Notifier
+
+log = logging.getLogger("deltafs.watch")
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A verified version in DEST, ready for the engine."""
+
+    version: int
+    path: str
+    pull: PullResult
+    noticed: float  # time.monotonic() when the watcher first saw the version
+
+
+@dataclass(frozen=True)
+class Applied:
+    version: int
+    pause_seconds: float
+    sync_seconds: float  # from noticing the version to the engine serving it
+    fallback: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "pause_s": round(self.pause_seconds, 4),
+                "sync_s": round(self.sync_seconds, 4), "fallback": self.fallback, "at": utcnow()}
+
+
+class NothingVerifiableError(DeltafsError):
+    """No newer version could be fetched and verified; the host keeps serving what it has."""
+
+    exit_code = 6
+
+
+class Subscriber:
+    """One store, one DEST, one engine (or none: pull only)."""
+
+    def __init__(
+        self,
+        store: str,
+        dest: str,
+        engine: Engine | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        boundary: Boundary | None = None,
+        host_id: str | None = None,
+        ledger: bool = True,
+        poll: float | None = None,
+        fallback_poll: float = 30.0,
+        heartbeat: float = 60.0,
+        retry_base: float = 2.0,
+        retry_max: float = 300.0,
+        keep: int = 3,
+        threads: int | None = None,
+    ) -> None:
+        self.store_url = store
+        self.dest = os.path.abspath(os.path.expanduser(dest))
+        self.engine = engine
+        self.storage_options = storage_options
+        self.boundary = boundary or Immediate()
+        self.ledger = ledger
+        self.poll_interval = poll
+        self.fallback_poll = fallback_poll
+        self.heartbeat = heartbeat
+        self.retry_base = retry_base
+        self.retry_max = retry_max
+        self.keep = keep
+        self.threads = threads
+        self.stop_event = threading.Event()
+        self.served: Target | None = None  # what the engine serves, known verified
+        self.staged: Staged | None = None
+        self._noticed: dict[int, float] = {}
+        self._repo: Repository | None = None
+        self._notifier: Notifier | None = None
+        self.status = HostStatus(host_id=check_host_id(host_id or default_host_id()), dest=self.dest,
+                                 engine=engine.kind if engine else "none",
+                                 engine_url=getattr(engine, "url", None))
+
+    # --- store access -------------------------------------------------------------------
+    @property
+    def repo(self) -> Repository:
+        """The store, opened on first use and again after it failed (it may have come back)."""
+        if self._repo is None:
+            self._repo = Repository.open(self.store_url, self.storage_options)
+            self.status.store_id = self._repo.store_id
+        return self._repo
+
+    def _forget_store(self) -> None:
+        self._repo = None
+        if self._notifier is not None:
+            self._notifier.close()
+            self._notifier = None
+
+    @property
+    def notifier(self) -> Notifier:
+        if self._notifier is None:
+            self._notifier = Notifier(self.repo.objects, poll=self.poll_interval, fallback_poll=self.fallback_poll)
+            log.info("watching %s by %s", self.store_url, self._notifier.mode)
+        return self._notifier
+
+    # --- the Python API -------------------------------------------------------------------
+    def start(self) -> None:
+        """Find out what the engine serves, un-pause it if a killed watcher left it paused."""
+        if self.engine is not None:
+            try:
+                self.engine.resume()
+                reported = self.engine.served_version()
+            except EngineError as exc:
+                log.error("cannot ask the engine what it serves: %s", exc)
+                reported = None
+            self.served = self._local_target(reported) if reported is not None else None
+            if reported is not None and self.served is None:
+                log.warning("the engine serves weight_version %r, which is not a verified version in %s; "
+                            "it will be switched to the newest version", reported, self.dest)
+        else:
+            state = LocalCheckpoint(self.dest).state()
+            if state is not None:
+                self.served = Target(state.path, weight_version(state.version))
+        self.status.served_version = int(self.served.version) if self.served else None
+        self._set_state("serving" if self.served else "starting")
+
+    def poll(self) -> Staged | None:
+        """Stage the newest version if it is newer than what is served; None when up to date.
+
+        Raises on failure (store unreachable, nothing verifiable); the engine is untouched.
+        """
+        try:
+            head = self.repo.head()
+        except StoreError:
+            self._forget_store()
+            raise
+        if head is None:
+            return None
+        served = int(self.served.version) if self.served else None
+        if served is not None and head.version <= served:
+            return None
+        if self.staged is not None and self.staged.version >= head.version and os.path.isdir(self.staged.path):
+            return self.staged
+        self._noticed.setdefault(head.version, time.monotonic())
+        self._set_state("staging")
+        result = self._pull_newest(head.version, served)
+        if served is not None and result.version <= served:
+            return None
+        if self.engine is None:  # pull-only: staged is served
+            self.served = Target(result.path, weight_version(result.version))
+            self.status.served_version = result.version
+        noticed = self._noticed.get(result.version, time.monotonic())
+        self.staged = Staged(result.version, result.path, result, noticed)
+        self.status.staged_version = result.version
+        self._set_state("waiting")
+        return self.staged
+
+    def apply(self) -> Applied | None:
+        """Switch the engine to the staged version now (the caller is at a task boundary)."""
+        staged = self.staged
+        if staged is None:
+            return None
+        if not os.path.isdir(staged.path):  # DEST deleted under us: stage again, never load a guess
+            self.staged = None
+            self.status.staged_version = None
+            raise FormatError(f"staged version {staged.version} vanished from {staged.path}; staging it again")
+        target = Target(staged.path, weight_version(staged.version))
+        pause = 0.0
+        if self.engine is not None:
+            previous = self.served if self.served and os.path.isdir(self.served.path) else None
+            self._set_state("switching")
+            result = self.engine.switch(target, previous)
+            pause = result.pause_seconds
+        applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback)
+        self.served = target
+        self.staged = None
+        self._noticed = {v: t for v, t in self._noticed.items() if v > staged.version}
+        self.status.served_version = staged.version
+        self.status.staged_version = None
+        self.status.last_sync = applied.to_json()
+        self.status.failures = 0
+        self.status.last_error = None
+        log.info("version %d live on %s: pause %.3fs, total sync %.3fs (%s%s)", staged.version,
+                 self.status.engine_url or self.status.engine, applied.pause_seconds, applied.sync_seconds,
+                 "from a full version" if staged.pull.from_full else f"delta from version {staged.pull.previous}",
+                 ", after a fallback" if staged.pull.fallback else "")
+        self._set_state("serving")
+        return applied
+
+    def sync(self) -> Applied | None:
+        """One cycle: poll, wait for the boundary, apply. None when there was nothing to do."""
+        staged = self.poll()
+        if staged is None or self.engine is None:
+            if staged is not None:
+                self.staged = None
+                self.status.staged_version = None
+                self.status.failures = 0
+                self.status.last_error = None
+                self._set_state("serving")
+            return None
+        if not self.boundary.wait(self.engine, self.stop_event):
+            return None
+        return self.apply()
+
+    # --- the daemon loop ----------------------------------------------------------------------
+    def run(self) -> int:
+        """Sync until stop(); returns 0, or the exit code of the error the host is stuck on."""
+        self.start()
+        last_beat = 0.0
+        while not self.stop_event.is_set():
+            delay: float | None = None
+            try:
+                self.sync()
+            except SwitchError as exc:
+                if not exc.rolled_back and self.engine is not None:
+                    self._try_resume()
+                delay = self._failed(exc)
+            except LockHeldError as exc:
+                log.info("%s; trying again later", exc)
+                delay = self._backoff(1)
+            except (DeltafsError, OSError) as exc:
+                delay = self._failed(exc)
+            if self.stop_event.is_set():
+                break
+            if time.monotonic() - last_beat > self.heartbeat:
+                self._write_ledger()
+                last_beat = time.monotonic()
+            if delay is not None:
+                self.stop_event.wait(delay)
+            else:
+                try:
+                    self.notifier.wait()
+                except (DeltafsError, OSError) as exc:
+                    self.stop_event.wait(self._failed(exc))
+        self.close()
+        return self.exit_code()
+
+    def close(self) -> None:
+        """Record "stopped" in the ledger and release the boundary and file watches."""
+        self._set_state("stopped")
+        self.boundary.close()
+        if self._notifier is not None:
+            self._notifier.close()
+            self._notifier = None
+
+    def stop(self) -> None:
+        """Ask run() to finish after the current step (a switch in progress completes first)."""
+        self.stop_event.set()
+        if self._notifier is not None:
+            self._notifier.poke()
+
+    def exit_code(self) -> int:
+        return self._last_exit if self.status.failures else 0
+
+    # --- internals ------------------------------------------------------------------------
+    _last_exit = 0
+
+    def _pull_newest(self, newest: int, served: int | None) -> PullResult:
+        """Pull the newest version that verifies; fall back to a full rebuild, then to older versions.
+
+        A HEAD whose manifest is missing or unreadable makes the newest listed version the target.
+        """
+        candidates = [newest] + [v for v in reversed(self.repo.versions()) if v < newest and (served is None or v > served)]
+        errors: list[str] = []
+        for version in candidates[:3]:
+            try:
+                return self._pull_one(version)
+            except (VersionNotFoundError, FormatError, NothingVerifiableError) as exc:
+                errors.append(f"version {version}: {exc}")
+                log.error("version %d cannot be used: %s", version, exc)
+            except StoreError:
+                self._forget_store()
+                raise
+        raise NothingVerifiableError("no newer version could be fetched and verified; still serving "
+                                     f"{self.served.version if self.served else 'nothing known'}: " + "; ".join(errors))
+
+    def _pull_one(self, version: int) -> PullResult:
+        kwargs: dict[str, Any] = {"version": version, "keep": self.keep, "threads": self.threads}
+        try:
+            return pull(self.repo, self.dest, **kwargs)
+        except (LockHeldError, StoreError, VersionNotFoundError):
+            raise
+        except (DestinationError, DeltafsError) as exc:
+            # The local base is unusable, DEST belongs to another store, or a chunk failed to
+            # verify: rebuild from the nearest full version. If that fails too, it is final.
+            log.warning("pull of version %d failed (%s); retrying from a full version", version, exc)
+            try:
+                return pull(self.repo, self.dest, force=True, **kwargs)
+            except (LockHeldError, StoreError, VersionNotFoundError):
+                raise
+            except DeltafsError as exc2:
+                raise NothingVerifiableError(f"version {version} cannot be verified: {exc2}") from exc2
+
+    def _local_target(self, reported: str) -> Target | None:
+        """The verified local directory of the version the engine reports, if there is one."""
+        for path in reversed(LocalCheckpoint(self.dest).version_dirs()):
+            try:
+                man = read_version_manifest(path)
+            except FormatError:
+                continue
+            if weight_version(man.version) == reported:
+                return Target(path, reported)
+        return None
+
+    def _try_resume(self) -> None:
+        try:
+            self.engine.resume()  # type: ignore[union-attr]
+        except EngineError as exc:
+            log.critical("%s", exc)
+
+    def _failed(self, exc: BaseException) -> float:
+        self.status.failures += 1
+        self.status.last_error = f"{type(exc).__name__}: {exc}"
+        self.status.last_error_at = utcnow()
+        self._last_exit = getattr(exc, "exit_code", 1)
+        delay = self._backoff(self.status.failures)
+        log.error("sync failed (%d in a row; next try in %.1fs): %s", self.status.failures, delay, exc)
+        self._set_state("degraded")
+        return delay
+
+    def _backoff(self, failures: int) -> float:
+        base = min(self.retry_max, self.retry_base * 2 ** max(0, failures - 1))
+        return base * random.uniform(0.5, 1.0)  # full jitter: a fleet must not retry in lockstep
+
+    def _set_state(self, state: str) -> None:
+        self.status.state = state
+        self._write_ledger()
+
+    def _write_ledger(self) -> None:
+        if not self.ledger:
+            return
+        try:
+            objects = self.repo.objects
+        except (DeltafsError, OSError) as exc:
+            log.debug("no ledger update, the store is unreachable: %s", exc)
+            return
+        write_status(objects, self.status)
