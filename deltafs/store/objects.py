@@ -222,6 +222,13 @@ class ObjectStore:
     def size(self, key: str) -> int:
         return int(self._call("stat", key, lambda: self.fs.size(self.path(key))))
 
+    def stat(self, key: str) -> tuple[int, float | None]:
+        """(size, last-modified seconds since the epoch or None when the backend has no timestamps)."""
+        info = self._call("stat", key, lambda: self.fs.info(self.path(key)))
+        if info.get("type") == "directory":
+            raise ObjectNotFoundError(f"{key} not found in {self.url}")
+        return int(info.get("size") or 0), _timestamp(info)
+
     def _find(self, prefix: str) -> list[str]:
         try:
             return list(self.fs.find(self.path(prefix.rstrip("/"))))
@@ -334,6 +341,24 @@ class ObjectStore:
         return key, True
 
 
+def _timestamp(info: dict[str, Any]) -> float | None:
+    """The modification time in an fsspec info dict; backends spell it differently."""
+    import datetime as dt
+
+    for name in ("mtime", "LastModified", "last_modified", "updated", "timeCreated", "created"):
+        value = info.get(name)
+        if isinstance(value, dt.datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)).timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return " ".join(text.split())[:300]
@@ -438,6 +463,10 @@ class LocalObjectStore(ObjectStore):
 
     def size(self, key: str) -> int:
         return self._call("stat", key, lambda: os.stat(self.path(key)).st_size)
+
+    def stat(self, key: str) -> tuple[int, float | None]:
+        st = self._call("stat", key, lambda: os.stat(self.path(key)))
+        return st.st_size, st.st_mtime
 
     def _walk(self, prefix: str) -> list[str]:
         base = self.path(prefix.rstrip("/"))

@@ -69,6 +69,11 @@ class S3ObjectStore(ObjectStore):
     def size(self, key: str) -> int:
         return self._call("stat", key, lambda: int(self._head(key)["ContentLength"]))
 
+    def stat(self, key: str) -> tuple[int, float | None]:
+        head = self._call("stat", key, lambda: self._head(key))
+        modified = head.get("LastModified")
+        return int(head["ContentLength"]), modified.timestamp() if modified is not None else None
+
     def _unsupported(self, exc: BaseException) -> bool:
         return _error_code(exc) == "NotImplemented" or getattr(exc, "errno", None) == errno.ENOSYS
 

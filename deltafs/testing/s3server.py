@@ -128,14 +128,16 @@ class FlakyProxy:
 
     The first `drop` connections are closed as soon as the client has sent its request (a server
     that drops connections); the next `cut` are forwarded but closed after `cut_after` bytes of
-    the answer (a transfer that breaks mid-way). Later connections are passed through.
+    the answer (a transfer that breaks mid-way). Later connections are passed through, each block
+    of an answer `delay` seconds late (a slow server).
     """
 
-    def __init__(self, upstream_url: str, *, drop: int = 0, cut: int = 0, cut_after: int = 2048) -> None:
+    def __init__(self, upstream_url: str, *, drop: int = 0, cut: int = 0, cut_after: int = 2048,
+                 delay: float = 0.0) -> None:
         host_port = upstream_url.split("://", 1)[-1].rstrip("/")
         host, _, port = host_port.partition(":")
         self.upstream = (host, int(port))
-        self.drop, self.cut, self.cut_after = drop, cut, cut_after
+        self.drop, self.cut, self.cut_after, self.delay = drop, cut, cut_after, delay
         self.connections = 0
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -173,14 +175,14 @@ class FlakyProxy:
             client.close()
             return
         threading.Thread(target=_pipe, args=(client, upstream, None), daemon=True).start()
-        _pipe(upstream, client, limit)
+        _pipe(upstream, client, limit, self.delay)
 
     def close(self) -> None:
         self._closed = True
         self._listener.close()
 
 
-def _pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+def _pipe(src: socket.socket, dst: socket.socket, limit: int | None, delay: float = 0.0) -> None:
     """Copy src to dst until EOF, or until limit bytes, then close both."""
     sent = 0
     try:
@@ -188,6 +190,8 @@ def _pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
             data = src.recv(65536 if limit is None else min(65536, limit - sent))
             if not data:
                 break
+            if delay:
+                time.sleep(delay)
             dst.sendall(data)
             sent += len(data)
     except OSError:

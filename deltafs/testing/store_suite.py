@@ -44,6 +44,16 @@ class StoreSuite:
         assert store.size("blob") == len(data)
         assert store.exists("blob")
 
+    def test_stat_gives_size_and_a_recent_mtime(self, store: ObjectStore) -> None:
+        before = time.time()
+        store.put("chunks/aa/x", b"12345")
+        size, mtime = store.stat("chunks/aa/x")
+        assert size == 5
+        if mtime is not None:  # a backend without timestamps says None
+            assert before - 120 < mtime < time.time() + 120
+        with pytest.raises(ObjectNotFoundError):
+            store.stat("chunks/aa/missing")
+
     def test_empty_object(self, store: ObjectStore) -> None:
         store.put("empty", b"")
         assert store.get("empty") == b""

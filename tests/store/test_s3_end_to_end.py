@@ -1,0 +1,160 @@
+"""push → S3 (moto's server) → pull, through the library and the CLI, including a killed pull that resumes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltafs.errors import VersionConflictError
+from deltafs.maintenance.verify import verify
+from deltafs.publish import push
+from deltafs.pull import local_version, pull
+from deltafs.store.repo import Repository
+from deltafs.testing.generator import SMALL, TrainerSim, write_checkpoint
+from deltafs.testing.s3server import FlakyProxy, S3Server
+
+CHUNK_BYTES = 256 << 10  # many chunks per version, so a pull can be killed half-way
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Three consecutive trainer exports of the ~10 MB SMALL model, as HF checkpoint directories."""
+    root = tmp_path_factory.mktemp("versions")
+    sim = TrainerSim(SMALL, seed=7, lr=1.5e-6)
+    out = []
+    for step in range(1, 4):
+        tensors = sim.step()
+        path = root / f"step{step}"
+        write_checkpoint(path, tensors, SMALL, step=step)
+        out.append(path)
+    return out
+
+
+def file_digests(path: Path | str) -> dict[str, str]:
+    root = Path(path)
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def push_all(url: str, options: dict[str, Any], versions: list[Path], cache: Path) -> Repository:
+    repo = Repository.open(url, options, create=True, chunk_bytes=CHUNK_BYTES)
+    for i, src in enumerate(versions, 1):
+        res = push(repo, str(src), cache_dir=str(cache))
+        assert (res.version, res.kind) == (i, "full" if i == 1 else "delta")
+    return repo
+
+
+def test_push_three_versions_and_pull_each_byte_identical(s3_url: str, s3_options: dict[str, Any],
+                                                          versions: list[Path], tmp_path: Path) -> None:
+    push_all(s3_url, s3_options, versions, tmp_path / "cache")
+    dest = tmp_path / "dest"
+    reads = []
+    for i, src in enumerate(versions, 1):
+        res = pull(s3_url, str(dest), version=i, storage_options=s3_options)
+        assert res.version == i and res.updated
+        assert file_digests(dest) == file_digests(src)
+        reads.append(res.bytes_read)
+    # Later pulls are incremental: each reads only its delta, far less than the first full version.
+    assert reads[1] < reads[0] / 2 and reads[2] < reads[0] / 2
+    report = verify(s3_url, all_versions=True, storage_options=s3_options)
+    assert report.ok, report.problems
+    assert verify(s3_url, local=str(dest), storage_options=s3_options).ok
+
+
+def test_two_pushers_racing_for_one_version_one_wins(s3_url: str, s3_options: dict[str, Any],
+                                                     versions: list[Path], tmp_path: Path) -> None:
+    repo = Repository.open(s3_url, s3_options, create=True, chunk_bytes=CHUNK_BYTES)
+    push(repo, str(versions[0]), cache_dir=str(tmp_path / "c0"))
+    barrier = threading.Barrier(2)
+    outcome: dict[int, Any] = {}
+
+    def pusher(i: int) -> None:
+        barrier.wait(timeout=60)
+        try:
+            outcome[i] = push(s3_url, str(versions[i]), version=2, storage_options=s3_options,
+                              cache_dir=str(tmp_path / f"c{i}"))
+        except VersionConflictError as exc:
+            outcome[i] = exc
+
+    threads = [threading.Thread(target=pusher, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    winners = [i for i, o in outcome.items() if not isinstance(o, Exception)]
+    losers = [i for i, o in outcome.items() if isinstance(o, VersionConflictError)]
+    assert len(winners) == 1 and len(losers) == 1, outcome
+    pulled = pull(s3_url, str(tmp_path / "dest"), storage_options=s3_options)
+    assert pulled.version == 2
+    assert file_digests(tmp_path / "dest") == file_digests(versions[winners[0]])
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deltafs.cli.main", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_killed_pull_resumes_with_the_chunks_it_had(s3_server: S3Server, s3_url: str, s3_options: dict[str, Any],
+                                                    versions: list[Path], tmp_path: Path) -> None:
+    push_all(s3_url, s3_options, versions, tmp_path / "cache")
+    dest = tmp_path / "dest"
+    slow = FlakyProxy(s3_server.endpoint_url, delay=0.03)  # ~2 MB/s: time to kill it half-way
+    try:
+        options = json.dumps({**s3_options, "endpoint_url": slow.endpoint_url})
+        proc = subprocess.Popen([sys.executable, "-m", "deltafs.cli.main", "pull", s3_url, str(dest),
+                                 "--storage-options", options, "--quiet"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cache = tmp_path / "dest.deltafs" / "chunks"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if cache.is_dir() and len([p for p in cache.iterdir() if not p.name.startswith(".tmp")]) >= 6:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"pull finished before it could be killed: {proc.stderr.read() if proc.stderr else ''}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        slow.close()
+    # Killed mid-way: DEST holds no version at all (this was the first pull), never a partial one.
+    assert local_version(str(dest)) is None and not dest.exists()
+    resumed = pull(s3_url, str(dest), storage_options=s3_options)
+    fresh = pull(s3_url, str(tmp_path / "fresh"), storage_options=s3_options)
+    assert resumed.version == fresh.version == 3
+    assert file_digests(dest) == file_digests(versions[2]) == file_digests(tmp_path / "fresh")
+    assert resumed.bytes_read < fresh.bytes_read, "the resumed pull must reuse the verified chunks it had"
+
+
+def test_cli_with_storage_options(s3_server: S3Server, s3_url: str, s3_options: dict[str, Any],
+                                  versions: list[Path], tmp_path: Path) -> None:
+    env = {**os.environ, "DELTAFS_CACHE": str(tmp_path / "cache")}
+    env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+    options = json.dumps(s3_options)
+    for i, src in enumerate(versions[:2], 1):
+        out = _cli("push", str(src), s3_url, "--storage-options", options, "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        res = json.loads(out.stdout)
+        assert res["version"] == i and res["kind"] == ("full" if i == 1 else "delta")
+        assert 0 < res["bytes_written"] and res["full_bytes"] > 0
+    out = _cli("pull", s3_url, str(tmp_path / "dest"), "--storage-options", options, "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["version"] == 2
+    assert file_digests(tmp_path / "dest") == file_digests(versions[1])
+    out = _cli("log", s3_url, "--storage-options", options, "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "2" in out.stdout
+    out = _cli("verify", s3_url, "--storage-options", options, env=env)
+    assert out.returncode == 0, out.stderr
+    # A missing bucket: one line on stderr and the store error's exit code.
+    out = _cli("pull", "s3://no-such-bucket-e2e/run1", str(tmp_path / "other"), "--storage-options", options, env=env)
+    assert out.returncode == 3, (out.returncode, out.stderr)
+    assert out.stderr.count("\n") == 1 and "does not exist" in out.stderr
