@@ -8,7 +8,6 @@ not match a verified version; on any failure the previous version is applied bac
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -23,7 +22,8 @@ from safetensors import safe_open
 
 from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.errors import EngineError, FormatError, IntegrityError
-from deltafs.format.manifest import Manifest, Segment, canonical_json
+from deltafs.engines.versions import read_version_manifest
+from deltafs.format.manifest import Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
 
@@ -33,17 +33,6 @@ def tensor_digest(t: torch.Tensor) -> str:
     flat = t.detach().contiguous().reshape(-1).cpu()
     raw = flat.view(torch.uint8).numpy() if flat.numel() else b""
     return "xxh3-128:" + xxhash.xxh3_128_hexdigest(raw)
-
-
-def read_version_manifest(version_dir: str) -> Manifest:
-    """The manifest pull recorded beside a version directory (<dir>.json)."""
-    path = version_dir.rstrip("/") + ".json"
-    try:
-        with open(path, "rb") as fh:
-            raw = json.loads(fh.read())
-        return Manifest.from_bytes(canonical_json(raw["manifest"]), where=path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"no usable deltafs state for {version_dir} ({exc}); pull it first") from None
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -21,9 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from deltafs.engines import weight_version
+from deltafs.engines import find_version_dir, weight_version
 from deltafs.engines.base import Engine, SwitchError, Target
-from deltafs.engines.torch_module import read_version_manifest
 from deltafs.errors import (
     DeltafsError,
     DestinationError,
@@ -327,14 +326,8 @@ class Subscriber:
 
     def _local_target(self, reported: str) -> Target | None:
         """The verified local directory of the version the engine reports, if there is one."""
-        for path in reversed(LocalCheckpoint(self.dest).version_dirs()):
-            try:
-                man = read_version_manifest(path)
-            except FormatError:
-                continue
-            if weight_version(man.version) == reported:
-                return Target(path, reported)
-        return None
+        path = find_version_dir(self.dest, reported)
+        return Target(path, reported) if path else None
 
     def _try_resume(self) -> None:
         try:
