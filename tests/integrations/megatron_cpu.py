@@ -5,7 +5,9 @@ replaces exactly those for as long as it is active (the library never patches an
   - torch.cuda.current_device: RoPE moves inv_freq to it on the first forward;
   - the model-parallel CUDA RNG tracker: forking it reads/writes CUDA RNG states (CPU RNG instead);
   - the causal attention mask: the default one is built on device="cuda", so tests pass
-    `causal_mask(seq)` explicitly.
+    `causal_mask(seq)` explicitly;
+  - Tensor.cuda (identity): with pipeline parallelism and tied embeddings, megatron moves the
+    embedding copy to CUDA before all-reducing it between the first and last stage.
 Used in-process by conftest.py and by megatron_worker.py in spawned ranks.
 """
 
@@ -25,13 +27,14 @@ def cpu_patches() -> Iterator[None]:
     from megatron.core.tensor_parallel import random as mrandom
 
     saved = [(torch.cuda, "current_device"), (torch.cuda, "get_rng_state"), (torch.cuda, "manual_seed"),
-             (mrandom, "_get_cuda_rng_state"), (mrandom, "_set_cuda_rng_state")]
+             (mrandom, "_get_cuda_rng_state"), (mrandom, "_set_cuda_rng_state"), (torch.Tensor, "cuda")]
     old = [(obj, name, getattr(obj, name)) for obj, name in saved]
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
     torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -92,7 +95,7 @@ def build(tiny: Tiny, *, seed: int = 0, pre_process: bool = True, post_process: 
         gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        params_dtype=tiny.dtype, init_method_std=0.05,
+        params_dtype=tiny.dtype, pipeline_dtype=tiny.dtype, init_method_std=0.05,
     )
     params |= config_overrides
     config = TransformerConfig(**params)
