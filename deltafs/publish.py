@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from deltafs import codec
-from deltafs.errors import DeltafsError, IntegrityError, UsageError, VersionConflictError
+from deltafs.errors import DeltafsError, IntegrityError, LockHeldError, UsageError, VersionConflictError
 from deltafs.format.manifest import ChunkRef, FileEntry, Head, Manifest, Segment, canonical_json
 from deltafs.local import LocalCheckpoint, LocalState
 from deltafs.parallel import default_threads, ordered_map
@@ -35,6 +35,10 @@ from deltafs.store.repo import Repository, utcnow
 # last full version add up to the size of a full version (a reader then reads at most ~2x full).
 DEFAULT_KEYFRAME_EVERY = 50
 DEFAULT_KEYFRAME_BUDGET = 1.0
+
+
+class ReusedChunksGoneError(VersionConflictError):
+    """A gc removed chunks that this push had found already in the store (deduplicated)."""
 
 
 @dataclass(frozen=True)
@@ -82,17 +86,22 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
     new_version = version if version is not None else (head.version + 1 if head else 1)
     cache = LocalCheckpoint(os.path.join(cache_dir or default_cache_dir(repo.store_id), "base"))
     with cache.lock(wait=False, name="push.lock"):
-        rederived = False
-        for attempt in range(2):
-            base = _base_for(repo, cache, head, rederive=attempt > 0)
+        rederived = rederive = False
+        for attempt in range(3):
+            base = _base_for(repo, cache, head, rederive=rederive)
             rederived = rederived or base[1]
             try:
                 return _push_once(repo, files, cache, base[0], head, new_version, meta, level,
                                   threads or default_threads(), full, keyframe_every, keyframe_budget, progress, t0, rederived)
             except LocalBaseError:
-                if attempt:
+                if rederive:
                     raise
+                rederive = True
                 _drop_cache(cache)
+            except ReusedChunksGoneError:
+                if attempt == 2:
+                    raise
+                # A gc removed chunks this push found already stored: encode again, writing them anew.
     raise AssertionError("unreachable")
 
 
@@ -153,6 +162,11 @@ def _push_once(repo: Repository, files: list[SourceFile], cache: LocalCheckpoint
         metadata=meta,
         stats=stats,
     ).seal()
+    try:
+        wait_out_gc(repo, encoder.reused)
+    except BaseException:
+        encoder.discard_staging()
+        raise
     now = repo.head()
     if (now is None) != (head is None) or (now is not None and head is not None and now.digest != head.digest):
         encoder.discard_staging()
@@ -177,6 +191,34 @@ def _push_once(repo: Repository, files: list[SourceFile], cache: LocalCheckpoint
     )
 
 
+# How long a push waits for a running gc before giving up (a gc of a large store takes minutes).
+GC_WAIT_SECONDS = 900.0
+
+
+def wait_out_gc(repo: Repository, reused: set[str], *, timeout: float = GC_WAIT_SECONDS) -> None:
+    """Before committing, make sure the chunks this push deduplicated against still exist.
+
+    A gc may delete an old unreferenced chunk that this push found in the store instead of writing it.
+    Fresh chunks are safe (gc spares objects younger than its grace period), and gc looks at the
+    manifests again after a settle time before it deletes chunks, so a push that commits right after
+    this check is seen. Here: wait while a gc holds its lock, then check that every reused chunk is
+    still there; raise ReusedChunksGoneError (the caller encodes again) if one is gone.
+    """
+    if not reused:
+        return
+    from deltafs.maintenance.lock import is_stale, read_lock
+
+    deadline = time.monotonic() + timeout
+    while (holder := read_lock(repo.objects)) is not None and not is_stale(holder):
+        if time.monotonic() > deadline:
+            raise LockHeldError(f"a gc has held {repo.url} for {holder.age:.0f}s ({holder.describe()}); push again later")
+        time.sleep(0.5)
+    ids = sorted(reused)
+    missing = [oid for oid, ok in zip(ids, ordered_map(repo.has_chunk, ids, 8)) if not ok]
+    if missing:
+        raise ReusedChunksGoneError(f"a gc removed {len(missing)} chunks this push reused (e.g. {missing[0]})")
+
+
 def _keyframe_due(parent: Manifest, full_bytes: int, every: int | None, budget: float | None) -> bool:
     since = int(parent.stats.get("since_full", 0))
     if every is not None and every > 0 and since + 1 >= every:
@@ -198,6 +240,7 @@ class _Encoder:
         self.cb = repo.config.chunk_bytes
         self.staging = cache.new_staging()
         self.stored = self.chunks_written = self.chunks_total = 0
+        self.reused: set[str] = set()  # chunks already in the store (deduplicated), see wait_out_gc
         self.elements_total = self.elements_changed = 0
 
     def discard_staging(self) -> None:
@@ -282,6 +325,8 @@ class _Encoder:
             stored = len(enc.payload) if enc.payload is not None else 0
             if fresh:
                 self.stored += stored
+            elif oid is not None:
+                self.reused.add(oid)
             if enc.payload is not None:
                 self.chunks_written += 1
             self.chunks_total += 1

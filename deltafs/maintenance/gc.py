@@ -1,0 +1,232 @@
+"""Retention: plan which versions to keep, then delete the other manifests and every unreferenced chunk.
+
+Rules (FORMAT.md, "gc and locking"):
+- Kept: the newest `keep_last` versions, the newest `keep_full` full versions, HEAD, and every
+  version that stopped being HEAD less than `grace` seconds ago (a reader that read HEAD then is
+  still pulling it); plus, for each of those, its chain back to its full version.
+- A chunk is deleted only if no kept version references it AND the object is older than `grace`
+  seconds: a push in flight has written chunks its manifest does not reference yet.
+- One gc at a time: `locks/gc.json`, created with put_if_absent; a stale lock (dead pid on this
+  host, or older than its stale age) is taken over.
+- Order: manifests newest first, then chunks. A gc killed at any point leaves a store in which
+  every remaining manifest's chain and chunks are intact; what is left over is unreferenced
+  garbage that the next gc removes.
+- Before deleting chunks, the manifest listing is read again: versions committed while gc ran
+  keep their chunks (and their chains).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from deltafs.errors import DeltafsError, IntegrityError, UsageError
+from deltafs.format.manifest import Manifest, chunk_key, manifest_key
+from deltafs.maintenance.lock import DEFAULT_STALE_AFTER, StoreLock
+from deltafs.parallel import ordered_map
+from deltafs.rebuild import plan_chain
+from deltafs.store.objects import ObjectStore
+from deltafs.store.repo import Repository
+
+# A version stays this long after it stopped being HEAD, and an unreferenced chunk this long after it
+# was written: long enough for any pull or push in flight to finish.
+DEFAULT_GRACE = 3600.0
+# gc waits at least this long between taking its lock and its last look at the manifests, so that a
+# push which checked for the lock just before gc took it has committed by then (see publish.py).
+DEFAULT_SETTLE = 2.0
+
+
+@dataclass
+class GcPlan:
+    store: str
+    versions: list[int]  # every version seen when planning
+    keep: dict[int, str]  # kept version -> why ("head", "last", "full", "recent", "chain of N", "new")
+    remove: list[int]  # versions whose manifests go, newest first
+    chunks: dict[str, int]  # chunk object id -> size, for the chunks that go
+    manifest_bytes: dict[int, int] = field(default_factory=dict)  # size of each removed manifest
+    chunks_referenced: int = 0
+    chunks_too_young: int = 0  # unreferenced, but written less than `grace` ago (a push in flight?)
+    grace: float = DEFAULT_GRACE
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(self.chunks.values()) + sum(self.manifest_bytes.get(v, 0) for v in self.remove)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["keep"] = {str(k): v for k, v in sorted(self.keep.items())}
+        out["manifest_bytes"] = {str(k): v for k, v in sorted(self.manifest_bytes.items())}
+        out["bytes_freed"] = self.bytes_freed
+        return out
+
+
+@dataclass
+class GcResult:
+    plan: GcPlan
+    executed: bool
+    versions_removed: list[int] = field(default_factory=list)
+    chunks_removed: int = 0
+    bytes_freed: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["plan"] = self.plan.to_json()
+        return out
+
+
+def gc(store: str | Repository, *, keep_last: int, keep_full: int = 0, grace: float = DEFAULT_GRACE,
+       dry_run: bool = False, wait: float = 0.0, storage_options: dict[str, Any] | None = None,
+       settle: float = DEFAULT_SETTLE, stale_after: float = DEFAULT_STALE_AFTER, threads: int = 8,
+       on_delete: Callable[[str], None] | None = None) -> GcResult:
+    """Plan, then (unless dry_run) execute a gc under the store's gc lock. See the module docstring."""
+    if keep_last < 1:
+        raise UsageError("--keep-last must be at least 1 (HEAD's version is always kept)")
+    if keep_full < 0 or grace < 0:
+        raise UsageError("--keep-full and --grace cannot be negative")
+    t0 = time.monotonic()
+    repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
+    if dry_run:
+        plan = make_plan(repo, keep_last=keep_last, keep_full=keep_full, grace=grace)
+        return GcResult(plan, executed=False, bytes_freed=plan.bytes_freed, seconds=time.monotonic() - t0)
+    lock = StoreLock(repo.objects, purpose="gc", stale_after=stale_after)
+    with lock.hold(wait=wait):
+        locked_at = time.monotonic()
+        plan = make_plan(repo, keep_last=keep_last, keep_full=keep_full, grace=grace)
+        result = _execute(repo, plan, locked_at=locked_at, settle=settle, threads=threads, on_delete=on_delete)
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: float = DEFAULT_GRACE,
+              now: float | None = None) -> GcPlan:
+    """Decide what goes. Reads manifests and the chunk listing; changes nothing."""
+    now = time.time() if now is None else now
+    versions = repo.versions()
+    plan = GcPlan(repo.url, versions, {}, [], {}, grace=grace)
+    if not versions:
+        return plan
+    manifests = {v: repo.manifest(v) for v in versions}  # an unreadable manifest stops gc: FormatError
+    head = repo.read_head()
+    roots: dict[int, str] = {}
+    for v in versions[-keep_last:]:
+        roots[v] = "last"
+    fulls = [v for v in versions if manifests[v].kind == "full"]
+    for v in fulls[-keep_full:] if keep_full else []:
+        roots.setdefault(v, "full")
+    # A version read as HEAD less than `grace` ago may still be being pulled: it stopped being HEAD
+    # when its successor was committed.
+    for older, newer in zip(versions, versions[1:]):
+        if now - _created(manifests[newer]) < grace:
+            roots.setdefault(older, "recent")
+    roots[versions[-1]] = "head"
+    if head is not None and head.version in manifests:
+        roots[head.version] = "head"
+    keep: dict[int, str] = {}
+    for v, why in sorted(roots.items()):
+        keep.setdefault(v, why)
+        for step in _chain(repo, v):
+            keep.setdefault(step.version, f"chain of {v}")
+    plan.keep = keep
+    plan.remove = sorted((v for v in versions if v not in keep), reverse=True)
+    referenced = _objects_of(manifests[v] for v in keep)
+    plan.chunks_referenced = len(referenced)
+    plan.manifest_bytes = {v: repo.manifest_size(v) for v in plan.remove}
+    for key in repo.objects.list("chunks"):
+        oid = key.rsplit("/", 1)[-1]
+        if key != chunk_key(oid) or oid in referenced:
+            continue  # not a chunk object (foreign file), or still needed
+        size, mtime = stat(repo.objects, key)
+        if grace > 0 and (mtime is None or now - mtime < grace):
+            plan.chunks_too_young += 1
+            continue
+        plan.chunks[oid] = size
+    return plan
+
+
+def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float, threads: int,
+             on_delete: Callable[[str], None] | None) -> GcResult:
+    result = GcResult(plan, executed=True)
+    _absorb_new_versions(repo, plan)
+    for v in plan.remove:  # newest first: an older removed version never loses its own chain first
+        key = manifest_key(v)
+        if on_delete:
+            on_delete(key)
+        repo.objects.delete(key)
+        result.versions_removed.append(v)
+    # Last look at the manifests, no sooner than `settle` after taking the lock (see DEFAULT_SETTLE).
+    time.sleep(max(0.0, settle - (time.monotonic() - locked_at)))
+    _absorb_new_versions(repo, plan)
+
+    def delete(oid: str) -> None:
+        key = chunk_key(oid)
+        if on_delete:
+            on_delete(key)
+        repo.objects.delete(key)
+
+    for _ in ordered_map(delete, list(plan.chunks), threads):
+        result.chunks_removed += 1
+    result.bytes_freed = plan.bytes_freed
+    return result
+
+
+def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:
+    """Versions committed since planning keep their chains and chunks."""
+    known = set(plan.versions)
+    new = [v for v in repo.versions() if v not in known]
+    for v in new:
+        steps = _chain(repo, v)
+        needed = _objects_of(steps)
+        for step in steps:
+            plan.keep.setdefault(step.version, "new" if step.version == v else f"chain of {v}")
+        plan.remove = [r for r in plan.remove if r not in plan.keep]
+        plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
+        plan.versions.append(v)
+
+
+def _chain(repo: Repository, version: int) -> list[Manifest]:
+    try:
+        return plan_chain(repo, version, None).steps
+    except DeltafsError as exc:
+        # Deleting anything from a store whose chains are already broken could lose more: stop.
+        raise IntegrityError(f"gc stopped: version {version} cannot be rebuilt ({exc}); run 'deltafs verify --all'") from None
+
+
+def _objects_of(manifests: Any) -> set[str]:
+    return {ch.object for man in manifests for f in man.files for seg in f.segments for ch in seg.chunks
+            if ch.object is not None}
+
+
+def _created(man: Manifest) -> float:
+    try:
+        return _dt.datetime.strptime(man.created, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=_dt.timezone.utc).timestamp()
+    except ValueError:
+        return time.time()  # unknown: treat as new, which only keeps more
+
+
+def stat(objects: ObjectStore, key: str) -> tuple[int, float | None]:
+    """(size, last-modified seconds since the epoch or None) of one object."""
+    own = getattr(objects, "stat", None)
+    if callable(own):  # a store layer that knows its backend's timestamps
+        return own(key)  # type: ignore[no-any-return]
+    info = objects._call("stat", key, lambda: objects.fs.info(objects.path(key)))
+    size = int(info.get("size") or 0)
+    for name in ("mtime", "LastModified", "last_modified", "updated", "timeCreated", "created"):
+        value = info.get(name)
+        if value is None:
+            continue
+        if isinstance(value, _dt.datetime):
+            return size, (value if value.tzinfo else value.replace(tzinfo=_dt.timezone.utc)).timestamp()
+        if isinstance(value, (int, float)):
+            return size, float(value)
+        if isinstance(value, str):
+            try:
+                return size, _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return size, None
+
+
+__all__ = ["DEFAULT_GRACE", "GcPlan", "GcResult", "gc", "make_plan"]

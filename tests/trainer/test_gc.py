@@ -1,0 +1,239 @@
+"""gc keeps what kept versions need, frees the rest, honours the grace period and the store lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from deltafs.errors import LockHeldError, UsageError, VersionNotFoundError
+from deltafs.maintenance.gc import gc, make_plan
+from deltafs.maintenance.lock import GC_LOCK_KEY, StoreLock
+from deltafs.maintenance.verify import verify
+from deltafs.publish import push
+from deltafs.pull import pull
+from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import files_of, run_cli
+
+from .helpers import push_history, store_bytes
+
+
+def _chunks_on_disk(store: str) -> set[str]:
+    out = set()
+    for dirpath, _dirs, files in os.walk(os.path.join(store, "chunks")):
+        out.update(f for f in files if not f.startswith(".tmp-"))
+    return out
+
+
+def _referenced(repo: Repository, versions) -> set[str]:
+    return {ch.object for v in versions for f in repo.manifest(v).files for s in f.segments for ch in s.chunks
+            if ch.object is not None}
+
+
+def test_keep_last_keeps_chains_and_frees_everything_else(tmp_path, maker):
+    store = str(tmp_path / "store")
+    srcs = push_history(store, maker, 8, keyframe_every=3)  # full: 1, 4, 7
+    repo = Repository.open(store)
+    assert [v for v in repo.versions() if repo.manifest(v).kind == "full"] == [1, 4, 7]
+    before = store_bytes(store)
+
+    dry = gc(store, keep_last=3, grace=0, dry_run=True)
+    assert store_bytes(store) == before  # a dry run changes nothing
+    assert sorted(dry.plan.keep) == [4, 5, 6, 7, 8]  # 6 needs 5 and the full version 4
+    assert dry.plan.keep[4] == "chain of 6" and dry.plan.keep[8] == "head"
+    assert dry.plan.remove == [3, 2, 1]
+
+    res = gc(store, keep_last=3, grace=0, settle=0)
+    assert res.versions_removed == [3, 2, 1]
+    assert before - store_bytes(store) == dry.plan.bytes_freed == res.bytes_freed  # the dry run told the truth
+    repo = Repository.open(store)
+    assert repo.versions() == [4, 5, 6, 7, 8]
+    # Exactly the chunks the kept versions reference are left.
+    assert _chunks_on_disk(store) == _referenced(repo, [4, 5, 6, 7, 8])
+    assert verify(store, all_versions=True).ok
+    for v in (4, 6, 8):
+        dest = tmp_path / f"dest{v}"
+        pull(store, str(dest), version=v)
+        assert files_of(dest) == files_of(srcs[v])
+    with pytest.raises(VersionNotFoundError):
+        pull(store, str(tmp_path / "old"), version=2)
+
+
+def test_keep_full_keeps_old_full_versions(tmp_path, maker):
+    store = str(tmp_path / "store")
+    srcs = push_history(store, maker, 8, keyframe_every=3)
+    res = gc(store, keep_last=1, keep_full=2, grace=0)
+    assert sorted(res.plan.keep) == [4, 7, 8]
+    assert Repository.open(store).versions() == [4, 7, 8]
+    assert verify(store, all_versions=True).ok
+    pull(store, str(tmp_path / "d"), version=4)
+    assert files_of(tmp_path / "d") == files_of(srcs[4])
+
+
+def test_head_is_kept_even_if_head_pointer_lags(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 3, keyframe_every=2)
+    repo = Repository.open(store)
+    # A pusher that died between its manifest and HEAD: HEAD names version 2, version 3 exists.
+    repo.objects.put("HEAD", json.dumps({"format": "deltafs.head", "format_version": 1, "version": 2,
+                                         "digest": repo.manifest(2).digest}).encode())
+    res = gc(store, keep_last=1, grace=0, settle=0)
+    assert 2 in res.plan.keep and 3 in res.plan.keep
+    assert verify(store, all_versions=True).ok
+
+
+def test_grace_protects_chunks_of_a_push_in_flight_and_recent_heads(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 4, keyframe_every=2)  # full 1, 3
+    repo = Repository.open(store)
+    orphan, fresh = repo.put_chunk(b"chunk written by a push that has not committed yet")
+    assert fresh
+    plan = make_plan(repo, keep_last=1, grace=3600)
+    # Every version was HEAD less than an hour ago: a reader may still be pulling it.
+    assert sorted(plan.keep) == [1, 2, 3, 4] and plan.remove == []
+    assert orphan not in plan.chunks and plan.chunks_too_young >= 1
+    gc(store, keep_last=1, grace=3600)
+    assert repo.has_chunk(orphan) and repo.versions() == [1, 2, 3, 4]
+    # An hour later (as seen by the planner) both go.
+    later = make_plan(repo, keep_last=1, grace=3600, now=time.time() + 7200)
+    assert later.remove == [2, 1] and orphan in later.chunks
+    gc(store, keep_last=1, grace=0, settle=0)
+    assert not repo.has_chunk(orphan)
+    assert verify(store, all_versions=True).ok
+
+
+def test_gc_keeps_a_version_committed_while_it_runs(tmp_path, maker):
+    """A push whose chunks were written before gc planned, and whose manifest commits while gc deletes."""
+    store = str(tmp_path / "store")
+    srcs = push_history(store, maker, 3, keyframe_every=2)  # full 1, 3
+    repo = Repository.open(store)
+    # Version 4 repeats version 1's bytes as a full version: every chunk it needs is one that gc
+    # planned to delete with version 1 (written long ago, unreferenced by the kept version 3).
+    v1, v3 = repo.manifest(1), repo.manifest(3)
+    v4 = replace(v1, version=4, parent=3, parent_digest=v3.digest, stats={}).seal()
+    committed = []
+
+    def commit_in_the_middle(key: str) -> None:
+        if not committed:
+            committed.append(Repository.open(store).commit(v4))
+
+    res = gc(store, keep_last=1, grace=0, settle=0, on_delete=commit_in_the_middle)
+    assert committed and res.versions_removed == [2, 1]
+    assert Repository.open(store).versions() == [3, 4]
+    assert verify(store, all_versions=True).ok
+    pull(store, str(tmp_path / "d"), version=4)
+    assert files_of(tmp_path / "d") == files_of(srcs[1])
+
+
+def test_push_that_reused_chunks_waits_for_gc_and_rewrites_what_gc_removed(tmp_path, maker):
+    store = str(tmp_path / "store")
+    srcs = push_history(store, maker, 3, keyframe_every=2)  # full 1, 3
+    repo = Repository.open(store)
+    lock = StoreLock(repo.objects)
+    lock.acquire()  # a gc is running
+    result = []
+    pusher = threading.Thread(target=lambda: result.append(push(store, srcs[1], full=True)))
+    pusher.start()  # dedups every chunk against version 1, then waits for the gc
+    time.sleep(1.0)
+    assert pusher.is_alive() and repo.versions() == [1, 2, 3]
+    for oid in _referenced(repo, [1]) - _referenced(repo, [3]):  # what this gc deletes
+        repo.objects.delete(f"chunks/{oid[:2]}/{oid}")
+    lock.release()
+    pusher.join(60)
+    assert result and result[0].version == 4 and result[0].kind == "full"
+    assert verify(store, all_versions=False).ok
+    pull(store, str(tmp_path / "d"), version=4)
+    assert files_of(tmp_path / "d") == files_of(srcs[1])
+
+
+def test_second_gc_exits_cleanly_while_the_lock_is_held(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 3)
+    repo = Repository.open(store)
+    lock = StoreLock(repo.objects)
+    lock.acquire()
+    try:
+        with pytest.raises(LockHeldError, match="locks/gc.json"):
+            gc(store, keep_last=1, grace=0, settle=0)
+        proc = run_cli("gc", store, "--keep-last", "1", "--grace", "0")
+        assert proc.returncode == 8
+        assert "is locked" in proc.stderr and f"pid {os.getpid()}" in proc.stderr
+        assert repo.versions() == [1, 2, 3]  # nothing was removed
+    finally:
+        lock.release()
+    assert not repo.objects.exists(GC_LOCK_KEY)
+
+
+def test_second_gc_waits_for_the_lock(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 3)
+    repo = Repository.open(store)
+    lock = StoreLock(repo.objects)
+    lock.acquire()
+    threading.Timer(0.5, lock.release).start()
+    t0 = time.monotonic()
+    res = gc(store, keep_last=1, grace=0, wait=30, settle=0)
+    assert time.monotonic() - t0 >= 0.4
+    assert res.executed and not repo.objects.exists(GC_LOCK_KEY)
+
+
+def _fake_lock(repo: Repository, *, host: str, pid: int, age: float) -> None:
+    repo.objects.put(GC_LOCK_KEY, json.dumps({"format": "deltafs.lock", "owner": "x", "host": host, "pid": pid,
+                                              "created": time.time() - age, "purpose": "gc"}).encode())
+
+
+def test_stale_locks_are_taken_over(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 3, keyframe_every=2)
+    repo = Repository.open(store)
+    # A dead process on this host.
+    _fake_lock(repo, host=socket.gethostname(), pid=2**22 + 12345, age=5)
+    assert gc(store, keep_last=1, grace=0, settle=0).executed
+    # A live-looking holder on another host, but older than the stale age.
+    _fake_lock(repo, host="elsewhere", pid=1, age=10)
+    with pytest.raises(LockHeldError):
+        gc(store, keep_last=1, grace=0, settle=0)
+    assert gc(store, keep_last=1, grace=0, stale_after=5, settle=0).executed
+    assert not repo.objects.exists(GC_LOCK_KEY)
+
+
+def test_bad_arguments(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 1)
+    with pytest.raises(UsageError):
+        gc(store, keep_last=0)
+    proc = run_cli("gc", store, "--keep-last", "0")
+    assert proc.returncode == 2 and "--keep-last must be at least 1" in proc.stderr
+
+
+def test_cli_dry_run_lists_what_would_go(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 5, keyframe_every=2)  # full 1, 3, 5
+    before = store_bytes(store)
+    proc = run_cli("gc", store, "--keep-last", "1", "--grace", "0", "--dry-run", check=0)
+    assert "would remove versions: 1, 2, 3, 4" in proc.stdout and "would be freed" in proc.stdout
+    assert store_bytes(store) == before
+    proc = run_cli("gc", store, "--keep-last", "1", "--grace", "0", "--json", check=0)
+    data = json.loads(proc.stdout)
+    assert data["versions_removed"] == [4, 3, 2, 1]
+    assert before - store_bytes(store) == data["bytes_freed"]
+    run_cli("verify", store, "--all", check=0)
+
+
+def test_gc_on_s3(s3_url, s3_options, tmp_path, maker):
+    for _ in range(4):
+        push(s3_url, maker.write(), storage_options=s3_options, keyframe_every=2)
+        maker.advance()
+    repo = Repository.open(s3_url, s3_options)
+    orphan, _ = repo.put_chunk(b"young orphan")
+    young = gc(s3_url, keep_last=1, grace=600, storage_options=s3_options)
+    assert repo.has_chunk(orphan) and young.plan.chunks_too_young >= 1  # S3 LastModified is read
+    res = gc(s3_url, keep_last=1, grace=0, storage_options=s3_options, settle=0)
+    assert res.versions_removed == [2, 1]
+    assert not repo.has_chunk(orphan)
+    assert verify(s3_url, all_versions=True, storage_options=s3_options).ok
