@@ -237,6 +237,14 @@ class Builder:
         results = ordered_map(lambda t: (t, self._chunk(t)), self._tasks(to_build), self.threads, self.threads * 3)
         # Empty files and empty segments have no chunks: walk files and segments explicitly.
         results_iter = iter(results)
+        try:
+            self._write_files(to_build, results_iter, out_dir, report)
+        finally:
+            results.close()  # stop the workers if a file failed its digest check
+        return report
+
+    def _write_files(self, to_build: list[FileEntry], results_iter: Iterator[tuple[_Task, np.ndarray]],
+                     out_dir: str | None, report: BuildReport) -> None:
         for f in to_build:
             fh = open(os.path.join(_mkparents(out_dir, f.path)), "wb") if out_dir is not None else None
             fhash = hashlib.sha256()
@@ -268,7 +276,6 @@ class Builder:
                                      expected=f.sha256, actual=fhash.hexdigest())
             report.files_built += 1
             report.bytes_out += written
-        return report
 
     def _link_unchanged(self, f: FileEntry, out_dir: str) -> bool:
         """Reuse an identical local file (hard link, else copy) after re-hashing it."""
