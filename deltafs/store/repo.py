@@ -109,7 +109,7 @@ class Repository:
             return cached
         key = manifest_key(version)
         try:
-            data = self.objects.get(key)
+            data = self.objects.get(key, referenced=True)
         except ObjectNotFoundError:
             raise VersionNotFoundError(f"version {version} is not in {self.url}") from None
         man = Manifest.from_bytes(data, where=f"manifest of version {version}")
@@ -152,7 +152,7 @@ class Repository:
 
     def get_chunk(self, oid: str) -> bytes:
         try:
-            data = self.objects.get(chunk_key(oid))
+            data = self.objects.get(chunk_key(oid), referenced=True)
         except ObjectNotFoundError:
             raise ChunkNotFoundError(f"chunk {oid} is missing from {self.url}") from None
         actual = hashlib.sha256(data).hexdigest()
