@@ -42,11 +42,12 @@ def cpu_patches() -> Iterator[None]:
             setattr(obj, name, value)
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
     """Megatron's parallel state on an already initialized gloo process group."""
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -79,7 +80,7 @@ class Tiny:
 
 
 def build(tiny: Tiny, *, seed: int = 0, pre_process: bool = True, post_process: bool = True,
-          **config_overrides: Any) -> Any:
+          vp_stage: int | None = None, **config_overrides: Any) -> Any:
     """A megatron-core GPTModel with the local (non-TransformerEngine) layer spec, initialized on CPU."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -107,7 +108,8 @@ def build(tiny: Tiny, *, seed: int = 0, pre_process: bool = True, post_process: 
                      max_sequence_length=64, pre_process=pre_process, post_process=post_process,
                      parallel_output=False, share_embeddings_and_output_weights=tiny.tied,
                      position_embedding_type="rope", rotary_base=int(tiny.rope_theta),
-                     rope_scaling=tiny.rope_scaling, rope_scaling_factor=tiny.rope_scaling_factor)
+                     rope_scaling=tiny.rope_scaling, rope_scaling_factor=tiny.rope_scaling_factor,
+                     vp_stage=vp_stage)
     return model
 
 

@@ -2,12 +2,13 @@
 
     python megatron_worker.py SPEC_JSON        (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)
 
-SPEC: {"tp": 2, "pp": 1, "tiny": {...Tiny fields...}, "store": URL, "cache": DIR, "out": DIR, "steps": 1,
+SPEC: {"tp": 2, "pp": 1, "vpp": None, "tiny": {...Tiny fields...}, "store": URL, "cache": DIR, "out": DIR, "steps": 1,
        "rank_tiny": {RANK: {...Tiny fields that differ on that rank...}} (optional)}
 Each rank builds the model, then for step 0..steps: (after an Adam step when step > 0) computes the
 full logits, and calls push_megatron on every rank. Rank 0 writes logits-<step>.pt and
 push-<step>.json (the PushResult) to OUT; the test pulls and compares.
-Pipeline parallel runs the forward by hand: stage 0 sends its hidden states to stage 1.
+Pipeline parallel runs the forward by hand, passing hidden states from stage to stage (and through
+virtual pipeline chunks); training steps are only taken without pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -25,21 +26,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_cpu as mc  # noqa: E402
 
 
-def pipeline_logits(model: Any, toks: torch.Tensor, pp_rank: int, tiny: mc.Tiny) -> torch.Tensor | None:
-    """Two-stage forward: stage 0's hidden states [s, b, h] go to stage 1, which returns logits."""
+def pipeline_logits(chunks: list[Any], toks: torch.Tensor, pp_rank: int, pp: int, tiny: mc.Tiny) -> torch.Tensor | None:
+    """Forward through every (virtual) stage by hand: chunk c of stage p feeds stage p+1, the last stage
+    of chunk c feeds chunk c+1 of stage 0. Hidden states are [s, b, h], the same on every TP rank."""
     from megatron.core import parallel_state as ps
 
     b, s = toks.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
     group = ps.get_pipeline_model_parallel_group()
-    if pp_rank == 0:
-        hidden = model(toks, pos, mc.causal_mask(s))
-        dist.send(hidden.detach().contiguous(), dst=dist.get_global_rank(group, 1), group=group)
-        return None
-    hidden = torch.empty(s, b, tiny.hidden, dtype=tiny.dtype)
-    dist.recv(hidden, src=dist.get_global_rank(group, 0), group=group)
-    model.set_input_tensor(hidden)
-    return model(toks, pos, mc.causal_mask(s))
+    nxt, prv = (dist.get_global_rank(group, (pp_rank + d) % pp) for d in (1, -1))
+    out = None
+    for c, chunk in enumerate(chunks):
+        if not (pp_rank == 0 and c == 0):
+            hidden = torch.empty(s, b, tiny.hidden, dtype=tiny.dtype)
+            dist.recv(hidden, src=prv, group=group)
+            chunk.set_input_tensor(hidden)
+        out = chunk(toks, pos, mc.causal_mask(s))
+        if not (pp_rank == pp - 1 and c == len(chunks) - 1):
+            dist.send(out.detach().contiguous(), dst=nxt, group=group)
+            out = None
+    return out
 
 
 def main() -> None:
@@ -50,19 +56,26 @@ def main() -> None:
     tiny = mc.Tiny(**(spec["tiny"] | spec.get("rank_tiny", {}).get(str(rank), {})))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     with mc.cpu_patches():
-        mc.init_parallel(tp=tp, pp=pp)
+        vpp = spec.get("vpp")
+        mc.init_parallel(tp=tp, pp=pp, vpp=vpp)
         from megatron.core import parallel_state as ps
 
         from deltafs.integrations.megatron import push_megatron
 
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        model = mc.build(tiny, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+        if vpp:
+            model: Any = [mc.build(tiny, pre_process=pp_rank == 0 and c == 0,
+                                   post_process=pp_rank == pp - 1 and c == vpp - 1, vp_stage=c,
+                                   virtual_pipeline_model_parallel_size=vpp) for c in range(vpp)]
+        else:
+            model = mc.build(tiny, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
         toks = mc.tokens()
         for step in range(spec["steps"] + 1):
             if step:
                 mc.train_step(model, toks)
             with torch.no_grad():
-                logits = mc.forward(model, toks) if pp == 1 else pipeline_logits(model, toks, pp_rank, tiny)
+                logits = (mc.forward(model, toks) if pp == 1 else
+                          pipeline_logits(model if vpp else [model], toks, pp_rank, pp, tiny))
             result = push_megatron(model, spec["store"], vocab_size=tiny.vocab, metadata={"step": step},
                                    cache_dir=spec["cache"], **spec.get("push", {}))
             if rank == 0:

@@ -26,10 +26,10 @@ import megatron_cpu as mc  # noqa: E402
 WORKER = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
 
 
-def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int,
+def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int, vpp: int | None = None,
             rank_tiny: dict[str, Any] | None = None, expect_ok: bool = True) -> tuple[dict[str, Any], list[str]]:
     world = tp * pp
-    spec = {"tp": tp, "pp": pp, "steps": steps, "store": str(tmp_path / "store"), "cache": str(tmp_path / "cache"),
+    spec = {"tp": tp, "pp": pp, "vpp": vpp, "steps": steps, "store": str(tmp_path / "store"), "cache": str(tmp_path / "cache"),
             "out": str(tmp_path), "tiny": {k: v for k, v in asdict(tiny).items() if k != "dtype"},
             "rank_tiny": rank_tiny or {}}
     port = mc.free_port()
@@ -76,14 +76,15 @@ def test_tp2_push_step_push(tmp_path: Any, groups: int) -> None:
     assert second["kind"] != "full" and second["bytes_written"] < second["full_bytes"]
 
 
-def test_pp2_each_stage_publishes_its_layers_under_global_indices(tmp_path: Any) -> None:
-    """PP=2 with tied embeddings: stage 1's layers 2-3 become model.layers.2-3; its lm_head copy is not published."""
+def test_tp2_pp2_virtual_chunks_publish_layers_under_global_indices(tmp_path: Any) -> None:
+    """4 ranks, TP=2 x PP=2 x 2 virtual chunks, tied embeddings: stage 0 holds layers 0 and 2, stage 1
+    layers 1 and 3 (each numbered from 0 locally); the last stage's copy of the embeddings is not published."""
     from safetensors import safe_open
 
     from deltafs.pull import pull
 
-    tiny = mc.Tiny(layers=4, tied=True)
-    spec, _ = run_job(tmp_path, tp=1, pp=2, tiny=tiny, steps=0)
+    tiny = mc.Tiny(layers=4, qk_norm=True, tied=True)
+    spec, _ = run_job(tmp_path, tp=2, pp=2, vpp=2, tiny=tiny, steps=0)
     check_versions(tmp_path, spec, tiny, steps=0)
     path = pull(spec["store"], str(tmp_path / "dest")).path
     names: set[str] = set()
