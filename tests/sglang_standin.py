@@ -27,6 +27,7 @@ import argparse
 import glob
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -158,6 +159,7 @@ class StandinSGLang:
         self._port = port
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()  # open keep-alive connections, cut by stop()
 
     # --- lifecycle -------------------------------------------------------------------------
     @property
@@ -190,6 +192,13 @@ class StandinSGLang:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
+        with self._cond:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:  # a dead server also drops the clients' keep-alive connections
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def __enter__(self) -> StandinSGLang:
         return self.start()
@@ -349,6 +358,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read events instead
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.standin._cond:
+            self.standin._conns.add(self.connection)
+
+    def finish(self) -> None:
+        with self.standin._cond:
+            self.standin._conns.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:
+            pass
 
     def _send(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()

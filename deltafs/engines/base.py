@@ -34,14 +34,20 @@ class SwitchResult:
 class SwitchError(EngineError):
     """A switch failed; the engine was sent back to the previous version (or could not be).
 
-    `rolled_back` tells which: True means the engine serves `previous` again (verified by asking
-    it), False means it serves something unknown and an operator should look.
+    `serving` is what the engine is known to hold now: `previous` after a verified rollback, the
+    target when its load was verified but a later step (resuming) failed, None when unknown.
     """
 
-    def __init__(self, message: str, *, rolled_back: bool, previous: Target | None) -> None:
+    def __init__(self, message: str, *, rolled_back: bool, previous: Target | None,
+                 serving: Target | None = None) -> None:
         self.rolled_back = rolled_back
         self.previous = previous
+        self.serving = serving if serving is not None else (previous if rolled_back else None)
         super().__init__(message)
+
+
+class EngineUnreachableError(EngineError):
+    """No connection could be made: the request never reached the engine."""
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from deltafs.engines.base import SwitchError, SwitchResult, Target
+from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
 from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.engines.sglang")
@@ -84,7 +84,7 @@ class SGLangEngine:
         except self._requests.Timeout:
             raise EngineError(f"{method} {url} timed out after {timeout:g}s") from None
         except self._requests.ConnectionError as exc:
-            raise EngineError(f"cannot reach SGLang at {self.url} ({_short(exc)})") from None
+            raise EngineUnreachableError(f"cannot reach SGLang at {self.url} ({_short(exc)})") from None
         except self._requests.RequestException as exc:
             raise EngineError(f"{method} {url} failed: {_short(exc)}") from None
         try:
@@ -122,18 +122,19 @@ class SGLangEngine:
                 total += int(entry.get("num_running_reqs", 0)) + int(entry.get("num_waiting_reqs", 0))
         return total
 
-    def resume(self) -> None:
+    def resume(self, attempts: int | None = None) -> None:
         """continue_generation, retried: a paused engine serves nobody, so try hard."""
+        attempts = attempts or self.resume_attempts
         delay = 0.25
         last: EngineError | None = None
-        for attempt in range(self.resume_attempts):
+        for attempt in range(attempts):
             try:
                 self._call("POST", CONTINUE_ROUTE, continue_body(), self.timeout)
                 return
             except EngineError as exc:
                 last = exc
-                log.warning("continue_generation attempt %d failed: %s", attempt + 1, exc)
-                if attempt + 1 < self.resume_attempts:
+                log.debug("continue_generation attempt %d failed: %s", attempt + 1, exc)
+                if attempt + 1 < attempts:
                     time.sleep(delay)
                     delay *= 2
         raise EngineError(f"could not resume generation on {self.url}; the engine may still be paused: {last}")
@@ -146,35 +147,43 @@ class SGLangEngine:
         """
         started = time.monotonic()
         failure: EngineError | None = None
-        rolled_back = False
+        loaded = rolled_back = False
+        reached = True  # whether the pause may have reached the engine
         load_seconds = 0.0
         try:
-            self._call("POST", PAUSE_ROUTE, pause_body(self.pause_mode), self.timeout)
+            try:
+                self._call("POST", PAUSE_ROUTE, pause_body(self.pause_mode), self.timeout)
+            except EngineUnreachableError:
+                reached = False
+                raise
             t_load = time.monotonic()
             try:
                 self._load(target)
+                loaded = True
                 load_seconds = time.monotonic() - t_load
             except EngineError as exc:
                 failure = exc
                 log.error("loading version %s into %s failed: %s", target.version, self.url, exc)
                 if previous is not None:
                     rolled_back = self._rollback(previous)
-        except EngineError as exc:  # pause itself failed: nothing was loaded
-            failure = failure or exc
+        except EngineError as exc:  # the pause failed; unless unreachable, it may have arrived
+            failure = exc
         finally:
-            # Whatever happened above (including KeyboardInterrupt), never leave the engine paused.
+            # Whatever happened above (KeyboardInterrupt included), never leave the engine paused.
             try:
-                self.resume()
+                self.resume(None if reached else 1)
             except EngineError as exc:
-                log.critical("%s", exc)
+                if reached:
+                    log.critical("%s", exc)
                 if failure is None:
                     failure = exc
         pause_seconds = time.monotonic() - started
         if failure is not None:
-            where = (f"; serving version {previous.version} again" if rolled_back
-                     else "; could not confirm the previous version is back" if previous else "")
-            raise SwitchError(f"switch to version {target.version} failed: {failure}{where}",
-                              rolled_back=rolled_back, previous=previous)
+            where = ("; it holds the new version but may still be paused" if loaded
+                     else f"; serving version {previous.version} again" if rolled_back
+                     else "; could not confirm the previous version is back" if previous and reached else "")
+            raise SwitchError(f"switch to version {target.version} failed: {failure}{where}", rolled_back=rolled_back,
+                              previous=previous, serving=target if loaded else None)
         return SwitchResult(version=target.version, pause_seconds=pause_seconds, load_seconds=load_seconds)
 
     def _load(self, target: Target) -> None:

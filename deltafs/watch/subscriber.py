@@ -30,11 +30,12 @@ from deltafs.errors import (
     FormatError,
     LockHeldError,
     StoreError,
+    StoreNotFoundError,
     VersionNotFoundError,
 )
 from deltafs.local import LocalCheckpoint
 from deltafs.pull import PullResult, pull
-from deltafs.store.repo import Repository
+from deltafs.store.repo import CONFIG_KEY, Repository
 from deltafs.watch.boundary import Boundary, Immediate
 from deltafs.watch.ledger import HostStatus, check_host_id, default_host_id, utcnow, write_status
 from deltafs.watch.notify import Notifier
@@ -168,6 +169,9 @@ class Subscriber:
             self._forget_store()
             raise
         if head is None:
+            if not self.repo.objects.exists(CONFIG_KEY):  # an empty listing can mean a vanished store
+                self._forget_store()
+                raise StoreNotFoundError(f"the store at {self.store_url} has disappeared (no {CONFIG_KEY})")
             return None
         served = int(self.served.version) if self.served else None
         if served is not None and head.version <= served:
@@ -244,9 +248,10 @@ class Subscriber:
             delay: float | None = None
             try:
                 self.sync()
+                self._recovered()
             except SwitchError as exc:
-                if not exc.rolled_back and self.engine is not None:
-                    self._try_resume()
+                if exc.serving is not None and exc.serving != self.served:
+                    self._now_serving(exc.serving)
                 delay = self._failed(exc)
             except LockHeldError as exc:
                 log.info("%s; trying again later", exc)
@@ -300,7 +305,7 @@ class Subscriber:
                 return self._pull_one(version)
             except (VersionNotFoundError, FormatError, NothingVerifiableError) as exc:
                 errors.append(f"version {version}: {exc}")
-                log.error("version %d cannot be used: %s", version, exc)
+                log.warning("version %d cannot be used: %s", version, exc)
             except StoreError:
                 self._forget_store()
                 raise
@@ -308,32 +313,40 @@ class Subscriber:
                                      f"{self.served.version if self.served else 'nothing known'}: " + "; ".join(errors))
 
     def _pull_one(self, version: int) -> PullResult:
+        """pull() verifies every byte and itself falls back to the nearest full version when the
+        local base is unusable; what is left to handle here is a DEST of another store."""
         kwargs: dict[str, Any] = {"version": version, "keep": self.keep, "threads": self.threads}
         try:
             return pull(self.repo, self.dest, **kwargs)
+        except DestinationError as exc:
+            log.warning("%s; replacing it with a full version of %s (the old content is moved aside)", exc, self.store_url)
+            return pull(self.repo, self.dest, force=True, **kwargs)
         except (LockHeldError, StoreError, VersionNotFoundError):
             raise
-        except (DestinationError, DeltafsError) as exc:
-            # The local base is unusable, DEST belongs to another store, or a chunk failed to
-            # verify: rebuild from the nearest full version. If that fails too, it is final.
-            log.warning("pull of version %d failed (%s); retrying from a full version", version, exc)
-            try:
-                return pull(self.repo, self.dest, force=True, **kwargs)
-            except (LockHeldError, StoreError, VersionNotFoundError):
-                raise
-            except DeltafsError as exc2:
-                raise NothingVerifiableError(f"version {version} cannot be verified: {exc2}") from exc2
+        except DeltafsError as exc:
+            raise NothingVerifiableError(f"version {version} cannot be verified: {exc}") from exc
 
     def _local_target(self, reported: str) -> Target | None:
         """The verified local directory of the version the engine reports, if there is one."""
         path = find_version_dir(self.dest, reported)
         return Target(path, reported) if path else None
 
-    def _try_resume(self) -> None:
-        try:
-            self.engine.resume()  # type: ignore[union-attr]
-        except EngineError as exc:
-            log.critical("%s", exc)
+    def _now_serving(self, target: Target) -> None:
+        """The engine verifiably holds target although the switch reported a failure."""
+        self.served = target
+        self.status.served_version = int(target.version)
+        if self.staged is not None and weight_version(self.staged.version) == target.version:
+            self.staged = None
+            self.status.staged_version = None
+
+    def _recovered(self) -> None:
+        """A cycle went through: the host is healthy again, even if there was nothing to switch."""
+        if self.status.failures or self.status.state == "degraded":
+            log.info("recovered after %d failed sync(s); serving version %s", self.status.failures,
+                     self.served.version if self.served else "(unknown)")
+            self.status.failures = 0
+            self.status.last_error = None
+            self._set_state("serving" if self.staged is None else "waiting")
 
     def _failed(self, exc: BaseException) -> float:
         self.status.failures += 1
@@ -358,6 +371,9 @@ class Subscriber:
             return
         try:
             objects = self.repo.objects
+            # Never let a ledger write re-create a store directory that was removed or moved.
+            if not objects.exists(CONFIG_KEY):
+                raise StoreNotFoundError(f"no deltafs store at {self.store_url}")
         except (DeltafsError, OSError) as exc:
             log.debug("no ledger update, the store is unreachable: %s", exc)
             return

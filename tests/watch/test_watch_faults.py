@@ -1,0 +1,138 @@
+"""Bad input under a running watcher: clear errors, no crash, no partial load, recovery when the fault clears."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from deltafs.engines.sglang import SGLangEngine
+from deltafs.format.manifest import Head
+from deltafs.store.open import open_objects
+from deltafs.store.repo import HEAD_KEY, Repository
+from deltafs.watch import Subscriber
+from deltafs.watch.ledger import HostStatus, ledger_key
+from watch_helpers import FAST, running, same_weights, wait_until
+
+
+def make(trainer, tmp_path, server) -> Subscriber:
+    return Subscriber(trainer.store, str(tmp_path / "dest"), SGLangEngine(server.url, timeout=2, load_timeout=5),
+                      host_id="rollout-0", **FAST)
+
+
+def ledger(trainer) -> HostStatus:
+    return HostStatus.from_bytes(open_objects(trainer.store).get(ledger_key("rollout-0")))
+
+
+def served(trainer, version: int) -> bool:
+    try:
+        st = ledger(trainer)
+    except FileNotFoundError:
+        return False
+    return st.served_version == version and st.state == "serving"
+
+
+def degraded_with(trainer, text: str) -> bool:
+    try:
+        st = ledger(trainer)
+    except FileNotFoundError:
+        return False
+    return st.failures >= 2 and st.state == "degraded" and text in (st.last_error or "")
+
+
+def chunks_only_in(store: str, version: int) -> list[str]:
+    repo = Repository.open(store)
+    mine = {c.object for f in repo.manifest(version).files for s in f.segments for c in s.chunks if c.object}
+    others = {c.object for v in repo.versions() if v != version
+              for f in repo.manifest(v).files for s in f.segments for c in s.chunks if c.object}
+    return sorted(mine - others)
+
+
+def test_store_disappears_and_comes_back(trainer, tmp_path, engine_server):
+    trainer.push()
+    sub = make(trainer, tmp_path, engine_server)
+    with running(sub) as thread:
+        wait_until(lambda: served(trainer, 1))
+        moved = trainer.store + ".away"
+        os.rename(trainer.store, moved)
+        wait_until(lambda: sub.status.failures >= 2, what="failures while the store is gone")
+        assert "disappeared" in sub.status.last_error or "no deltafs store" in sub.status.last_error
+        assert engine_server.weight_version == "1" and not engine_server.paused
+        os.rename(moved, trainer.store)
+        trainer.push()
+        wait_until(lambda: served(trainer, 2), what="recovery")
+        assert thread.is_alive()
+    assert same_weights(engine_server.state_dict(), trainer.weights[2])
+
+
+def test_head_pointing_at_a_missing_manifest(trainer, tmp_path, engine_server):
+    trainer.push()
+    trainer.push()
+    objects = open_objects(trainer.store)
+    good_head = objects.get(HEAD_KEY)
+    objects.put(HEAD_KEY, Head(99, "sha256:" + "0" * 64).to_bytes())
+    sub = make(trainer, tmp_path, engine_server)
+    with running(sub):
+        # Version 99 does not exist: the newest listed version that verifies is served instead.
+        wait_until(lambda: degraded_with(trainer, "version 99"), what="loud failure about version 99")
+        assert engine_server.weight_version == "2"
+        objects.put(HEAD_KEY, good_head)
+        wait_until(lambda: served(trainer, 2) and ledger(trainer).failures == 0, what="recovery")
+    assert same_weights(engine_server.state_dict(), trainer.weights[2])
+
+
+def test_corrupted_chunk_is_never_loaded(trainer, tmp_path, engine_server):
+    trainer.push()
+    with running(make(trainer, tmp_path, engine_server)):
+        wait_until(lambda: served(trainer, 1))
+    # Version 2 lands with a bad chunk while no watcher runs; a restarted watcher finds it.
+    trainer.push()
+    victims = chunks_only_in(trainer.store, 2)
+    assert victims
+    path = os.path.join(trainer.store, "chunks", victims[0][:2], victims[0])
+    good = open(path, "rb").read()
+    open(path, "wb").write(b"\x00" * len(good))
+    updates = engine_server.count("update")
+    sub = make(trainer, tmp_path, engine_server)
+    with running(sub) as thread:
+        wait_until(lambda: degraded_with(trainer, "verified"), what="loud failure")
+        assert engine_server.count("update") == updates  # nothing unverified went to the engine
+        assert engine_server.weight_version == "1" and not engine_server.paused
+        assert same_weights(engine_server.state_dict(), trainer.weights[1])
+        assert ledger(trainer).served_version == 1  # the restarted watcher knows what the engine serves
+        open(path, "wb").write(good)
+        wait_until(lambda: served(trainer, 2), what="recovery once the chunk is good again")
+        assert thread.is_alive()
+    assert same_weights(engine_server.state_dict(), trainer.weights[2])
+
+
+def test_dest_deleted_under_the_watcher(trainer, tmp_path, engine_server):
+    trainer.push()
+    sub = make(trainer, tmp_path, engine_server)
+    dest = str(tmp_path / "dest")
+    with running(sub):
+        wait_until(lambda: served(trainer, 1))
+        os.unlink(dest)
+        shutil.rmtree(dest + ".deltafs")
+        trainer.push()
+        wait_until(lambda: served(trainer, 2), what="version 2 rebuilt from a full version")
+    assert same_weights(engine_server.state_dict(), trainer.weights[2])
+    assert os.path.islink(dest)
+    assert ledger(trainer).last_sync["version"] == 2
+
+
+def test_dest_of_another_store_is_replaced_from_a_full_version(trainer, tmp_path, engine_server):
+    from deltafs.publish import push_tensors
+    from deltafs.pull import pull
+    from watch_helpers import CONFIG
+
+    other = str(tmp_path / "other-store")
+    push_tensors(other, trainer._current, cache_dir=str(tmp_path / "other-cache"))
+    pull(other, str(tmp_path / "dest"))
+    trainer.push()
+    sub = make(trainer, tmp_path, engine_server)
+    sub.start()
+    applied = sub.sync()
+    assert applied is not None and applied.version == 1
+    assert same_weights(engine_server.state_dict(), trainer.weights[1])
+    assert CONFIG  # the store's checkpoint, with its config.json, is what DEST holds now
+    assert os.path.exists(os.path.join(str(tmp_path / "dest"), "config.json"))
