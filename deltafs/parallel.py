@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Generator, Iterable, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -15,7 +15,7 @@ def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int, window: int | None = None) -> Iterator[R]:
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int, window: int | None = None) -> Generator[R, None, None]:
     """Yield fn(item) in input order, with at most `window` items in flight (bounds memory)."""
     if threads <= 1:
         for item in items:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
+from typing import Any
 
 
 class Progress:
@@ -13,8 +14,8 @@ class Progress:
         self.enabled = enabled and sys.stderr.isatty()
         self.label = label
         self.total = total
-        self._bar = None
-        self._task = None
+        self._bar: Any = None
+        self._task: Any = None
 
     def __enter__(self) -> Progress:
         if self.enabled:

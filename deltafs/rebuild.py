@@ -11,7 +11,7 @@ import hashlib
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import numpy as np
 import xxhash
@@ -28,7 +28,7 @@ class LocalBaseError(IntegrityError):
     """The local copy a delta would be applied to is missing or does not match its manifest."""
 
 
-def xxh3_digest(data: bytes | memoryview | np.ndarray) -> str:
+def xxh3_digest(data: bytes) -> str:
     return "xxh3-128:" + xxhash.xxh3_128_hexdigest(data)
 
 
@@ -234,7 +234,8 @@ class Builder:
                 self.on_bytes(f.size)
                 continue
             to_build.append(f)
-        results = ordered_map(lambda t: (t, self._chunk(t)), self._tasks(to_build), self.threads, self.threads * 3)
+        results: Generator[tuple[_Task, np.ndarray], None, None] = ordered_map(
+            lambda t: (t, self._chunk(t)), self._tasks(to_build), self.threads, self.threads * 3)
         # Empty files and empty segments have no chunks: walk files and segments explicitly.
         results_iter = iter(results)
         try:
@@ -255,10 +256,11 @@ class Builder:
                     for _ in seg.chunks:
                         task, data = next(results_iter)
                         assert task.seg is seg
-                        shash.update(data)
-                        fhash.update(data)
+                        view = data.data  # a memoryview: hashing and writing without copies
+                        shash.update(view)
+                        fhash.update(view)
                         if fh is not None:
-                            fh.write(memoryview(data))
+                            fh.write(view)
                         written += data.size
                         self.on_bytes(data.size)
                     got = "xxh3-128:" + shash.hexdigest()

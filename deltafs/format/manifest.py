@@ -65,7 +65,7 @@ class ChunkRef:
         codec = raw.get("codec")
         _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), "chunk codec must name itself")
         obj = raw.get("object")
-        _require(obj is None or (isinstance(obj, str) and _HEX64.match(obj)), f"bad chunk object id {obj!r}")
+        _require(obj is None or (isinstance(obj, str) and bool(_HEX64.match(obj))), f"bad chunk object id {obj!r}")
         return cls(
             index=_int(raw.get("index"), "chunk index"),
             size=_int(raw.get("size"), "chunk size"),
