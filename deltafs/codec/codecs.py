@@ -1,0 +1,337 @@
+"""The four chunk encodings: same, raw, xor, sparse. Byte layouts are specified in manifests/FORMAT.md.
+
+Each record is a frozen dataclass holding exactly the parameters its decoder needs. Encoders take the chunk as
+width-byte little-endian unsigned integers (`nw`, `bw`: new and base); decoders return the chunk as uint8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from deltafs.codec import streams
+from deltafs.codec.bitmap import RankIndex
+from deltafs.codec.registry import fields, int_field, register, width_field
+from deltafs.errors import FormatError, IntegrityError
+
+# Chunks are at most a few MiB; this bound keeps hostile counts from driving allocations or int64 overflow.
+MAX_ELEMENTS = 1 << 40
+
+
+def _need_base(name: str, base: np.ndarray | None, size: int) -> np.ndarray:
+    if base is None:
+        raise FormatError(f"chunk codec {name!r} needs a base chunk")
+    if base.size != size:
+        raise IntegrityError(f"{name}: base chunk has the wrong size", expected=size, actual=base.size)
+    return base
+
+
+def _need_payload(name: str, payload: bytes | None) -> bytes:
+    if payload is None:
+        raise FormatError(f"chunk codec {name!r} needs a stored payload")
+    return payload
+
+
+def _check_width(name: str, width: int, size: int) -> None:
+    if size % width:
+        raise FormatError(f"{name}: chunk of {size} bytes is not a whole number of {width}-byte elements")
+
+
+@register
+@dataclass(frozen=True)
+class Same:
+    """The chunk equals the base chunk; nothing is stored."""
+
+    name: ClassVar[str] = "same"
+    needs_base: ClassVar[bool] = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Same:
+        fields(raw, ())
+        return cls()
+
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+        if payload is not None:
+            raise FormatError("chunk codec 'same' stores no payload")
+        return _need_base(self.name, base, size)
+
+
+@register
+@dataclass(frozen=True)
+class Raw:
+    """The chunk itself, split into byte planes, in one zstd frame; needs no base."""
+
+    width: int
+    name: ClassVar[str] = "raw"
+    needs_base: ClassVar[bool] = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "width": self.width}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Raw:
+        return cls(width_field(fields(raw, ("width",))["width"]))
+
+    @staticmethod
+    def encode(new: np.ndarray, width: int, level: int) -> tuple[Raw, bytes]:
+        return Raw(width), streams.compress(streams.to_planes(new, width), level)
+
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+        _check_width(self.name, self.width, size)
+        data = streams.decompress(_need_payload(self.name, payload), size, "raw chunk")
+        return streams.from_planes(data, self.width)
+
+
+@register
+@dataclass(frozen=True)
+class Xor:
+    """new XOR base, split into byte planes, in one zstd frame (the dense delta)."""
+
+    width: int
+    name: ClassVar[str] = "xor"
+    needs_base: ClassVar[bool] = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "width": self.width}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Xor:
+        return cls(width_field(fields(raw, ("width",))["width"]))
+
+    @staticmethod
+    def encode(new: np.ndarray, base: np.ndarray, width: int, level: int) -> tuple[Xor, bytes]:
+        return Xor(width), streams.compress(streams.to_planes(np.bitwise_xor(new, base), width), level)
+
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+        _check_width(self.name, self.width, size)
+        b = _need_base(self.name, base, size)
+        data = streams.decompress(_need_payload(self.name, payload), size, "xor chunk")
+        return np.bitwise_xor(streams.from_planes(data, self.width), b)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The changes of one element class: their ranks within the class and their differences against the base."""
+
+    count: int  # changed elements
+    rice: int  # Rice parameter of the rank gaps
+    unary: int  # decoded bytes of the unary gap stream
+    big: int  # changes whose difference is not +-1
+    big_rice: int  # Rice parameter of the gaps between those
+    big_unary: int  # decoded bytes of their unary gap stream
+
+    KEYS: ClassVar[tuple[str, ...]] = ("count", "rice", "unary", "big", "big_rice", "big_unary")
+
+    def to_json(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.KEYS}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Group:
+        if not isinstance(raw, dict):
+            raise FormatError(f"sparse: group must be an object, got {raw!r}")
+        f = fields({"name": "sparse group", **raw}, cls.KEYS)
+        return cls(
+            count=int_field(f["count"], "count", 0, MAX_ELEMENTS),
+            rice=int_field(f["rice"], "rice", 0, streams.MAX_RICE_K),
+            unary=int_field(f["unary"], "unary", 0, MAX_ELEMENTS),
+            big=int_field(f["big"], "big", 0, MAX_ELEMENTS),
+            big_rice=int_field(f["big_rice"], "big_rice", 0, streams.MAX_RICE_K),
+            big_unary=int_field(f["big_unary"], "big_unary", 0, MAX_ELEMENTS),
+        )
+
+    def stream_sizes(self, width: int) -> list[int]:
+        """Decoded sizes of the group's 5 + width streams, in payload order."""
+        return [self.unary, ((self.count + 1) * self.rice + 7) // 8, (self.count + 7) // 8,
+                self.big_unary, (self.big * self.big_rice + 7) // 8] + [self.big] * width
+
+
+def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -> tuple[Group, list[bytes]]:
+    """Streams for one class of space elements: rank gaps (Rice), signs (1 bit each), magnitudes that are not 1."""
+    width = diff.dtype.itemsize
+    # Gaps >= 0 count the class's elements skipped since the previous change. A last gap up to the sentinel rank
+    # `space` makes the stream say how big the class is, so a decoder given the wrong chunk size or base notices.
+    gaps = np.diff(ranks, prepend=-1, append=space) - 1
+    k = streams.best_rice_k(gaps)
+    unary, remainder = streams.rice_encode(gaps, k)
+    # Sign and magnitude of the wrapped difference read as two's complement; unsigned math, so -2**(bits-1) works.
+    negative = (diff >> np.array(width * 8 - 1, diff.dtype)).astype(bool)
+    magnitude = np.where(negative, np.zeros(1, diff.dtype) - diff, diff)
+    # One ulp up or down is by far the most common change; only the others are listed, as a sparse list of its own.
+    big_at = np.flatnonzero(magnitude != 1)
+    big_gaps = np.diff(big_at, prepend=-1) - 1
+    big_k = streams.best_rice_k(big_gaps)
+    big_unary, big_remainder = streams.rice_encode(big_gaps, big_k)
+    big_values = magnitude[big_at] - np.array(2, diff.dtype)  # magnitude 0 cannot occur; 2 and up store from 0
+    planes = streams.to_planes(big_values.view(np.uint8), width).reshape(width, -1)
+    parts = [unary, remainder, np.packbits(negative), big_unary, big_remainder, *planes]
+    group = Group(int(ranks.size), k, int(unary.size), int(big_at.size), big_k, int(big_unary.size))
+    return group, [streams.compress(p, level) if p.size else b"" for p in parts]
+
+
+def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.dtype[Any]) -> tuple[np.ndarray,
+                                                                                                    np.ndarray]:
+    """(ranks within the class, wrapped differences) of one class of space elements."""
+    gaps = streams.rice_decode(parts[0], parts[1], group.count + 1, group.rice, space + 1, "sparse positions")
+    ranks = np.cumsum(gaps + 1) - 1
+    if int(ranks[-1]) != space:
+        raise IntegrityError("sparse: positions do not span the chunk", expected=space, actual=int(ranks[-1]))
+    ranks = ranks[:-1]
+    negative = np.unpackbits(parts[2])
+    if negative[group.count:].any():
+        raise IntegrityError("sparse: sign stream has non-zero padding")
+    if group.big > group.count:
+        raise IntegrityError("sparse: more large differences than changes", expected=group.count, actual=group.big)
+    big_gaps = streams.rice_decode(parts[3], parts[4], group.big, group.big_rice, group.count, "sparse magnitudes")
+    big_at = np.cumsum(big_gaps + 1) - 1
+    if group.big and int(big_at[-1]) >= group.count:
+        raise IntegrityError("sparse: large difference beyond the changes")
+    magnitude = np.ones(group.count, dtype=dtype)
+    if group.big:
+        width = dtype.itemsize
+        values = streams.from_planes(np.concatenate(parts[5:5 + width]), width).view(dtype)
+        magnitude[big_at] = values + np.array(2, dtype)  # wraps like the encoder's subtraction
+    diff = np.where(negative[: group.count].astype(bool), np.zeros(1, dtype) - magnitude, magnitude)
+    return ranks, diff
+
+
+def _split_mask(bw: np.ndarray, split: int) -> np.ndarray:
+    """Elements whose base magnitude (all bits but the top one, the sign of a float) is below split."""
+    mask = bw.dtype.type((1 << (bw.dtype.itemsize * 8 - 1)) - 1)
+    # Two passes over the chunk; for floats this puts small weights, whose ulp is small and which change far more
+    # often, in a class of their own. Scratch buffers: the result is consumed (packed) before the next call.
+    tmp = np.bitwise_and(bw, mask, out=streams.scratch("split", bw.size, bw.dtype))
+    return np.less(tmp, bw.dtype.type(split), out=streams.scratch("split_mask", bw.size, np.bool_))
+
+
+def choose_split(bw: np.ndarray, idx: np.ndarray) -> int:
+    """A magnitude threshold that makes the two classes' change rates differ most, or 0 when splitting won't pay.
+
+    Estimated from samples (only the coded size depends on it): n * H2(p) bits for one class against the sum
+    over two, with candidates at quantiles of the changed elements' base magnitudes.
+    """
+    width = bw.dtype.itemsize
+    n, c = bw.size, idx.size
+    if width == 8 or c < 64 or n < 4096:  # width 8: thresholds would not fit a JSON double; small: no gain
+        return 0
+    mask = bw.dtype.type((1 << (width * 8 - 1)) - 1)
+    sample = np.sort(bw[:: max(1, n // 4096)] & mask)
+    changed = np.sort(bw[idx[:: max(1, c // 1024)]] & mask)
+    cand = np.unique(changed[(np.arange(1, 32) * changed.size) // 32])
+    n_hot = np.searchsorted(sample, cand) / sample.size * n
+    c_hot = np.searchsorted(changed, cand) / changed.size * c
+    n_cold, c_cold = n - n_hot, c - c_hot
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = _h2_bits(n_hot, c_hot) + _h2_bits(n_cold, c_cold)
+    best = int(np.argmin(cost))
+    # Splitting costs the decoder a pass over the chunk; ask for a clear gain.
+    if not np.isfinite(cost[best]) or cost[best] > 0.93 * float(_h2_bits(np.array([n]), np.array([c]))[0]):
+        return 0
+    return int(cand[best])
+
+
+def _h2_bits(n: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """n * H2(c / n), with 0 for empty or pure classes and inf where the estimate is inconsistent (c > n)."""
+    p = np.clip(np.where(n > 0, c / np.maximum(n, 1e-9), 0.0), 0.0, 1.0)
+    q = 1.0 - p
+    h = -(np.where(p > 0, p * np.log2(np.maximum(p, 1e-300)), 0.0) + np.where(q > 0, q * np.log2(np.maximum(q, 1e-300)), 0.0))
+    return np.where(c > n + 0.5, np.inf, n * h)
+
+
+@register
+@dataclass(frozen=True)
+class Sparse:
+    """Only the changed elements: Rice-coded position gaps and sign/magnitude differences against the base.
+
+    With split > 0 the elements are in two classes by base magnitude (< split: "low", first; the rest second) and
+    each class numbers its own changes, which costs far fewer bits when one class changes much more often.
+    Payload: per group, 5 + width streams (see Group.stream_sizes), each one zstd frame or empty; `frames` lists
+    their stored lengths.
+    """
+
+    width: int
+    split: int
+    groups: tuple[Group, ...]
+    frames: tuple[int, ...]
+    name: ClassVar[str] = "sparse"
+    needs_base: ClassVar[bool] = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "width": self.width, "split": self.split,
+                "groups": [g.to_json() for g in self.groups], "frames": list(self.frames)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Sparse:
+        f = fields(raw, ("width", "split", "groups", "frames"))
+        width = width_field(f["width"])
+        split = int_field(f["split"], "split", 0, (1 << (8 * width - 1)) - 1)
+        groups, frames = f["groups"], f["frames"]
+        if not isinstance(groups, list) or len(groups) != (2 if split else 1):
+            raise FormatError(f"sparse: expected {2 if split else 1} groups, got {groups!r}")
+        parsed = tuple(Group.from_json(g) for g in groups)
+        if sum(g.count for g in parsed) < 1:
+            raise FormatError("sparse: no changes listed (that chunk is 'same')")
+        if not isinstance(frames, list) or len(frames) != len(parsed) * (5 + width):
+            raise FormatError(f"sparse: frames must list {len(parsed) * (5 + width)} lengths")
+        return cls(width, split, parsed, tuple(int_field(x, "frames[]", 0) for x in frames))
+
+    @staticmethod
+    def encode(nw: np.ndarray, bw: np.ndarray, idx: np.ndarray, level: int, split: int = 0) -> tuple[Sparse, bytes]:
+        """nw, bw: new and base as width-byte unsigned ints; idx: ascending positions where they differ."""
+        # Wrapping subtraction on the bit patterns: one ulp up or down is +-1 whatever the float format.
+        diff = nw[idx] - bw[idx]
+        if split:
+            index = RankIndex(_split_mask(bw, split))
+            low, ranks = index.rank(idx)
+            members = [(ranks[low], diff[low], index.ones), (ranks[~low], diff[~low], index.zeros)]
+        else:
+            members = [(idx, diff, nw.size)]
+        groups, parts = [], []
+        for r, d, space in members:
+            g, p = _encode_group(r, d, space, level)
+            groups.append(g)
+            parts += p
+        rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(len(p) for p in parts))
+        return rec, b"".join(parts)
+
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+        _check_width(self.name, self.width, size)
+        b = _need_base(self.name, base, size)
+        data = memoryview(_need_payload(self.name, payload))
+        n = size // self.width
+        if sum(g.count for g in self.groups) > n:
+            raise IntegrityError("sparse: more changes than elements", expected=n, actual=sum(g.count for g in self.groups))
+        if sum(self.frames) != len(data):
+            raise IntegrityError("sparse: payload size differs from its frames", expected=sum(self.frames),
+                                 actual=len(data))
+        for g in self.groups:
+            # A valid unary stream has count one bits within the n + count bits the gaps can span.
+            if g.unary > (n + g.count + 8) // 8 or g.big_unary > (2 * g.count + 7) // 8:
+                raise IntegrityError("sparse: gap stream larger than the chunk allows")
+        dtype = streams.UINT[self.width]
+        bw = b.view(dtype)
+        index = RankIndex(_split_mask(bw, self.split)) if self.split else None
+        out = b.copy()
+        ow = out.view(dtype)
+        pos = 0
+        per = 5 + self.width
+        for gi, g in enumerate(self.groups):
+            parts = []
+            for j, plain in enumerate(g.stream_sizes(self.width)):
+                stored = self.frames[gi * per + j]
+                parts.append(streams.decompress(data[pos:pos + stored], plain, f"sparse stream {gi}.{j}"))
+                pos += stored
+            if index is None:
+                space = n
+            else:
+                space = index.ones if gi == 0 else index.zeros
+            ranks, diff = _decode_group(g, parts, space, dtype)
+            if not g.count:
+                continue
+            where = ranks if index is None else index.select(ranks, 1 if gi == 0 else 0)
+            ow[where] += diff  # positions are distinct; wraps, inverting the encoder's subtraction
+        return out

@@ -1,0 +1,82 @@
+"""Codec records: each chunk encoding is a frozen dataclass registered by name that round-trips through JSON.
+
+A manifest stores `codec.to_json()` next to the chunk, so the record alone says how to decode the stored bytes
+(zarr v3 style: an encoding is data, not a code path). Unknown names and malformed records are FormatError.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import numpy as np
+
+from deltafs.errors import FormatError
+
+
+class Codec(Protocol):
+    """What every registered codec record provides."""
+
+    name: ClassVar[str]
+    needs_base: ClassVar[bool]
+
+    def to_json(self) -> dict[str, Any]: ...
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Codec: ...
+
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray: ...
+
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+C = TypeVar("C", bound=type)
+
+
+def register(cls: C) -> C:
+    """Class decorator: make a codec record decodable by its name."""
+    name = cls.name  # type: ignore[attr-defined]
+    if name in _REGISTRY:
+        raise ValueError(f"codec {name!r} registered twice")
+    _REGISTRY[name] = cls  # type: ignore[assignment]
+    return cls
+
+
+def registered() -> dict[str, type[Codec]]:
+    """Name -> record class, for docs and tests."""
+    return dict(_REGISTRY)
+
+
+def from_json(raw: Any) -> Codec:
+    """The codec record a manifest describes; FormatError for an unknown name or malformed fields."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise FormatError(f"codec record must be an object with a name, got {raw!r}")
+    cls = _REGISTRY.get(raw["name"])
+    if cls is None:
+        raise FormatError(f"unknown chunk codec {raw['name']!r}")
+    return cls.from_json(raw)
+
+
+def fields(raw: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
+    """raw without its name; FormatError on keys the record does not define (a newer format, or a typo)."""
+    extra = set(raw) - set(allowed) - {"name"}
+    if extra:
+        raise FormatError(f"codec {raw['name']!r} has unknown fields {sorted(extra)}")
+    missing = [k for k in allowed if k not in raw]
+    if missing:
+        raise FormatError(f"codec {raw['name']!r} lacks fields {missing}")
+    return {k: raw[k] for k in allowed}
+
+
+def int_field(value: Any, what: str, low: int = 0, high: int | None = None) -> int:
+    """A JSON integer within [low, high]; FormatError otherwise (bools are not integers here)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise FormatError(f"codec field {what} must be an integer in {bound}, got {value!r}")
+    return value
+
+
+def width_field(value: Any) -> int:
+    width = int_field(value, "width", 1, 8)
+    if width not in (1, 2, 4, 8):
+        raise FormatError(f"codec field width must be 1, 2, 4 or 8, got {width}")
+    return width

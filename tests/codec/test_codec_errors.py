@@ -1,0 +1,174 @@
+"""decode() refuses damaged, inconsistent or hostile input with FormatError or IntegrityError, never wrong bytes."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltafs import codec
+from deltafs.errors import FormatError, IntegrityError
+
+
+def bf16_pair(n: int = 1 << 16, p: float = 0.01, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(new, base) bytes of a bf16 chunk where about p of the elements moved by an ulp or a few."""
+    rng = np.random.default_rng(seed)
+    base = ((rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    new = base.copy()
+    pos = np.flatnonzero(rng.random(n) < p)
+    new[pos] += rng.choice(np.array([1, 0xFFFF, 3, 0xFFF0], np.uint16), pos.size, p=[0.45, 0.45, 0.05, 0.05])
+    return new.view(np.uint8), base.view(np.uint8)
+
+
+def encoded(kind: str) -> tuple[codec.Encoded, np.ndarray, np.ndarray | None]:
+    new, base = bf16_pair()
+    if kind == "raw":
+        return codec.encode(new, None, 2), new, None
+    if kind == "xor":
+        dense = base ^ np.random.default_rng(1).integers(0, 3, base.size, dtype=np.uint8)
+        enc = codec.encode(dense, base, 2)
+        assert enc.codec["name"] == "xor"
+        return enc, dense, base
+    enc = codec.encode(new, base, 2)
+    assert enc.codec["name"] == "sparse"
+    return enc, new, base
+
+
+KINDS = ["raw", "xor", "sparse"]
+
+
+def decode_or_raise(record: dict[str, Any], payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+    return codec.decode(record, payload, base, size, 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_damaged_payload_never_decodes_to_other_bytes(kind: str, data: st.DataObject) -> None:
+    enc, new, base = encoded(kind)
+    assert enc.payload is not None
+    damaged = bytearray(enc.payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(damaged) - 1))
+        damaged[i] ^= data.draw(st.integers(1, 255))
+    try:
+        out = decode_or_raise(enc.codec, bytes(damaged), base, new.size)
+    except IntegrityError:
+        return
+    # A flip that zstd ignores (e.g. an unused header bit) is fine, as long as the bytes are still right.
+    assert out.tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_truncated_or_extended_payload(kind: str) -> None:
+    enc, new, base = encoded(kind)
+    assert enc.payload is not None
+    for bad in (enc.payload[:-1], enc.payload[: len(enc.payload) // 2], b"", enc.payload + b"\0",
+                enc.payload + enc.payload):
+        with pytest.raises(IntegrityError):
+            decode_or_raise(enc.codec, bad, base, new.size)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_wrong_declared_size(kind: str) -> None:
+    enc, new, base = encoded(kind)
+    for size in (new.size - 2, new.size + 2):
+        b = None if base is None else np.resize(base, size)
+        with pytest.raises(IntegrityError):
+            decode_or_raise(enc.codec, enc.payload, b, size)
+
+
+def test_base_of_the_wrong_size_or_missing() -> None:
+    enc, new, base = encoded("sparse")
+    assert base is not None
+    with pytest.raises(IntegrityError):
+        codec.decode(enc.codec, enc.payload, base[:-2], new.size, 2)
+    for record, payload in ((enc.codec, enc.payload), ({"name": "same"}, None), ({"name": "xor", "width": 2}, b"x")):
+        with pytest.raises(FormatError):
+            codec.decode(record, payload, None, new.size, 2)
+
+
+def test_zstd_bomb_is_refused_before_allocating() -> None:
+    # 1 GiB of zeros compresses to a few KB; its frame header declares the size.
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (1 << 30))
+    with pytest.raises(IntegrityError, match="declares the wrong size"):
+        codec.decode({"name": "raw", "width": 1}, bomb, None, 4096, 1)
+    # The same without a declared size: bounded by the chunk's size, then refused.
+    unsized = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(b"\0" * (64 << 20))
+    with pytest.raises(IntegrityError):
+        codec.decode({"name": "raw", "width": 1}, unsized, None, 4096, 1)
+
+
+def test_sparse_stream_bomb_and_out_of_range_positions() -> None:
+    enc, new, base = encoded("sparse")
+    record = copy.deepcopy(enc.codec)
+    # Declare a unary stream far larger than any valid one could be.
+    record["groups"][0]["unary"] = 1 << 38
+    with pytest.raises(IntegrityError):
+        codec.decode(record, enc.payload, base, new.size, 2)
+    # A chunk too short for the coded positions: they point past its end.
+    assert base is not None
+    short = new.size // 4
+    with pytest.raises(IntegrityError):
+        codec.decode(enc.codec, enc.payload, base[:short], short, 2)
+
+
+def test_sparse_counts_that_disagree_with_streams() -> None:
+    enc, new, base = encoded("sparse")
+    for field, delta in (("count", 1), ("count", -1), ("rice", 1), ("big", 1), ("big_rice", 1)):
+        record = copy.deepcopy(enc.codec)
+        group = record["groups"][0]
+        if group[field] + delta < 0:
+            continue
+        group[field] += delta
+        with pytest.raises((IntegrityError, FormatError)):
+            codec.decode(record, enc.payload, base, new.size, 2)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"name": "gzip"},
+        {"name": "raw"},
+        {"name": "raw", "width": 3},
+        {"name": "raw", "width": 2, "level": 3},
+        {"name": "raw", "width": True},
+        {"name": "sparse", "width": 2, "split": 0, "groups": [], "frames": []},
+        {"name": "sparse", "width": 2, "split": 1 << 20, "groups": [{}], "frames": []},
+        {"name": "same", "extra": 1},
+        {"width": 2},
+        "raw",
+    ],
+    ids=str,
+)
+def test_malformed_or_unknown_records(record: Any) -> None:
+    with pytest.raises(FormatError):
+        codec.decode(record, b"x", np.zeros(8, np.uint8), 8, 2)
+
+
+def test_same_refuses_a_payload_and_odd_width() -> None:
+    with pytest.raises(FormatError):
+        codec.decode({"name": "same"}, b"x", np.zeros(8, np.uint8), 8, 2)
+    payload = codec.encode(np.zeros(6, np.uint8), None, 2).payload
+    with pytest.raises(FormatError):
+        codec.decode({"name": "raw", "width": 4}, payload, None, 6, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS + ["same"])
+def test_codec_records_roundtrip_through_json(kind: str) -> None:
+    if kind == "same":
+        rec: dict[str, Any] = {"name": "same"}
+    else:
+        rec = encoded(kind)[0].codec
+    text = json.dumps(rec, sort_keys=True, separators=(",", ":"))
+    parsed = codec.from_json(json.loads(text))
+    assert parsed.to_json() == rec
+    assert json.dumps(parsed.to_json(), sort_keys=True, separators=(",", ":")) == text
+    assert type(parsed).name == kind
+    assert set(codec.registered()) == {"same", "raw", "xor", "sparse"}
