@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from deltafs.errors import UsageError
-from deltafs.integrations.megatron_gather import Groups, gather_model, gather_stage, groups_of, plan
+from deltafs.integrations.megatron_gather import Groups, Plan, gather_model, gather_stage, groups_of, plan
 from deltafs.integrations.megatron_layout import Arch, MegatronLayoutError, check_complete, is_skipped
 
 HF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -67,47 +67,46 @@ def model_chunks(model_or_chunks: Any) -> list[Any]:
 def _problems(model: Any) -> list[str]:
     """Each way the model leaves the Llama/Qwen family, as a short phrase."""
     c = model.config
-    p: list[str] = []
 
-    def want(ok: bool, what: str) -> None:
-        if not ok:
-            p.append(what)
+    def get(field: str, default: Any = None) -> Any:
+        return getattr(c, field, default)  # fields come and go between megatron-core versions
 
-    get = lambda name, default=None: getattr(c, name, default)  # noqa: E731  (fields differ between versions)
-    want(get("num_moe_experts") is None, f"mixture of experts (num_moe_experts={get('num_moe_experts')})")
-    want(get("normalization") == "RMSNorm", f"normalization={get('normalization')!r} (needs 'RMSNorm')")
     act = get("activation_func")
-    want(bool(get("gated_linear_unit")) and getattr(act, "__name__", "") == "silu",
-         f"MLP gated_linear_unit={get('gated_linear_unit')} activation={getattr(act, '__name__', act)} (needs SwiGLU)")
-    want(not get("add_bias_linear"), "add_bias_linear=True (biases on every linear layer)")
-    want(not get("multi_latent_attention"), "multi-latent attention")
-    want(getattr(model, "position_embedding_type", "rope") == "rope",
-         f"position_embedding_type={getattr(model, 'position_embedding_type', None)!r} (needs 'rope')")
-    want(float(getattr(model, "rotary_percent", 1.0)) == 1.0, f"rotary_percent={getattr(model, 'rotary_percent', None)}")
-    want(not get("rotary_interleaved"), "rotary_interleaved=True")
-    rope = getattr(model, "rotary_pos_emb", None)
-    want(getattr(rope, "seq_len_interpolation_factor", None) is None, "seq_len_interpolation_factor")
-    want(not get("attention_output_gate"), "attention_output_gate=True")
-    want(not get("qk_l2_norm"), "qk_l2_norm=True")
-    want(not (get("qkv_bias_zero") or False), "qkv_bias_zero")
-    want(get("experimental_attention_variant") is None, f"attention variant {get('experimental_attention_variant')!r}")
-    want(get("window_size") is None, f"sliding-window attention (window_size={get('window_size')})")
-    want(get("no_rope_freq") is None, "layers without RoPE (no_rope_freq)")
-    want(not get("mtp_num_layers"), "multi-token prediction layers")
-    want(not get("heterogeneous_block_specs"), "heterogeneous layers")
-    want(not get("is_hybrid_model"), "hybrid (Mamba) model")
-    want(not get("layernorm_zero_centered_gamma"), "layernorm_zero_centered_gamma=True")
-    want(not get("apply_residual_connection_post_layernorm"), "apply_residual_connection_post_layernorm=True")
-    want(get("softmax_type", "vanilla") == "vanilla", f"softmax_type={get('softmax_type')!r}")
-    want(not get("glu_linear_offset"), f"glu_linear_offset={get('glu_linear_offset')}")
-    want(get("activation_func_clamp_value") is None, "activation_func_clamp_value")
-    want(not get("fp8_param") and not get("fp4_param"), "fp8/fp4 parameters (publish from a bf16 copy)")
+    act_name = getattr(act, "__name__", repr(act))
     kv = get("kv_channels") or c.hidden_size // c.num_attention_heads
     scale = get("softmax_scale")
-    want(scale is None or math.isclose(scale, kv ** -0.5, rel_tol=1e-6), f"softmax_scale={scale} (HF uses head_dim**-0.5)")
-    if get("qk_layernorm") and get("add_qkv_bias"):
-        p.append("QKV bias together with q/k layernorm (no HF Llama/Qwen architecture has both)")
-    return p
+    rope = getattr(model, "rotary_pos_emb", None)
+    checks = [
+        (get("num_moe_experts") is None, f"mixture of experts (num_moe_experts={get('num_moe_experts')})"),
+        (get("normalization") == "RMSNorm", f"normalization={get('normalization')!r} (needs 'RMSNorm')"),
+        (bool(get("gated_linear_unit")) and act_name == "silu",
+         f"MLP gated_linear_unit={get('gated_linear_unit')} activation={act_name} (needs SwiGLU)"),
+        (not get("add_bias_linear"), "add_bias_linear=True (biases on every linear layer)"),
+        (not get("multi_latent_attention"), "multi-latent attention"),
+        (getattr(model, "position_embedding_type", "rope") == "rope",
+         f"position_embedding_type={getattr(model, 'position_embedding_type', None)!r} (needs 'rope')"),
+        (float(getattr(model, "rotary_percent", 1.0)) == 1.0, f"rotary_percent={getattr(model, 'rotary_percent', None)}"),
+        (not get("rotary_interleaved"), "rotary_interleaved=True"),
+        (getattr(rope, "seq_len_interpolation_factor", None) is None, "seq_len_interpolation_factor"),
+        (not get("attention_output_gate"), "attention_output_gate=True"),
+        (not get("qk_l2_norm"), "qk_l2_norm=True"),
+        (get("experimental_attention_variant") is None, f"attention variant {get('experimental_attention_variant')!r}"),
+        (get("window_size") is None, f"sliding-window attention (window_size={get('window_size')})"),
+        (get("no_rope_freq") is None, "layers without RoPE (no_rope_freq)"),
+        (not get("mtp_num_layers"), "multi-token prediction layers"),
+        (not get("heterogeneous_block_specs"), "heterogeneous layers"),
+        (not get("is_hybrid_model"), "hybrid (Mamba) model"),
+        (not get("layernorm_zero_centered_gamma"), "layernorm_zero_centered_gamma=True"),
+        (not get("apply_residual_connection_post_layernorm"), "apply_residual_connection_post_layernorm=True"),
+        (get("softmax_type", "vanilla") == "vanilla", f"softmax_type={get('softmax_type')!r}"),
+        (not get("glu_linear_offset"), f"glu_linear_offset={get('glu_linear_offset')}"),
+        (get("activation_func_clamp_value") is None, "activation_func_clamp_value"),
+        (not get("fp8_param") and not get("fp4_param"), "fp8/fp4 parameters (publish from a bf16 copy)"),
+        (scale is None or math.isclose(scale, kv ** -0.5, rel_tol=1e-6), f"softmax_scale={scale} (HF uses head_dim**-0.5)"),
+        (not (get("qk_layernorm") and get("add_qkv_bias")),
+         "QKV bias together with q/k layernorm (no HF Llama/Qwen architecture has both)"),
+    ]
+    return [what for ok, what in checks if not ok]
 
 
 def check_supported(model_or_chunks: Any) -> None:
@@ -272,6 +271,29 @@ def local_state(model_or_chunks: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def megatron_stage_to_hf(model_or_chunks: Any, *, vocab_size: int | None = None, groups: Groups | None = None,
+                         info: ModelInfo | None = None) -> dict[str, torch.Tensor] | None:
+    """This pipeline stage's HF tensors (its own layers, global indices) on the stage's first TP rank.
+
+    None on the other ranks. Collective over the model-parallel group. This is the unit a multi-rank
+    push writes from every stage in parallel; `megatron_to_hf` collects the stages on one rank.
+    """
+    stage, _, _, _ = _stage(model_or_chunks, vocab_size, groups, info)
+    return stage
+
+
+def _stage(model_or_chunks: Any, vocab_size: int | None, groups: Groups | None, info: ModelInfo | None
+           ) -> tuple[dict[str, torch.Tensor] | None, ModelInfo, Groups, Plan | None]:
+    chunks = model_chunks(model_or_chunks)
+    info = info or describe(chunks, vocab_size=vocab_size)
+    groups = groups or groups_of(chunks[0])
+    if groups.is_replica:
+        return None, info, groups, None
+    local = local_state(chunks)
+    the_plan = plan(local, info.arch, groups)
+    return gather_stage(local, info.arch, groups, the_plan), info, groups, the_plan
+
+
 def megatron_to_hf(model_or_chunks: Any, *, vocab_size: int | None = None, groups: Groups | None = None,
                    info: ModelInfo | None = None) -> dict[str, torch.Tensor] | None:
     """Full HF-named CPU tensors of the model on the writing rank; None on every other rank.
@@ -279,15 +301,10 @@ def megatron_to_hf(model_or_chunks: Any, *, vocab_size: int | None = None, group
     Collective: call on every rank. Shapes, names and ownership are checked on every rank before any
     tensor moves, so a bad layout raises the same error everywhere.
     """
-    chunks = model_chunks(model_or_chunks)
-    info = info or describe(chunks, vocab_size=vocab_size)
-    groups = groups or groups_of(chunks[0])
-    if groups.is_replica:
+    stage, info, groups, the_plan = _stage(model_or_chunks, vocab_size, groups, info)
+    if stage is None or the_plan is None:
         return None
-    local = local_state(chunks)
-    the_plan = plan(local, info.arch, groups)
-    stage = gather_stage(local, info.arch, groups, the_plan)
-    full = gather_model(stage, info.arch, groups, the_plan) if groups.tp_rank == 0 else None
+    full = gather_model(stage, info.arch, groups, the_plan)
     if full is not None:
         check_complete(full, info.arch)
     return full
@@ -321,4 +338,5 @@ def push_megatron(model_or_chunks: Any, store: Any, *, hf_arch: str | None = Non
 
 
 __all__ = ["HF_ARCHS", "ModelInfo", "UnsupportedModelError", "check_supported", "describe", "hf_config",
-           "llama3_inv_freq", "local_state", "megatron_to_hf", "model_chunks", "push_megatron"]
+           "llama3_inv_freq", "local_state", "megatron_stage_to_hf", "megatron_to_hf", "model_chunks",
+           "push_megatron"]

@@ -60,7 +60,7 @@ def main() -> None:
         mc.init_parallel(tp=tp, pp=pp, vpp=vpp)
         from megatron.core import parallel_state as ps
 
-        from deltafs.integrations.megatron import push_megatron
+        from deltafs.integrations.megatron import megatron_stage_to_hf, push_megatron
 
         pp_rank = ps.get_pipeline_model_parallel_rank()
         if vpp:
@@ -86,6 +86,10 @@ def main() -> None:
                 assert result is None, f"rank {rank} got a push result"
             if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
                 torch.save(logits[..., : tiny.vocab].float(), os.path.join(spec["out"], f"logits-{step}.pt"))
+        stage = megatron_stage_to_hf(model, vocab_size=tiny.vocab)
+        if stage is not None:  # the first TP rank of each pipeline stage
+            with open(os.path.join(spec["out"], f"stage-{pp_rank}.json"), "w") as fh:
+                json.dump(sorted(stage), fh)
         mc.destroy_parallel()
     dist.destroy_process_group()
 

@@ -95,6 +95,13 @@ def test_tp2_pp2_virtual_chunks_publish_layers_under_global_indices(tmp_path: An
     assert "lm_head.weight" not in names
     assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1", "2", "3"}
 
+    # What each stage contributes (the unit of a multi-rank push).
+    stages = [set(json.loads((tmp_path / f"stage-{p}.json").read_text())) for p in (0, 1)]
+    assert not stages[0] & stages[1] and stages[0] | stages[1] == names
+    layers = [{n.split(".")[2] for n in st if n.startswith("model.layers.")} for st in stages]
+    assert layers == [{"0", "2"}, {"1", "3"}]
+    assert "model.embed_tokens.weight" in stages[0] and "model.norm.weight" in stages[1]
+
 
 def test_shapes_that_disagree_between_ranks_fail_on_every_rank_before_anything_is_written(tmp_path: Any) -> None:
     """Rank 1 was built with another MLP width: both ranks raise the same clear error, nobody hangs."""
