@@ -1,0 +1,139 @@
+"""Rank bodies for the multi-rank push tests (run in spawned processes with gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import traceback
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+MODEL_SHAPES = {
+    "model.embed_tokens.weight": (96, 32),
+    "model.layers.0.self_attn.q_proj.weight": (32, 32),
+    "model.layers.0.self_attn.k_proj.weight": (16, 32),
+    "model.layers.0.mlp.up_proj.weight": (64, 32),
+    "model.layers.0.input_layernorm.weight": (32,),
+    "model.layers.1.self_attn.q_proj.weight": (32, 32),
+    "model.layers.1.mlp.down_proj.weight": (32, 64),
+    "model.norm.weight": (32,),
+    "lm_head.weight": (96, 32),
+}
+CONFIG = b'{"architectures": ["LlamaForCausalLM"], "hidden_size": 32}\n'
+
+
+def model_at(step: int) -> dict[str, torch.Tensor]:
+    """Deterministic bf16 weights after `step` optimizer-like updates (about 2% of elements change per step)."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for name, shape in MODEL_SHAPES.items():
+        w = torch.randn(shape, generator=gen, dtype=torch.float32)
+        for s in range(1, step + 1):
+            g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{s}".encode()))
+            mask = torch.rand(shape, generator=g) < 0.02
+            w = w + mask * torch.randn(shape, generator=g) * 0.05
+        out[name] = w.to(torch.bfloat16)
+    return out
+
+
+def owned(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
+    return {n: t for i, (n, t) in enumerate(model_at(step).items()) if i % world == rank}
+
+
+def run(rank: int, world: int, port: int, out_dir: str, scenario: str, args: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    os.environ["DELTAFS_CACHE"] = args["cache"]
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=args.get("timeout", 30)))
+        result.update(SCENARIOS[scenario](rank, world, args))
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result.update(ok=False, error=type(exc).__name__, message=str(exc), tb=traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _push(rank: int, world: int, args: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    from deltafs.distributed import push_distributed
+
+    step = args["step"]
+    tensors = kw.pop("tensors", None)
+    if tensors is None:
+        tensors = owned(step, rank, world)
+    extra = {"config.json": CONFIG} if rank == 0 else {}
+    if rank == world - 1:
+        extra["tokenizer/tokenizer.json"] = b'{"v": 1}'
+    res = push_distributed(args["store"], tensors, extra_files=extra, metadata={"step": step}, **kw)
+    return {"result": res.to_json()}
+
+
+def push_steps(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    out = []
+    for step in args["steps"]:
+        out.append(_push(rank, world, {**args, "step": step}, **args.get("push_kwargs", {}))["result"])
+    return {"results": out}
+
+
+def duplicate_owner(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    tensors = owned(0, rank, world)
+    if rank == 1:
+        # Claims rank 0's embedding too, with another shape.
+        tensors["model.embed_tokens.weight"] = torch.zeros(95, 32, dtype=torch.bfloat16)
+    return _push(rank, world, {**args, "step": 0}, tensors=tensors)
+
+
+def fail_then_succeed(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Version 1; then a push where rank 1 fails while writing (no commit); then the same push again."""
+    first = _push(rank, world, {**args, "step": 0})["result"]
+    failed: dict[str, Any] = {}
+    try:
+        kw = {"tmp_dir": "/nonexistent/deltafs-tmp"} if rank == 1 else {}
+        _push(rank, world, {**args, "step": 1}, **kw)
+    except Exception as exc:  # noqa: BLE001
+        failed = {"error": type(exc).__name__, "message": str(exc)}
+    from deltafs.store.repo import Repository
+
+    versions_after_failure = Repository.open(args["store"]).versions()
+    again = _push(rank, world, {**args, "step": 1})["result"]
+    return {"first": first, "failed": failed, "versions_after_failure": versions_after_failure, "again": again}
+
+
+def die_while_writing(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 is SIGKILLed after it has written a few chunks; the others must not commit."""
+    if rank == 1:
+        from deltafs.store.repo import Repository
+
+        real = Repository.put_chunk
+        count = [0]
+
+        def put_chunk(self: Repository, data: bytes) -> tuple[str, bool]:
+            out = real(self, data)
+            count[0] += 1
+            if count[0] == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        Repository.put_chunk = put_chunk  # type: ignore[method-assign]
+    return _push(rank, world, {**args, "step": args["step"]}, threads=1)
+
+
+SCENARIOS = {
+    "push_steps": push_steps,
+    "duplicate_owner": duplicate_owner,
+    "fail_then_succeed": fail_then_succeed,
+    "die_while_writing": die_while_writing,
+}

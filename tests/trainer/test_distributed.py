@@ -1,0 +1,169 @@
+"""Multi-rank push over gloo: ranks write their own shards in parallel, one commit, all-or-nothing."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deltafs.distributed import push_distributed, shard_name
+from deltafs.errors import UsageError
+from deltafs.maintenance.gc import gc
+from deltafs.maintenance.verify import verify
+from deltafs.pull import pull
+from deltafs.store.repo import Repository
+
+from . import dist_workers
+from .dist_workers import CONFIG, model_at
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, world: int, scenario: str, **args) -> list[dict]:
+    """Start `world` spawned processes running one scenario; return each rank's report (None if it died)."""
+    out = tmp_path / f"out-{scenario}-{_free_port()}"
+    out.mkdir()
+    args.setdefault("cache", str(tmp_path / "caches"))
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=dist_workers.run, args=(r, world, port, str(out), scenario, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    reports = []
+    for r in range(world):
+        path = out / f"rank{r}.json"
+        reports.append(json.loads(path.read_text()) if path.exists() else None)
+    return reports
+
+
+def load_pulled(dest) -> dict[str, torch.Tensor]:
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(dest / fname)))
+    assert set(tensors) == set(index["weight_map"])
+    return tensors
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name].view(torch.int16), want[name].view(torch.int16)), name
+
+
+def test_three_ranks_push_deltas_that_pull_back_exactly(tmp_path):
+    store = str(tmp_path / "store")
+    reports = run_ranks(tmp_path, 3, "push_steps", store=store, steps=[0, 1, 2])
+    assert all(r and r["ok"] for r in reports), reports
+    # Every rank returns the same result; the second and third pushes are deltas from the rank caches.
+    per_rank = [[(x["version"], x["kind"], x["bytes_written"]) for x in r["results"]] for r in reports]
+    assert per_rank[0] == per_rank[1] == per_rank[2]
+    assert [k for _, k, _ in per_rank[0]] == ["full", "delta", "delta"]
+    assert not any(x["base_rederived"] for x in reports[0]["results"][1:])
+    full_size, delta_size = per_rank[0][0][2], per_rank[0][1][2]
+    assert delta_size * 3 < full_size
+    repo = Repository.open(store)
+    man = repo.manifest(3)
+    assert sorted(f.path for f in man.files) == sorted(
+        [shard_name(r, 3) for r in range(3)] + ["config.json", "model.safetensors.index.json", "tokenizer/tokenizer.json"])
+    assert man.metadata == {"step": 2} and man.stats["ranks"] == 3
+    # Each shard holds exactly its rank's tensors.
+    dest = tmp_path / "dest"
+    for version, step in [(1, 0), (2, 1), (3, 2)]:
+        pull(store, str(dest), version=version)
+        assert_same(load_pulled(dest), model_at(step))
+        assert (dest / "config.json").read_bytes() == CONFIG
+    names = list(model_at(0))
+    assert set(load_file(str(dest / shard_name(1, 3)))) == {n for i, n in enumerate(names) if i % 3 == 1}
+    assert verify(store, all_versions=True).ok
+
+
+def test_new_world_size_rederives_each_ranks_base_from_the_store(tmp_path):
+    store = str(tmp_path / "store")
+    assert all(r["ok"] for r in run_ranks(tmp_path, 2, "push_steps", store=store, steps=[0, 1]))
+    # Restarted job on 3 ranks with fresh caches: a delta against version 2, bases rebuilt from the store.
+    reports = run_ranks(tmp_path, 3, "push_steps", store=store, steps=[2], cache=str(tmp_path / "other-caches"))
+    assert all(r and r["ok"] for r in reports), reports
+    res = reports[0]["results"][0]
+    assert res["version"] == 3 and res["kind"] == "delta" and res["base_rederived"]
+    assert Repository.open(store).manifest(3).parent == 2
+    pull(store, str(tmp_path / "dest"))
+    assert_same(load_pulled(tmp_path / "dest"), model_at(2))
+    assert verify(store, all_versions=True).ok
+
+
+def test_a_tensor_owned_by_two_ranks_is_refused_before_anything_is_written(tmp_path):
+    store = tmp_path / "store"
+    reports = run_ranks(tmp_path, 2, "duplicate_owner", store=str(store))
+    for r in reports:
+        assert not r["ok"] and r["error"] == "UsageError", r
+        assert "model.embed_tokens.weight is owned by ranks 0 and 1" in r["message"]
+        assert "shapes disagree (BF16[96, 32] vs BF16[95, 32])" in r["message"]
+    assert not store.exists()  # not even the store was created
+
+
+def test_a_rank_that_fails_while_writing_aborts_the_version_everywhere(tmp_path):
+    store = str(tmp_path / "store")
+    reports = run_ranks(tmp_path, 3, "fail_then_succeed", store=store)
+    assert all(r and r["ok"] for r in reports), reports
+    assert reports[1]["failed"]["error"] == "FileNotFoundError"
+    for r in (reports[0], reports[2]):
+        assert r["failed"]["error"] == "DistributedPushError", r
+        assert "rank 1 failed" in r["failed"]["message"] and "not committed" in r["failed"]["message"]
+    assert all(r["versions_after_failure"] == [1] for r in reports)
+    assert reports[0]["again"]["version"] == 2 and reports[0]["again"]["kind"] == "delta"
+    pull(store, str(tmp_path / "dest"))
+    assert_same(load_pulled(tmp_path / "dest"), model_at(1))
+    assert verify(store, all_versions=True).ok
+
+
+def test_a_rank_killed_mid_push_leaves_no_version_and_the_next_push_succeeds(tmp_path):
+    store = str(tmp_path / "store")
+    push_distributed(store, model_at(0))  # version 1, from a single process
+    reports = run_ranks(tmp_path, 3, "die_while_writing", store=store, step=1, timeout=20)
+    assert reports[1] is None  # SIGKILLed before it could report
+    for r in (reports[0], reports[2]):
+        assert r is not None and r["error"] == "DistributedPushError", r  # the survivors notice and give up
+        assert "process group failed" in r["message"] and "not committed" in r["message"]
+    repo = Repository.open(store)
+    assert repo.versions() == [1] and repo.head().version == 1
+    assert len(list(repo.objects.list("chunks"))) > len(gc(store, keep_last=1, grace=0, dry_run=True).plan.chunks) > 0
+    assert verify(store, all_versions=True).ok
+    # The same job restarted: succeeds, and the dead push's chunks are garbage that gc removes.
+    reports = run_ranks(tmp_path, 3, "push_steps", store=store, steps=[1])
+    assert all(r and r["ok"] for r in reports), reports
+    assert reports[0]["results"][0]["version"] == 2
+    pull(store, str(tmp_path / "dest"))
+    assert_same(load_pulled(tmp_path / "dest"), model_at(1))
+    gc(store, keep_last=2, grace=0, settle=0)
+    assert verify(store, all_versions=True).ok
+
+
+def test_without_a_process_group_it_is_a_world_of_one(tmp_path, monkeypatch):
+    store = str(tmp_path / "store")
+    res = push_distributed(store, model_at(0), extra_files={"config.json": CONFIG})
+    assert res.version == 1 and res.kind == "full"
+    res = push_distributed(store, model_at(1), extra_files={"config.json": CONFIG})
+    assert res.kind == "delta" and not res.base_rederived
+    pull(store, str(tmp_path / "dest"))
+    assert sorted(os.listdir(tmp_path / "dest")) == ["config.json", "model-00001-of-00001.safetensors",
+                                                      "model.safetensors.index.json"]
+    assert_same(load_pulled(tmp_path / "dest"), model_at(1))
+    with pytest.raises(UsageError, match="not a torch.Tensor"):
+        push_distributed(store, {"x": [1, 2]})
+    with pytest.raises(UsageError, match="clashes"):
+        push_distributed(store, model_at(1), extra_files={"model.safetensors.index.json": b"{}"})
