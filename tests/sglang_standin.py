@@ -345,6 +345,7 @@ class StandinSGLang:
         finally:
             with self._cond:
                 self.running -= 1
+        self.record("generated", weight_version=version, tokens=len(out))
         text = bytes(i % 256 for i in out).decode("latin-1")
         return 200, {"text": text, "output_ids": out,
                      "meta_info": {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": max_new},

@@ -243,6 +243,10 @@ class Subscriber:
     def run(self) -> int:
         """Sync until stop(); returns 0, or the exit code of the error the host is stuck on."""
         self.start()
+        try:
+            self.notifier  # watch before the first look at HEAD, so no push falls in between
+        except (DeltafsError, OSError) as exc:
+            log.warning("cannot watch %s yet: %s", self.store_url, exc)
         last_beat = 0.0
         while not self.stop_event.is_set():
             delay: float | None = None

@@ -1,0 +1,118 @@
+"""The fleet ledger in the store and `deltafs status`."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from deltafs.cli.watch import register
+from deltafs.errors import UsageError
+from deltafs.store.open import open_objects
+from deltafs.store.repo import Repository
+from deltafs.watch.ledger import HostStatus, check_host_id, fleet_report, ledger_key, write_status
+
+
+def cli():
+    app = typer.Typer()
+    register(app)
+    return app
+
+
+def status_cli(*args: str):
+    result = CliRunner().invoke(cli(), ["status", *args], standalone_mode=False)
+    if result.exception:
+        raise result.exception
+    return result
+
+
+def host(store_id: str, name: str, served: int | None, **kw) -> HostStatus:
+    return HostStatus(host_id=name, dest=f"/models/{name}", engine="sglang", engine_url="http://127.0.0.1:30000",
+                      store_id=store_id, state=kw.pop("state", "serving"), served_version=served, **kw)
+
+
+@pytest.fixture()
+def fleet(trainer):
+    for _ in range(3):
+        trainer.push()
+    repo = Repository.open(trainer.store)
+    write_status(repo.objects, host(repo.store_id, "rollout-a", 3,
+                                    last_sync={"version": 3, "pause_s": 0.12, "sync_s": 1.5, "at": "x", "fallback": False}))
+    write_status(repo.objects, host(repo.store_id, "rollout-b", 1, failures=3, state="degraded",
+                                    last_error="SwitchError: switch to version 3 failed: HTTP 500"))
+    return repo
+
+
+def test_report_shows_lag_and_failures(fleet):
+    report = fleet_report(fleet)
+    assert report.head == 3 and not report.healthy
+    rows = {r.status.host_id: r for r in report.hosts}
+    assert rows["rollout-a"].lag == 0 and rows["rollout-a"].problem is None
+    assert rows["rollout-b"].lag == 2 and "3 failed sync(s)" in rows["rollout-b"].problem
+
+
+def test_silent_host_is_stale(fleet):
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10)
+    rows = {r.status.host_id: r for r in fleet_report(fleet, stale_after=300, now=later).hosts}
+    assert rows["rollout-a"].stale and "no report since" in rows["rollout-a"].problem
+
+
+def test_unreadable_entry_is_reported_not_fatal(fleet):
+    fleet.objects.put("fleet/garbage.json", b"{not json")
+    rows = fleet_report(fleet).hosts
+    assert any(r.status is None and "unreadable" in r.problem for r in rows)
+
+
+def test_status_cli_human_and_exit_code(fleet):
+    result = status_cli(fleet.url)
+    assert result.return_value == 1  # rollout-b has failures
+    lines = result.stdout.splitlines()
+    assert "HEAD is version 3" in lines[0]
+    row_a = next(line for line in lines if line.startswith("rollout-a"))
+    row_b = next(line for line in lines if line.startswith("rollout-b"))
+    assert "serving" in row_a and "v3 pause 0.12s / 1.50s" in row_a
+    assert "degraded" in row_b and "HTTP 500" in row_b
+
+
+def test_status_cli_json(fleet):
+    result = status_cli(fleet.url, "--json")
+    data = json.loads(result.stdout)
+    assert data["head"] == 3 and data["healthy"] is False
+    assert {h["host"]["host_id"]: h["lag"] for h in data["hosts"]} == {"rollout-a": 0, "rollout-b": 2}
+
+
+def test_status_cli_healthy_fleet_exits_zero(fleet):
+    fleet.objects.delete(ledger_key("rollout-b"))
+    assert status_cli(fleet.url).return_value == 0
+
+
+def test_status_of_a_store_nobody_watches(trainer):
+    trainer.push()
+    result = status_cli(trainer.store)
+    assert result.return_value == 0 and "no watcher has reported yet" in result.stdout
+
+
+def test_ledger_round_trip_and_unknown_fields_ignored(trainer):
+    trainer.push()
+    objects = open_objects(trainer.store)
+    st = host("abc", "h1", 1)
+    write_status(objects, st)
+    raw = json.loads(objects.get("fleet/h1.json"))
+    raw["added_by_a_newer_deltafs"] = 1
+    assert HostStatus.from_bytes(json.dumps(raw).encode()).served_version == 1
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", "-lead", "x" * 200])
+def test_host_id_must_be_a_safe_key(bad):
+    with pytest.raises(UsageError):
+        check_host_id(bad)
+
+
+def test_ledger_write_failure_is_not_raised(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    objects = open_objects(str(blocker))  # a store "directory" that is a file: every put fails
+    assert write_status(objects, host("abc", "h1", 1)) is False

@@ -1,0 +1,32 @@
+"""The Python API with the in-process torch engine: a trainer-side evaluator or a colocated rollout model."""
+
+from __future__ import annotations
+
+import threading
+
+from deltafs.engines.torch_module import TorchModuleEngine
+from deltafs.watch import Subscriber
+from sglang_standin import build_model
+from watch_helpers import CONFIG, same_weights
+
+
+def test_poll_then_apply_updates_the_module_in_place(trainer, tmp_path):
+    module = build_model(CONFIG)
+    param = module.lm_head.weight  # the same Parameter object must be updated, not replaced
+    lock = threading.Lock()
+    sub = Subscriber(trainer.store, str(tmp_path / "dest"), TorchModuleEngine(module, lock=lock), host_id="eval")
+    sub.start()
+    assert sub.poll() is None  # empty store: nothing to do
+    trainer.push()
+    staged = sub.poll()
+    assert staged.version == 1
+    applied = sub.apply()
+    assert applied.version == 1 and sub.apply() is None  # nothing staged any more
+    trainer.push()
+    trainer.push()
+    assert sub.poll().version == 3
+    sub.apply()
+    assert module.lm_head.weight is param
+    assert same_weights(module.state_dict(), trainer.weights[3])
+    assert sub.status.served_version == 3 and sub.status.last_sync["version"] == 3
+    sub.close()

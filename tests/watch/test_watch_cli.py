@@ -1,0 +1,106 @@
+"""`deltafs watch` as a real process: --once exit codes, SIGTERM mid-switch, SIGUSR1 boundary."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from deltafs.store.open import open_objects
+from deltafs.watch.ledger import HostStatus, ledger_key
+from watch_helpers import same_weights, wait_until
+
+MAIN = "import sys; from deltafs.cli.main import main; sys.argv[0] = 'deltafs'; main()"
+
+
+def deltafs(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", MAIN, *args], capture_output=True, text=True, timeout=60, **kw)
+
+
+def start_watch(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
+    log = str(tmp_path / "watch.log")
+    fh = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-c", MAIN, "watch", *args], stdout=fh, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def ledger(store: str, host: str) -> HostStatus | None:
+    try:
+        return HostStatus.from_bytes(open_objects(store).get(ledger_key(host)))
+    except FileNotFoundError:
+        return None
+
+
+def test_once_applies_then_is_a_no_op(trainer, tmp_path, engine_server):
+    trainer.push()
+    dest = str(tmp_path / "dest")
+    args = ["watch", trainer.store, dest, "--engine-url", engine_server.url, "--once", "--host-id", "h1"]
+    first = deltafs(*args)
+    assert first.returncode == 0, first.stderr
+    assert "version 1 live" in first.stderr and "pause" in first.stderr
+    assert same_weights(engine_server.state_dict(), trainer.weights[1])
+    updates = engine_server.count("update")
+    second = deltafs(*args)
+    assert second.returncode == 0 and engine_server.count("update") == updates
+    assert ledger(trainer.store, "h1").state == "stopped"
+
+
+def test_once_with_the_engine_down_fails_with_the_engine_exit_code(trainer, tmp_path, engine_server):
+    trainer.push()
+    engine_server.stop()
+    result = deltafs("watch", trainer.store, str(tmp_path / "dest"), "--engine-url", engine_server.url, "--once")
+    assert result.returncode == 10
+    assert "cannot reach SGLang" in result.stderr.splitlines()[-1]
+
+
+def test_sigterm_during_a_switch_finishes_it_and_resumes_the_engine(trainer, tmp_path, engine_server):
+    trainer.push()
+    proc, log = start_watch(tmp_path, trainer.store, str(tmp_path / "dest"), "--engine-url", engine_server.url,
+                            "--host-id", "h1", "--load-timeout", "20")
+    try:
+        wait_until(lambda: engine_server.weight_version == "1" and not engine_server.paused, timeout=20)
+        engine_server.inject("hang", seconds=1.5)
+        trainer.push()
+        wait_until(lambda: engine_server.paused, timeout=20, what="the switch to version 2 in progress")
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    assert rc == 0, open(log).read()
+    assert not engine_server.paused
+    assert engine_server.weight_version == "2"
+    assert same_weights(engine_server.state_dict(), trainer.weights[2])
+    assert ledger(trainer.store, "h1").state == "stopped"
+
+
+def test_sigterm_while_idle_exits_promptly(trainer, tmp_path, engine_server):
+    trainer.push()
+    proc, log = start_watch(tmp_path, trainer.store, str(tmp_path / "dest"), "--engine-url", engine_server.url,
+                            "--host-id", "h1")
+    try:
+        wait_until(lambda: (ledger(trainer.store, "h1") or HostStatus("", "", "")).served_version == 1, timeout=20)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert rc == 0 and time.monotonic() - started < 3, open(log).read()
+
+
+def test_signal_boundary_by_sigusr1(trainer, tmp_path, engine_server):
+    trainer.push()
+    proc, log = start_watch(tmp_path, trainer.store, str(tmp_path / "dest"), "--engine-url", engine_server.url,
+                            "--host-id", "h1", "--boundary", "signal")
+    try:
+        wait_until(lambda: (ledger(trainer.store, "h1") or HostStatus("", "", "")).state == "waiting", timeout=20)
+        time.sleep(0.3)
+        assert engine_server.count("update") == 0  # staged, waiting for the orchestrator
+        os.kill(proc.pid, signal.SIGUSR1)
+        wait_until(lambda: engine_server.weight_version == "1", timeout=20)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+    assert same_weights(engine_server.state_dict(), trainer.weights[1])
