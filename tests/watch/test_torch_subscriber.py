@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from deltafs.engines.torch_module import TorchModuleEngine
+from deltafs.errors import StoreNotFoundError
 from deltafs.watch import Subscriber
 from sglang_standin import build_model
 from watch_helpers import CONFIG, same_weights
@@ -16,7 +19,8 @@ def test_poll_then_apply_updates_the_module_in_place(trainer, tmp_path):
     lock = threading.Lock()
     sub = Subscriber(trainer.store, str(tmp_path / "dest"), TorchModuleEngine(module, lock=lock), host_id="eval")
     sub.start()
-    assert sub.poll() is None  # empty store: nothing to do
+    with pytest.raises(StoreNotFoundError):  # nothing pushed yet: no store
+        sub.poll()
     trainer.push()
     staged = sub.poll()
     assert staged.version == 1
