@@ -92,19 +92,21 @@ class Plan:
         return self.stages[pp_rank]
 
 
+# What one rank reports: (tp_rank, pp_rank, {global Megatron name: (shard shape, dtype name)}).
+RankReport = tuple[int, int, Mapping[str, tuple[tuple[int, ...], str]]]
+
+
 def plan(local: Mapping[str, torch.Tensor], arch: Arch, groups: Groups) -> Plan:
     """Exchange every rank's tensor list over the model-parallel group and check it fits `arch`."""
-    mine = (groups.tp_rank, groups.pp_rank, {n: (tuple(t.shape), str(t.dtype)) for n, t in local.items()})
-    if groups.mp is None:
-        everyone = [mine]
-    else:
+    mine: RankReport = (groups.tp_rank, groups.pp_rank, {n: (tuple(t.shape), str(t.dtype)) for n, t in local.items()})
+    everyone: list[Any] = [mine]
+    if groups.mp is not None:
         everyone = [None] * _size(groups.mp)
         dist.all_gather_object(everyone, mine, group=groups.mp)
-    return check_plan(everyone, arch, groups.tp_size, groups.pp_size)  # type: ignore[arg-type]
+    return check_plan(everyone, arch, groups.tp_size, groups.pp_size)
 
 
-def check_plan(everyone: Sequence[tuple[int, int, Mapping[str, tuple[tuple[int, ...], str]]]], arch: Arch,
-               tp: int, pp: int) -> Plan:
+def check_plan(everyone: Sequence[RankReport], arch: Arch, tp: int, pp: int) -> Plan:
     """The pure check behind `plan`: one entry (tp_rank, pp_rank, {name: (shape, dtype)}) per rank."""
     by_stage: dict[int, dict[int, Mapping[str, tuple[tuple[int, ...], str]]]] = {}
     for tp_rank, pp_rank, tensors in everyone:
@@ -200,7 +202,7 @@ def gather_stage(local: Mapping[str, torch.Tensor], arch: Arch, groups: Groups, 
 def gather_model(stage: Mapping[str, torch.Tensor] | None, arch: Arch, groups: Groups,
                  the_plan: Plan) -> dict[str, torch.Tensor] | None:
     """Send every stage's HF tensors to pipeline rank 0 (call on the TP-rank-0 of every stage)."""
-    if groups.pp_size == 1 or stage is None:
+    if groups.pp is None or groups.pp_size == 1 or stage is None:
         return dict(stage) if stage is not None and groups.pp_rank == 0 else None
     device = _device(groups.pp)
     shapes = expected_hf_shapes(arch)

@@ -192,7 +192,7 @@ def merge_tp(name: str, shards: Sequence[torch.Tensor], arch: Arch) -> dict[str,
         halves = [s.chunk(2, dim=0) for s in shards]
         return {out_names[0]: torch.cat([g for g, _ in halves], dim=0),
                 out_names[1]: torch.cat([u for _, u in halves], dim=0)}
-    return dict(zip(out_names, _split_qkv(torch.cat(list(shards), dim=0), arch)))
+    return dict(zip(out_names, _split_qkv(torch.cat(list(shards), dim=0), arch), strict=True))
 
 
 def _split_qkv(fused: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -76,7 +76,7 @@ def logits(path: str, input_ids: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{n}."
         h = _rms(x, w[p + "input_layernorm.weight"], eps)
 
-        def proj(name: str, t: torch.Tensor) -> torch.Tensor:
+        def proj(name: str, t: torch.Tensor, p: str = p) -> torch.Tensor:
             out = t @ w[p + f"self_attn.{name}.weight"].T
             bias = w.get(p + f"self_attn.{name}.bias")
             return out + bias if bias is not None else out

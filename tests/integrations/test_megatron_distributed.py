@@ -43,7 +43,7 @@ def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int, vpp: 
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for r, (p, out) in enumerate(zip(procs, outputs)):
+    for r, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         if expect_ok:
             assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-4000:]}"
     return spec, outputs

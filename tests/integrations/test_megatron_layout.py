@@ -33,7 +33,7 @@ def fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> 
 
 def fc1_shards(gate: torch.Tensor, up: torch.Tensor, tp: int) -> list[torch.Tensor]:
     """Megatron's linear_fc1 on TP rank r: [gate_r; up_r]."""
-    return [torch.cat([gr, ur]) for gr, ur in zip(gate.chunk(tp), up.chunk(tp))]
+    return [torch.cat([gr, ur]) for gr, ur in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -54,7 +54,8 @@ def test_tp_shards_merge_back_to_the_hf_tensors(tp: int) -> None:
     down = hf[p + "mlp.down_proj.weight"]
     assert torch.equal(merge_tp(L + "mlp.linear_fc2.weight", down.chunk(tp, dim=1), ARCH)[p + "mlp.down_proj.weight"], down)
     o = hf[p + "self_attn.o_proj.weight"]
-    assert torch.equal(merge_tp(L + "self_attention.linear_proj.weight", o.chunk(tp, dim=1), ARCH)[p + "self_attn.o_proj.weight"], o)
+    got = merge_tp(L + "self_attention.linear_proj.weight", o.chunk(tp, dim=1), ARCH)
+    assert torch.equal(got[p + "self_attn.o_proj.weight"], o)
 
 
 def test_naive_concatenation_of_fc1_shards_would_be_wrong() -> None:
