@@ -22,7 +22,7 @@ CONFIG = tiny_config()
 def assert_module_holds(module: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
     live = module.state_dict()
     for name, t in expected.items():
-        assert torch.equal(live[name].view(torch.uint8), t.view(torch.uint8)), name
+        assert torch.equal(live[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
 
 
 @pytest.fixture()
@@ -42,9 +42,14 @@ def versions(tmp_path):
     return paths, {1: w1, 2: w2, 3: w3}
 
 
-def test_first_apply_loads_everything_then_only_changes(versions):
+ACCELERATOR = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param(ACCELERATOR or "accelerator", marks=pytest.mark.skipif(
+    ACCELERATOR is None, reason="no CUDA/ROCm/XPU device on this machine"))])
+def test_first_apply_loads_everything_then_only_changes(versions, device):
     paths, weights = versions
-    module = build_model(CONFIG)
+    module = build_model(CONFIG).to(device)
     engine = TorchModuleEngine(module)
     first = engine.switch(Target(paths[1], "1"), None)
     assert first.tensors_changed == len(weights[1])
@@ -53,6 +58,7 @@ def test_first_apply_loads_everything_then_only_changes(versions):
     assert second.tensors_changed == 2  # lm_head.weight and the logit_bias buffer
     assert_module_holds(module, weights[2])
     assert engine.served_version() == "2"
+    assert all(t.device.type == device for t in module.state_dict().values())  # updated where it lives
 
 
 def test_apply_into_a_module_that_already_matches_copies_nothing(versions):

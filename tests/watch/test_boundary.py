@@ -48,7 +48,7 @@ def test_idle_switches_anyway_after_max_wait(engine_server):
     engine_server.token_delay = 0.1
     engine = SGLangEngine(engine_server.url)
     gen, _ = in_thread(lambda: requests.post(engine_server.url + "/generate",
-                                             json={"text": "x", "sampling_params": {"max_new_tokens": 20}}))
+                                             json={"text": "x", "sampling_params": {"max_new_tokens": 8}}))
     wait_until(lambda: engine.busy_requests() == 1)
     started = time.monotonic()
     assert Idle(max_wait=0.3, interval=0.02).wait(engine, threading.Event())

@@ -38,9 +38,10 @@ def same_weights(live: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
 class Trainer:
     """Pushes successive versions of the tiny model, each a small change of the last."""
 
-    def __init__(self, store: str, cache: str) -> None:
+    def __init__(self, store: str, cache: str, storage_options: dict | None = None) -> None:
         self.store = store
         self.cache = cache
+        self.storage_options = storage_options
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
         self._current = random_weights(CONFIG, 1)
 
@@ -53,7 +54,7 @@ class Trainer:
             self._current["lm_head.weight"][step % 64] += 0.5
             self._current["logit_bias"][step % 64] = float(step)
         res = push_tensors(self.store, self._current, extra_files={"config.json": json.dumps(CONFIG).encode()},
-                           cache_dir=self.cache, **kwargs)
+                           cache_dir=self.cache, storage_options=self.storage_options, **kwargs)
         self.weights[res.version] = {k: v.clone() for k, v in self._current.items()}
         return res.version
 
