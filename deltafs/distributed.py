@@ -445,7 +445,7 @@ def _commit(repo: Repository, decision: _Decision, reports: list[_RankReport], m
         "chunks_stored": sum(r.chunks_written for r in reports),
         "elements_total": elements_total,
         "elements_changed": elements_changed,
-        "chain_bytes": stored + (int(parent.stats.get("chain_bytes", 0)) if kind == "delta" and parent else 0),
+        "chain_bytes": stored + int(parent.stats.get("chain_bytes", 0)) if kind == "delta" and parent else 0,
         "since_full": 0 if kind == "full" else int(parent.stats.get("since_full", 0)) + 1 if parent else 0,
         "ranks": len(reports),
     }

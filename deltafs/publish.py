@@ -138,6 +138,7 @@ def _push_once(repo: Repository, files: list[SourceFile], cache: LocalCheckpoint
     with Progress(f"push v{new_version}", full_bytes, enabled=progress) as bar:
         entries = encoder.encode_files(files, bar.advance)
     # Delta bytes since the last full version (the full version itself not counted).
+    # chain_bytes: bytes of the deltas since the last full version (0 for a full version); the budget rule compares it.
     chain_bytes = encoder.stored + int(parent.stats.get("chain_bytes", 0)) if kind == "delta" and parent else 0
     since_full = 0 if kind == "full" else int(parent.stats.get("since_full", 0)) + 1 if parent else 0
     stats = {

@@ -51,7 +51,7 @@ def run(rank: int, world: int, port: int, out_dir: str, scenario: str, args: dic
     result: dict[str, Any] = {"rank": rank}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.get("timeout", 30)))
+                                timeout=timedelta(seconds=args.get("timeout", 90)))
         result.update(SCENARIOS[scenario](rank, world, args))
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the test

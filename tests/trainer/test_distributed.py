@@ -39,7 +39,7 @@ def run_ranks(tmp_path, world: int, scenario: str, **args) -> list[dict]:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(240)
         if p.is_alive():
             p.kill()
             p.join()
@@ -134,7 +134,7 @@ def test_a_rank_that_fails_while_writing_aborts_the_version_everywhere(tmp_path)
 def test_a_rank_killed_mid_push_leaves_no_version_and_the_next_push_succeeds(tmp_path):
     store = str(tmp_path / "store")
     push_distributed(store, model_at(0))  # version 1, from a single process
-    reports = run_ranks(tmp_path, 3, "die_while_writing", store=store, step=1, timeout=20)
+    reports = run_ranks(tmp_path, 3, "die_while_writing", store=store, step=1, timeout=90)
     assert reports[1] is None  # SIGKILLed before it could report
     for r in (reports[0], reports[2]):
         assert r is not None and r["error"] == "DistributedPushError", r  # the survivors notice and give up

@@ -1,0 +1,96 @@
+"""Keyframes: a full version every K versions, or once the chain since the last one exceeds a budget."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from deltafs.publish import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, push
+from deltafs.pull import pull
+from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import files_of, perturb, run_cli, write_safetensors
+
+from .helpers import bytes_needed, push_history
+
+
+def _kinds(store: str) -> list[str]:
+    repo = Repository.open(store)
+    return [repo.manifest(v).kind for v in repo.versions()]
+
+
+def test_a_full_version_every_k(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 10, keyframe_every=4, keyframe_budget=None)
+    kinds = _kinds(store)
+    assert [v for v, k in enumerate(kinds, 1) if k == "full"] == [1, 5, 9]
+    repo = Repository.open(store)
+    assert [repo.manifest(v).stats["since_full"] for v in repo.versions()] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    # `deltafs log` marks the full versions.
+    out = run_cli("log", store, check=0).stdout.splitlines()[1:]
+    marked = [int(line.split()[0]) for line in out if "full *" in line]
+    assert marked == [1, 5, 9]
+
+
+def test_a_full_version_once_the_chain_exceeds_the_budget(tmp_path, maker):
+    maker.fraction = 0.2  # big steps: each delta is a sizeable part of a full version
+    store = str(tmp_path / "store")
+    push_history(store, maker, 10, keyframe_every=None, keyframe_budget=0.2)
+    repo = Repository.open(store)
+    mans = [repo.manifest(v) for v in repo.versions()]
+    fulls = [m.version for m in mans if m.kind == "full"]
+    assert len(fulls) >= 3, fulls  # the budget, not K, made keyframes
+    for prev, man in zip(mans, mans[1:]):
+        over = prev.stats["chain_bytes"] >= 0.2 * man.stats["full_bytes"]
+        assert (man.kind == "full") == over, (man.version, prev.stats, man.stats)
+    for prev, man in zip(mans, mans[1:]):  # chain_bytes: the deltas' bytes since the last full version
+        want = 0 if man.kind == "full" else prev.stats["chain_bytes"] + man.stats["chunk_bytes_stored"]
+        assert man.stats["chain_bytes"] == want
+
+
+def test_defaults_are_documented_values_in_api_and_cli(tmp_path):
+    assert (DEFAULT_KEYFRAME_EVERY, DEFAULT_KEYFRAME_BUDGET) == (50, 1.0)
+    sig = inspect.signature(push).parameters
+    assert sig["keyframe_every"].default == 50 and sig["keyframe_budget"].default == 1.0
+    help_text = " ".join(run_cli("push", "--help", check=0).stdout.split())
+    assert "--keyframe-every" in help_text and "--keyframe-budget" in help_text and "[default: 50]" in help_text
+
+
+def test_default_policy_makes_version_51_full(tmp_path):
+    """With the defaults and tiny changes (budget never reached), versions 1 and 51 are full."""
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    store = str(tmp_path / "store")
+    src = tmp_path / "src" / "model.safetensors"
+    for _ in range(52):
+        write_safetensors(str(src), {"w": ("BF16", (2048,), data)})
+        push(store, str(src.parent), threads=1)
+        data = perturb(data, 2, 0.001, rng)
+    kinds = _kinds(store)
+    assert [v for v, k in enumerate(kinds, 1) if k == "full"] == [1, 51]
+
+
+def test_full_flag_and_cli_options(tmp_path, maker):
+    store = str(tmp_path / "store")
+    run_cli("push", maker.write(), store, check=0)
+    maker.advance()
+    run_cli("push", maker.write(), store, "--full", check=0)
+    maker.advance()
+    run_cli("push", maker.write(), store, "--keyframe-every", "2", check=0)  # since_full 0 -> due now? no: 1 < 2
+    maker.advance()
+    run_cli("push", maker.write(), store, "--keyframe-every", "2", check=0)
+    maker.advance()
+    run_cli("push", maker.write(), store, "--keyframe-every", "0", "--keyframe-budget", "0", check=0)
+    assert _kinds(store) == ["full", "full", "delta", "full", "delta"]
+
+
+def test_a_new_reader_starts_at_the_newest_full_version(tmp_path, maker):
+    store = str(tmp_path / "store")
+    srcs = push_history(store, maker, 7, keyframe_every=3)  # full 1, 4, 7
+    res = pull(store, str(tmp_path / "dest"), version=6)
+    assert res.from_full
+    assert files_of(tmp_path / "dest") == files_of(srcs[6])
+    repo = Repository.open(store)
+    # What was read is exactly what version 4 and the deltas after it need; replaying from version 1 costs more.
+    assert res.bytes_read == bytes_needed(repo, 6, None)
+    assert res.bytes_read < sum(repo.manifest(v).stats["chunk_bytes_stored"] for v in range(1, 7))
