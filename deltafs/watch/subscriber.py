@@ -183,9 +183,6 @@ class Subscriber:
         result = self._pull_newest(head.version, served)
         if served is not None and result.version <= served:
             return None
-        if self.engine is None:  # pull-only: staged is served
-            self.served = Target(result.path, weight_version(result.version))
-            self.status.served_version = result.version
         noticed = self._noticed.get(result.version, time.monotonic())
         self.staged = Staged(result.version, result.path, result, noticed)
         self.status.staged_version = result.version
@@ -227,15 +224,10 @@ class Subscriber:
     def sync(self) -> Applied | None:
         """One cycle: poll, wait for the boundary, apply. None when there was nothing to do."""
         staged = self.poll()
-        if staged is None or self.engine is None:
-            if staged is not None:
-                self.staged = None
-                self.status.staged_version = None
-                self.status.failures = 0
-                self.status.last_error = None
-                self._set_state("serving")
+        if staged is None:
+            self._beat()
             return None
-        if not self.boundary.wait(self.engine, self.stop_event):
+        if self.engine is not None and not self.boundary.wait(self.engine, self.stop_event):
             return None
         return self.apply()
 
@@ -247,7 +239,6 @@ class Subscriber:
             self.notifier  # watch before the first look at HEAD, so no push falls in between
         except (DeltafsError, OSError) as exc:
             log.warning("cannot watch %s yet: %s", self.store_url, exc)
-        last_beat = 0.0
         while not self.stop_event.is_set():
             delay: float | None = None
             try:
@@ -264,9 +255,7 @@ class Subscriber:
                 delay = self._failed(exc)
             if self.stop_event.is_set():
                 break
-            if time.monotonic() - last_beat > self.heartbeat:
-                self._write_ledger()
-                last_beat = time.monotonic()
+            self._beat()
             if delay is not None:
                 self.stop_event.wait(delay)
             else:
@@ -370,9 +359,17 @@ class Subscriber:
         self.status.state = state
         self._write_ledger()
 
+    _last_write = 0.0
+
+    def _beat(self) -> None:
+        """Refresh the ledger entry now and then, so `deltafs status` can tell a live host from a dead one."""
+        if time.monotonic() - self._last_write > self.heartbeat:
+            self._write_ledger()
+
     def _write_ledger(self) -> None:
         if not self.ledger:
             return
+        self._last_write = time.monotonic()
         try:
             objects = self.repo.objects
             # Never let a ledger write re-create a store directory that was removed or moved.

@@ -34,3 +34,19 @@ def test_poll_then_apply_updates_the_module_in_place(trainer, tmp_path):
     assert same_weights(module.state_dict(), trainer.weights[3])
     assert sub.status.served_version == 3 and sub.status.last_sync["version"] == 3
     sub.close()
+
+
+def test_pull_only_watcher_keeps_dest_current(trainer, tmp_path):
+    from deltafs.pull import local_version
+
+    trainer.push()
+    dest = str(tmp_path / "dest")
+    sub = Subscriber(trainer.store, dest, None, host_id="pull-only")
+    sub.start()
+    assert sub.sync() is not None and local_version(dest).version == 1
+    trainer.push()
+    applied = sub.sync()
+    assert applied.version == 2 and applied.pause_seconds == 0
+    assert local_version(dest).version == 2 and sub.status.served_version == 2
+    assert sub.sync() is None
+    sub.close()
