@@ -64,7 +64,7 @@ class Same:
 @register
 @dataclass(frozen=True)
 class Raw:
-    """The chunk itself, split into byte planes, in one zstd frame; needs no base."""
+    """The chunk itself, split into byte planes, one stream (zstd unless incompressible); needs no base."""
 
     width: int
     name: ClassVar[str] = "raw"
@@ -79,18 +79,19 @@ class Raw:
 
     @staticmethod
     def encode(new: np.ndarray, width: int, level: int) -> tuple[Raw, bytes]:
-        return Raw(width), streams.compress(streams.to_planes(new, width), level)
+        return Raw(width), streams.seal([streams.pack(streams.to_planes(new, width), level)])
 
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
         _check_width(self.name, self.width, size)
-        data = streams.decompress(_need_payload(self.name, payload), size, "raw chunk")
+        body = streams.unseal(_need_payload(self.name, payload), "raw chunk")
+        data = streams.unpack(body, size, "raw chunk")
         return streams.from_planes(data, self.width)
 
 
 @register
 @dataclass(frozen=True)
 class Xor:
-    """new XOR base, split into byte planes, in one zstd frame (the dense delta)."""
+    """new XOR base, split into byte planes, one stream (zstd unless incompressible): the dense delta."""
 
     width: int
     name: ClassVar[str] = "xor"
@@ -105,12 +106,13 @@ class Xor:
 
     @staticmethod
     def encode(new: np.ndarray, base: np.ndarray, width: int, level: int) -> tuple[Xor, bytes]:
-        return Xor(width), streams.compress(streams.to_planes(np.bitwise_xor(new, base), width), level)
+        return Xor(width), streams.seal([streams.pack(streams.to_planes(np.bitwise_xor(new, base), width), level)])
 
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
         _check_width(self.name, self.width, size)
         b = _need_base(self.name, base, size)
-        data = streams.decompress(_need_payload(self.name, payload), size, "xor chunk")
+        body = streams.unseal(_need_payload(self.name, payload), "xor chunk")
+        data = streams.unpack(body, size, "xor chunk")
         return np.bitwise_xor(streams.from_planes(data, self.width), b)
 
 
@@ -170,7 +172,7 @@ def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -
     planes = streams.to_planes(big_values.view(np.uint8), width).reshape(width, -1)
     parts = [unary, remainder, np.packbits(negative), big_unary, big_remainder, *planes]
     group = Group(int(ranks.size), k, int(unary.size), int(big_at.size), big_k, int(big_unary.size))
-    return group, [streams.compress(p, level) if p.size else b"" for p in parts]
+    return group, [streams.pack(p, level) for p in parts]
 
 
 def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.dtype[Any]) -> tuple[np.ndarray,
@@ -249,8 +251,8 @@ class Sparse:
 
     With split > 0 the elements are in two classes by base magnitude (< split: "low", first; the rest second) and
     each class numbers its own changes, which costs far fewer bits when one class changes much more often.
-    Payload: per group, 5 + width streams (see Group.stream_sizes), each one zstd frame or empty; `frames` lists
-    their stored lengths.
+    Payload: per group, 5 + width streams (see Group.stream_sizes), each stored by streams.pack (raw, or one zstd
+    frame when smaller); `frames` lists their stored lengths; then the trailer (streams.seal).
     """
 
     width: int
@@ -296,12 +298,12 @@ class Sparse:
             groups.append(g)
             parts += p
         rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(len(p) for p in parts))
-        return rec, b"".join(parts)
+        return rec, streams.seal(parts)
 
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
         _check_width(self.name, self.width, size)
         b = _need_base(self.name, base, size)
-        data = memoryview(_need_payload(self.name, payload))
+        data = streams.unseal(_need_payload(self.name, payload), "sparse chunk")
         n = size // self.width
         if sum(g.count for g in self.groups) > n:
             raise IntegrityError("sparse: more changes than elements", expected=n, actual=sum(g.count for g in self.groups))
@@ -323,7 +325,7 @@ class Sparse:
             parts = []
             for j, plain in enumerate(g.stream_sizes(self.width)):
                 stored = self.frames[gi * per + j]
-                parts.append(streams.decompress(data[pos:pos + stored], plain, f"sparse stream {gi}.{j}"))
+                parts.append(streams.unpack(data[pos:pos + stored], plain, f"sparse stream {gi}.{j}"))
                 pos += stored
             if index is None:
                 space = n

@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import xxhash
 import zstandard
 
 from deltafs.errors import IntegrityError
@@ -25,10 +26,9 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     if cache is None:
         cache = _local.compressors = {}
     if level not in cache:
-        # Content size: decoders refuse frames that lie about their size before allocating. Checksum (4 bytes a
-        # frame): a damaged payload fails to decode instead of decoding to different bytes, even without the
-        # object-id check the store does.
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
+        # Content size: decoders refuse frames that lie about their size before allocating. No frame checksum:
+        # the payload trailer (seal) covers every stream at once.
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
     return cache[level]
 
 
@@ -56,20 +56,32 @@ def scratch(name: str, size: int, dtype: np.dtype[Any] | type) -> np.ndarray:
 
 
 def compress(data: np.ndarray | bytes, level: int) -> bytes:
-    """One zstd frame holding data, with its content size in the frame header; nothing at all for empty data."""
-    if len(data) == 0:
-        return b""
+    """One zstd frame holding data, with its content size in the frame header."""
     return _compressor(level).compress(data)
 
 
-def decompress(frame: bytes | memoryview, size: int, what: str) -> np.ndarray:
-    """Exactly size bytes from one zstd frame, or IntegrityError; never allocates more than size bytes.
+def pack(data: np.ndarray | bytes, level: int) -> bytes:
+    """A stream as stored: one zstd frame when that is smaller, else the bytes themselves (empty stays empty).
 
-    An empty stream is stored as no bytes at all (no frame), and only an empty stream may be."""
-    if size == 0 or len(frame) == 0:
-        if len(frame) != size:
-            raise IntegrityError(f"{what}: stored {len(frame)} bytes for a stream of {size}")
-        return np.empty(0, np.uint8)
+    The decoder tells the two apart by length alone: a stream is raw exactly when its stored length equals its
+    decoded length, so no flag is needed and incompressible streams (Rice bits, signs) cost nothing extra.
+    """
+    raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
+    if not raw:
+        return b""
+    frame = compress(raw, level)
+    return frame if len(frame) < len(raw) else raw
+
+
+def unpack(stored: bytes | memoryview, size: int, what: str) -> np.ndarray:
+    """Exactly size bytes from a stream stored by pack(), or IntegrityError; never allocates more than size."""
+    if len(stored) == size:
+        return np.frombuffer(stored, dtype=np.uint8)
+    return decompress(stored, size, what)
+
+
+def decompress(frame: bytes | memoryview, size: int, what: str) -> np.ndarray:
+    """Exactly size bytes from one zstd frame, or IntegrityError; never allocates more than size bytes."""
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:
@@ -85,6 +97,28 @@ def decompress(frame: bytes | memoryview, size: int, what: str) -> np.ndarray:
     if len(out) != size:
         raise IntegrityError(f"{what}: decompressed to the wrong size", expected=size, actual=len(out))
     return np.frombuffer(out, dtype=np.uint8)
+
+
+# Every stored payload ends with the XXH3-64 (seed 0, little-endian) of the bytes before it. The store already
+# names objects by their sha256; this makes the codec fail closed on its own (tests, other callers, bugs): a damaged
+# payload raises instead of decoding to different bytes.
+TRAILER = 8
+
+
+def seal(parts: list[bytes]) -> bytes:
+    body = b"".join(parts)
+    return body + xxhash.xxh3_64_intdigest(body).to_bytes(TRAILER, "little")
+
+
+def unseal(payload: bytes | memoryview, what: str) -> memoryview:
+    """The payload without its trailer, after checking it."""
+    view = memoryview(payload)
+    if len(view) < TRAILER:
+        raise IntegrityError(f"{what}: payload of {len(view)} bytes is too short")
+    body = view[: len(view) - TRAILER]
+    if xxhash.xxh3_64_intdigest(body) != int.from_bytes(view[len(view) - TRAILER:], "little"):
+        raise IntegrityError(f"{what}: payload checksum does not match")
+    return body
 
 
 def to_planes(data: np.ndarray, width: int) -> np.ndarray:

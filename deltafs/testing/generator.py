@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -139,13 +139,21 @@ class TrainerSim:
         weight_decay: float = 0.01,
         grad_signal: float = 0.5,
         init_std: float = 0.02,
+        names: Iterable[str] | None = None,
     ) -> None:
         self.config = CONFIGS[config] if isinstance(config, str) else config
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.grad_signal = grad_signal
         self.step_count = 0
         self._gen = torch.Generator().manual_seed(seed)
-        self._params = [self._init_param(name, shape, init_std) for name, shape in self.config.shapes().items()]
+        shapes = self.config.shapes()
+        wanted = list(shapes) if names is None else list(names)
+        unknown = set(wanted) - set(shapes)
+        if unknown:
+            raise KeyError(f"not tensors of {self.config.name}: {sorted(unknown)}")
+        # Only the named tensors are simulated (in checkpoint order), so a benchmark can walk a large model a few
+        # tensors at a time; the random streams then differ from a whole-model run with the same seed.
+        self._params = [self._init_param(name, shapes[name], init_std) for name in shapes if name in set(wanted)]
 
     def _init_param(self, name: str, shape: tuple[int, ...], init_std: float) -> _Param:
         g = self._gen

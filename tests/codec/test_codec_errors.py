@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltafs import codec
+from deltafs.codec.streams import seal
 from deltafs.errors import FormatError, IntegrityError
 
 
@@ -96,11 +97,11 @@ def test_base_of_the_wrong_size_or_missing() -> None:
 
 def test_zstd_bomb_is_refused_before_allocating() -> None:
     # 1 GiB of zeros compresses to a few KB; its frame header declares the size.
-    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (1 << 30))
+    bomb = seal([zstandard.ZstdCompressor(level=19).compress(b"\0" * (1 << 30))])
     with pytest.raises(IntegrityError, match="declares the wrong size"):
         codec.decode({"name": "raw", "width": 1}, bomb, None, 4096, 1)
     # The same without a declared size: bounded by the chunk's size, then refused.
-    unsized = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(b"\0" * (64 << 20))
+    unsized = seal([zstandard.ZstdCompressor(level=3, write_content_size=False).compress(b"\0" * (64 << 20))])
     with pytest.raises(IntegrityError):
         codec.decode({"name": "raw", "width": 1}, unsized, None, 4096, 1)
 
