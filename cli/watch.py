@@ -9,9 +9,9 @@ import signal
 from typing import Annotated, Any, Optional
 
 import typer
-
 from deltafs.cli.options import Json, Quiet, StorageOptions
 from deltafs.cli.output import Output
+
 from deltafs.errors import UsageError
 from deltafs.store.open import parse_storage_options
 
@@ -44,7 +44,9 @@ def watch_cmd(
 
     _log_to_stderr(quiet)
     kind = engine or ("sglang" if engine_url else "none")
-    eng = make_engine(kind, engine_url, pause_mode=pause_mode, load_timeout=load_timeout) if kind != "none" else make_engine("none")
+    # The admin API key comes from the environment, never a flag: flags show up in ps.
+    options = {"pause_mode": pause_mode, "load_timeout": load_timeout, "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
+    eng = make_engine(kind, engine_url, **options) if kind != "none" else None
     if boundary not in ("immediate", "idle", "signal"):
         raise UsageError(f"unknown boundary {boundary!r}; use immediate, idle or signal")
     bound = make_boundary(boundary, max_wait=max_wait, file=boundary_file, port=boundary_port)

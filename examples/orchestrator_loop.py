@@ -20,6 +20,8 @@ from deltafs.engines import make_engine
 from deltafs.errors import DeltafsError
 from deltafs.watch import Subscriber
 
+log = logging.getLogger("orchestrator")
+
 
 def rollout(engine_url: str, task: int) -> dict:
     """One task: a generation request; the answer says which weight version produced it."""
@@ -48,7 +50,7 @@ def main() -> int:
         try:
             sub.poll()  # stage the newest version, if any, while the engine serves
         except DeltafsError as exc:
-            logging.warning("could not stage a new version (still serving %s): %s",
+            log.warning("could not stage a new version (still serving %s): %s",
                             sub.served.version if sub.served else "?", exc)
         answer = rollout(args.engine_url, task)
         print(json.dumps({"task": task, "weight_version": answer["meta_info"]["weight_version"]}), flush=True)
@@ -57,7 +59,7 @@ def main() -> int:
         try:
             sub.apply()
         except DeltafsError as exc:
-            logging.error("switch failed, still serving %s: %s", sub.served.version if sub.served else "?", exc)
+            log.error("switch failed, still serving %s: %s", sub.served.version if sub.served else "?", exc)
     sub.close()
     return 0
 

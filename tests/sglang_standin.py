@@ -392,7 +392,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return value if isinstance(value, dict) else None
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         s = self.standin
         route = self.path.split("?", 1)[0]
         if route == "/model_info":
@@ -406,7 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, {"detail": "Not Found"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         s = self.standin
         body = self._body()
         if body is None:

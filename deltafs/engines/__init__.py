@@ -15,8 +15,17 @@ from deltafs.engines.base import Engine, SwitchError, SwitchResult, Target
 from deltafs.engines.versions import find_version_dir, weight_version
 from deltafs.errors import UsageError
 
-__all__ = ["Engine", "SwitchError", "SwitchResult", "Target", "ENGINE_KINDS", "make_engine", "reload_engine", "weight_version",
-           "find_version_dir"]
+__all__ = [
+    "ENGINE_KINDS",
+    "Engine",
+    "SwitchError",
+    "SwitchResult",
+    "Target",
+    "find_version_dir",
+    "make_engine",
+    "reload_engine",
+    "weight_version",
+]
 
 log = logging.getLogger("deltafs.engines")
 

@@ -11,7 +11,12 @@ import logging
 import time
 from typing import Any
 
-from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
+from deltafs.engines.base import (
+    EngineUnreachableError,
+    SwitchError,
+    SwitchResult,
+    Target,
+)
 from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.engines.sglang")
@@ -180,7 +185,7 @@ class SGLangEngine:
         pause_seconds = time.monotonic() - started
         if failure is not None:
             where = ("; it holds the new version but may still be paused" if loaded
-                     else f"; serving version {previous.version} again" if rolled_back
+                     else f"; serving version {previous.version} again" if rolled_back and previous
                      else "; could not confirm the previous version is back" if previous and reached else "")
             raise SwitchError(f"switch to version {target.version} failed: {failure}{where}", rolled_back=rolled_back,
                               previous=previous, serving=target if loaded else None)

@@ -21,8 +21,8 @@ import xxhash
 from safetensors import safe_open
 
 from deltafs.engines.base import SwitchError, SwitchResult, Target
-from deltafs.errors import EngineError, FormatError, IntegrityError
 from deltafs.engines.versions import read_version_manifest
+from deltafs.errors import EngineError, FormatError, IntegrityError
 from deltafs.format.manifest import Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
@@ -31,7 +31,7 @@ log = logging.getLogger("deltafs.engines.torch")
 def tensor_digest(t: torch.Tensor) -> str:
     """xxh3-128 of the tensor's raw bytes, as safetensors stores them (the manifest's segment digest)."""
     flat = t.detach().contiguous().reshape(-1).cpu()
-    raw = flat.view(torch.uint8).numpy() if flat.numel() else b""
+    raw: Any = flat.view(torch.uint8).numpy() if flat.numel() else b""
     return "xxh3-128:" + xxhash.xxh3_128_hexdigest(raw)
 
 

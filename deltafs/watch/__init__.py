@@ -9,5 +9,16 @@ from deltafs.watch.boundary import Idle, Immediate, Signal, make_boundary
 from deltafs.watch.ledger import FleetReport, HostStatus, fleet_report
 from deltafs.watch.subscriber import Applied, NothingVerifiableError, Staged, Subscriber
 
-__all__ = ["Subscriber", "Staged", "Applied", "NothingVerifiableError", "Immediate", "Idle", "Signal",
-           "make_boundary", "HostStatus", "FleetReport", "fleet_report"]
+__all__ = [
+           "Applied",
+           "FleetReport",
+           "HostStatus",
+           "Idle",
+           "Immediate",
+           "NothingVerifiableError",
+           "Signal",
+           "Staged",
+           "Subscriber",
+           "fleet_report",
+           "make_boundary",
+]

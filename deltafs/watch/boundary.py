@@ -75,6 +75,9 @@ class Idle:
             stop.wait(self.interval)
         return False
 
+    def close(self) -> None:
+        pass
+
 
 class Signal:
     """The orchestrator decides: a touched file, SIGUSR1, or POST /boundary on a local port."""
@@ -136,7 +139,7 @@ def _serve(boundary: Signal, port: int) -> ThreadingHTTPServer:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if self.path.split("?", 1)[0] != "/boundary":
                 self.send_error(404)
                 return

@@ -37,7 +37,13 @@ from deltafs.local import LocalCheckpoint
 from deltafs.pull import PullResult, pull
 from deltafs.store.repo import CONFIG_KEY, Repository
 from deltafs.watch.boundary import Boundary, Immediate
-from deltafs.watch.ledger import HostStatus, check_host_id, default_host_id, utcnow, write_status
+from deltafs.watch.ledger import (
+    HostStatus,
+    check_host_id,
+    default_host_id,
+    utcnow,
+    write_status,
+)
 from deltafs.watch.notify import Notifier
 
 log = logging.getLogger("deltafs.watch")
@@ -197,7 +203,7 @@ class Subscriber:
         if not os.path.isdir(staged.path):  # DEST deleted under us: stage again, never load a guess
             self.staged = None
             self.status.staged_version = None
-            raise FormatError(f"staged version {staged.version} vanished from {staged.path}; staging it again")
+            raise DestinationError(f"staged version {staged.version} vanished from {staged.path}; staging it again")
         target = Target(staged.path, weight_version(staged.version))
         pause = 0.0
         if self.engine is not None:
@@ -236,7 +242,7 @@ class Subscriber:
         """Sync until stop(); returns 0, or the exit code of the error the host is stuck on."""
         self.start()
         try:
-            self.notifier  # watch before the first look at HEAD, so no push falls in between
+            _ = self.notifier  # watch before the first look at HEAD, so no push falls in between
         except (DeltafsError, OSError) as exc:
             log.warning("cannot watch %s yet: %s", self.store_url, exc)
         while not self.stop_event.is_set():
@@ -352,7 +358,7 @@ class Subscriber:
         return delay
 
     def _backoff(self, failures: int) -> float:
-        base = min(self.retry_max, self.retry_base * 2 ** max(0, failures - 1))
+        base = min(self.retry_max, self.retry_base * float(2 ** max(0, failures - 1)))
         return base * random.uniform(0.5, 1.0)  # full jitter: a fleet must not retry in lockstep
 
     def _set_state(self, state: str) -> None:

@@ -14,12 +14,12 @@ import time
 import pytest
 import requests
 import torch
+from sglang_standin import StandinSGLang, random_weights, tiny_config, write_checkpoint
 
 from deltafs.engines import reload_engine
 from deltafs.engines.base import SwitchError, Target
 from deltafs.engines.sglang import SGLangEngine
 from deltafs.errors import EngineError, UsageError
-from sglang_standin import StandinSGLang, random_weights, tiny_config, write_checkpoint
 
 CONFIG = tiny_config()
 

@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
+from sglang_standin import build_model, random_weights, tiny_config
 
 from deltafs.engines.base import SwitchError, Target
 from deltafs.engines.torch_module import ModuleApplier, TorchModuleEngine, tensor_digest
 from deltafs.errors import EngineError
 from deltafs.publish import push_tensors
 from deltafs.pull import pull
-from sglang_standin import build_model, random_weights, tiny_config
 
 CONFIG = tiny_config()
 

@@ -9,12 +9,12 @@ import time
 
 import pytest
 import requests
+from watch_helpers import FAST, same_weights, wait_until
 
 from deltafs.engines.sglang import SGLangEngine
 from deltafs.errors import UsageError
 from deltafs.watch import Subscriber
 from deltafs.watch.boundary import Idle, Immediate, Signal, make_boundary
-from watch_helpers import FAST, same_weights, wait_until
 
 
 def in_thread(fn):

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import typer.main
-
 from watch_helpers import same_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +51,7 @@ def _options(command: str) -> set[str]:
 
 def test_systemd_unit_uses_real_watch_options():
     text = open(os.path.join(EXAMPLES, "deltafs-watch@.service")).read()
-    exec_start = re.search(r"^ExecStart=(.*?)(?<!\\)$", text, re.M | re.S).group(1)
+    exec_start = re.search(r"^ExecStart=(.*?)(?<!\\)$", text, re.MULTILINE | re.DOTALL).group(1)
     used = set(re.findall(r"(--[a-z-]+)", exec_start))
     assert used and used <= _options("watch"), used - _options("watch")
 

@@ -7,13 +7,19 @@ import json
 
 import pytest
 import typer
+from deltafs.cli.watch import register
 from typer.testing import CliRunner
 
-from deltafs.cli.watch import register
 from deltafs.errors import UsageError
 from deltafs.store.open import open_objects
 from deltafs.store.repo import Repository
-from deltafs.watch.ledger import HostStatus, check_host_id, fleet_report, ledger_key, write_status
+from deltafs.watch.ledger import (
+    HostStatus,
+    check_host_id,
+    fleet_report,
+    ledger_key,
+    write_status,
+)
 
 
 def cli():

@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from sglang_standin import build_model
+from watch_helpers import CONFIG, same_weights
 
 from deltafs.engines.torch_module import TorchModuleEngine
 from deltafs.errors import StoreNotFoundError
 from deltafs.watch import Subscriber
-from sglang_standin import build_model
-from watch_helpers import CONFIG, same_weights
 
 
 def test_poll_then_apply_updates_the_module_in_place(trainer, tmp_path):

@@ -8,9 +8,10 @@ import subprocess
 import sys
 import time
 
+from watch_helpers import same_weights, wait_until
+
 from deltafs.store.open import open_objects
 from deltafs.watch.ledger import HostStatus, ledger_key
-from watch_helpers import same_weights, wait_until
 
 MAIN = "import sys; from deltafs.cli.main import main; sys.argv[0] = 'deltafs'; main()"
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from watch_helpers import FAST, running, same_weights, wait_until
+
 from deltafs.engines.sglang import SGLangEngine
+from deltafs.store.open import open_objects
 from deltafs.watch import Subscriber
 from deltafs.watch.ledger import HostStatus, ledger_key
-from deltafs.store.open import open_objects
 
 
 def subscriber(trainer, tmp_path, server, **kw) -> Subscriber:
@@ -44,7 +44,7 @@ def test_versions_pushed_while_watching_go_live_bit_identical(trainer, tmp_path,
         wait_until(lambda: engine_server.weight_version == "1", what="version 1 live")
         for _ in range(3):
             newest = trainer.push()
-            wait_until(lambda: engine_server.weight_version == str(newest), what=f"version {newest} live")
+            wait_until(lambda v=newest: engine_server.weight_version == str(v), what=f"version {newest} live")
         assert sub.notifier.mode == "inotify"
     assert same_weights(engine_server.state_dict(), trainer.weights[4])
     assert not engine_server.paused

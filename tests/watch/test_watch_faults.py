@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 
+from watch_helpers import FAST, running, same_weights, wait_until
+
 from deltafs.engines.sglang import SGLangEngine
 from deltafs.format.manifest import Head
 from deltafs.store.open import open_objects
 from deltafs.store.repo import HEAD_KEY, Repository
 from deltafs.watch import Subscriber
 from deltafs.watch.ledger import HostStatus, ledger_key
-from watch_helpers import FAST, running, same_weights, wait_until
 
 
 def make(trainer, tmp_path, server) -> Subscriber:
@@ -121,9 +122,10 @@ def test_dest_deleted_under_the_watcher(trainer, tmp_path, engine_server):
 
 
 def test_dest_of_another_store_is_replaced_from_a_full_version(trainer, tmp_path, engine_server):
+    from watch_helpers import CONFIG
+
     from deltafs.publish import push_tensors
     from deltafs.pull import pull
-    from watch_helpers import CONFIG
 
     other = str(tmp_path / "other-store")
     push_tensors(other, trainer._current, cache_dir=str(tmp_path / "other-cache"))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import typer
-from typer.testing import CliRunner
-
 from deltafs.cli.watch import register
+from typer.testing import CliRunner
+from watch_helpers import FAST, Trainer, running, same_weights, wait_until
+
 from deltafs.engines.sglang import SGLangEngine
 from deltafs.watch import Subscriber
-from watch_helpers import FAST, Trainer, running, same_weights, wait_until
 
 
 def test_watch_an_s3_store_by_polling(s3_url, s3_options, tmp_path, engine_server):
