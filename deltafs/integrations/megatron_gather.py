@@ -153,16 +153,18 @@ def check_plan(everyone: Sequence[RankReport], arch: Arch, tp: int, pp: int) -> 
 
 # --- moving tensors --------------------------------------------------------------------------------
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _wire(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Same bits as an integer tensor: every backend can move it, whatever the float type (bf16, fp8)."""
-    return t.detach().contiguous().view(_BITS[t.element_size()]).to(device)
+    """The tensor's bytes as uint8 (last dim x itemsize): every backend moves uint8, whatever the
+    float type (gloo has no int16/bf16 gather on every build; fp8 has no collectives at all)."""
+    return t.detach().contiguous().view(torch.uint8).to(device)
 
 
 def _unwire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.cpu().view(dtype)
+
+
+def _wire_shape(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+    return (*shape[:-1], shape[-1] * torch.empty((), dtype=dtype).element_size())
 
 
 def _device(group: ProcessGroup | None) -> torch.device:
@@ -218,7 +220,7 @@ def gather_model(stage: Mapping[str, torch.Tensor] | None, arch: Arch, groups: G
         for _, dtype_name, outs in the_plan.stage(pp_rank):
             dtype = _dtype(dtype_name)
             for out in outs:
-                buf = torch.empty(shapes[out], dtype=_BITS[torch.empty((), dtype=dtype).element_size()], device=device)
+                buf = torch.empty(_wire_shape(shapes[out], dtype), dtype=torch.uint8, device=device)
                 dist.recv(buf, src=src, group=groups.pp)
                 full[out] = _unwire(buf, dtype)
     return full

@@ -2,7 +2,8 @@
 
     python megatron_worker.py SPEC_JSON        (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)
 
-SPEC: {"tp": 2, "pp": 1, "vpp": None, "tiny": {...Tiny fields...}, "store": URL, "cache": DIR, "out": DIR, "steps": 1,
+SPEC: {"tp": 2, "pp": 1, "vpp": None, "dtype": "float32" | "bfloat16" (bf16 without pipeline only),
+       "tiny": {...Tiny fields...}, "store": URL, "cache": DIR, "out": DIR, "steps": 1,
        "rank_tiny": {RANK: {...Tiny fields that differ on that rank...}} (optional)}
 Each rank builds the model, then for step 0..steps: (after an Adam step when step > 0) computes the
 full logits, and calls push_megatron on every rank. Rank 0 writes logits-<step>.pt and
@@ -53,7 +54,8 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     tp, pp = spec["tp"], spec["pp"]
     # "rank_tiny": {"1": {"ffn": 128}} builds a different model on rank 1 (the bad-input test).
-    tiny = mc.Tiny(**(spec["tiny"] | spec.get("rank_tiny", {}).get(str(rank), {})))
+    tiny = mc.Tiny(**(spec["tiny"] | spec.get("rank_tiny", {}).get(str(rank), {})),
+                   dtype=getattr(torch, spec.get("dtype", "float32")))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     with mc.cpu_patches():
         vpp = spec.get("vpp")
@@ -68,7 +70,12 @@ def main() -> None:
                                    post_process=pp_rank == pp - 1 and c == vpp - 1, vp_stage=c,
                                    virtual_pipeline_model_parallel_size=vpp) for c in range(vpp)]
         else:
-            model = mc.build(tiny, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+            model = mc.build(tiny, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                             bf16=tiny.dtype == torch.bfloat16)
+            if tiny.dtype == torch.bfloat16:
+                from megatron.core.transformer.module import Float16Module
+
+                model = Float16Module(model.config, model)  # as bf16 trainers wrap it; norms become bf16 too
         toks = mc.tokens()
         for step in range(spec["steps"] + 1):
             if step:
@@ -84,7 +91,7 @@ def main() -> None:
                     json.dump(asdict(result), fh)
             else:
                 assert result is None, f"rank {rank} got a push result"
-            if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+            if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
                 torch.save(logits[..., : tiny.vocab].float(), os.path.join(spec["out"], f"logits-{step}.pt"))
         stage = megatron_stage_to_hf(model, vocab_size=tiny.vocab)
         if stage is not None:  # the first TP rank of each pipeline stage

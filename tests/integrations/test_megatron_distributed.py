@@ -26,12 +26,13 @@ import megatron_cpu as mc  # noqa: E402
 WORKER = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
 
 
-def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int, vpp: int | None = None,
+def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int, vpp: int | None = None, dp: int = 1,
+            dtype: str = "float32",
             rank_tiny: dict[str, Any] | None = None, expect_ok: bool = True) -> tuple[dict[str, Any], list[str]]:
-    world = tp * pp
-    spec = {"tp": tp, "pp": pp, "vpp": vpp, "steps": steps, "store": str(tmp_path / "store"), "cache": str(tmp_path / "cache"),
-            "out": str(tmp_path), "tiny": {k: v for k, v in asdict(tiny).items() if k != "dtype"},
-            "rank_tiny": rank_tiny or {}}
+    world = tp * pp * dp
+    spec = {"tp": tp, "pp": pp, "vpp": vpp, "dtype": dtype, "steps": steps,
+            "store": str(tmp_path / "store"), "cache": str(tmp_path / "cache"), "out": str(tmp_path),
+            "tiny": {k: v for k, v in asdict(tiny).items() if k != "dtype"}, "rank_tiny": rank_tiny or {}}
     port = mc.free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=mc.env_for_rank(r, world, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
@@ -49,7 +50,8 @@ def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int, vpp: 
     return spec, outputs
 
 
-def check_versions(tmp_path: Any, spec: dict[str, Any], tiny: mc.Tiny, steps: int) -> list[torch.Tensor]:
+def check_versions(tmp_path: Any, spec: dict[str, Any], tiny: mc.Tiny, steps: int,
+                   tol: float = 1e-4) -> list[torch.Tensor]:
     from deltafs.pull import pull
 
     toks = mc.tokens()
@@ -60,20 +62,30 @@ def check_versions(tmp_path: Any, spec: dict[str, Any], tiny: mc.Tiny, steps: in
         pulled = pull(spec["store"], str(tmp_path / "dest"), version=step + 1)
         want = torch.load(tmp_path / f"logits-{step}.pt")
         got = hf_reference.logits(pulled.path, toks)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         seen.append(got)
     return seen
 
 
-@pytest.mark.parametrize("groups", [2, 1], ids=["gqa-group-per-rank", "mqa-group-split-over-ranks"])
-def test_tp2_push_step_push(tmp_path: Any, groups: int) -> None:
-    """TP=2: fused QKV split by query groups (or one group split in two), fc1 shards [gate_r; up_r]."""
+@pytest.mark.parametrize("groups, dp, dtype", [(2, 1, "bfloat16"), (1, 2, "float32")],
+                         ids=["gqa-group-per-rank-bf16", "mqa-group-split-over-ranks-dp2"])
+def test_tp2_push_step_push(tmp_path: Any, groups: int, dp: int, dtype: str) -> None:
+    """TP=2: fused QKV split by query groups (or one group split in two), fc1 shards [gate_r; up_r].
+
+    bf16: the published tensors stay bf16 (Megatron computes in bf16, the reference in fp32 from the
+    same bf16 weights, hence the wider tolerance; a wrong layout is off by O(1)).
+    DP=2: the second replica takes no part in the gather; only global rank 0 gets a PushResult."""
+    from safetensors import safe_open
+
     tiny = mc.Tiny(groups=groups, qkv_bias=True)
-    spec, _ = run_job(tmp_path, tp=2, pp=1, tiny=tiny, steps=1)
-    before, after = check_versions(tmp_path, spec, tiny, steps=1)
-    assert (before - after).abs().max() > 1e-3  # the optimizer step changed what was published
+    spec, _ = run_job(tmp_path, tp=2, pp=1, tiny=tiny, steps=1, dp=dp, dtype=dtype)
+    before, after = check_versions(tmp_path, spec, tiny, steps=1, tol=2e-2 if dtype == "bfloat16" else 1e-4)
+    assert (before - after).abs().max() > 1e-1  # the optimizer step changed what was published
     second = json.loads((tmp_path / "push-1.json").read_text())
     assert second["kind"] != "full" and second["bytes_written"] < second["full_bytes"]
+    path = os.path.join(tmp_path / "dest")
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as fh:
+        assert {fh.get_slice(n).get_dtype() for n in fh.keys()} == {"BF16" if dtype == "bfloat16" else "F32"}
 
 
 def test_tp2_pp2_virtual_chunks_publish_layers_under_global_indices(tmp_path: Any) -> None:
