@@ -356,6 +356,7 @@ class StandinSGLang:
 class _Handler(BaseHTTPRequestHandler):
     standin: StandinSGLang
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as separate writes; don't wait on delayed ACKs
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read events instead
         pass

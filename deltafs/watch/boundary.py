@@ -136,6 +136,8 @@ class Signal:
 
 def _serve(boundary: Signal, port: int) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
+        disable_nagle_algorithm = True
+
         def log_message(self, format: str, *args: Any) -> None:
             pass
 

@@ -62,12 +62,13 @@ class Staged:
 @dataclass(frozen=True)
 class Applied:
     version: int
-    pause_seconds: float
+    pause_seconds: float  # the engine was not generating for this long
     sync_seconds: float  # from noticing the version to the engine serving it
     fallback: bool
+    load_seconds: float = 0.0  # of the pause, the engine's own weight load
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "pause_s": round(self.pause_seconds, 4),
+        return {"version": self.version, "pause_s": round(self.pause_seconds, 4), "load_s": round(self.load_seconds, 4),
                 "sync_s": round(self.sync_seconds, 4), "fallback": self.fallback, "at": utcnow()}
 
 
@@ -205,13 +206,13 @@ class Subscriber:
             self.status.staged_version = None
             raise DestinationError(f"staged version {staged.version} vanished from {staged.path}; staging it again")
         target = Target(staged.path, weight_version(staged.version))
-        pause = 0.0
+        pause = load = 0.0
         if self.engine is not None:
             previous = self.served if self.served and os.path.isdir(self.served.path) else None
             self._set_state("switching")
             result = self.engine.switch(target, previous)
-            pause = result.pause_seconds
-        applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback)
+            pause, load = result.pause_seconds, result.load_seconds
+        applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback, load)
         self.served = target
         self.staged = None
         self._noticed = {v: t for v, t in self._noticed.items() if v > staged.version}
@@ -220,8 +221,8 @@ class Subscriber:
         self.status.last_sync = applied.to_json()
         self.status.failures = 0
         self.status.last_error = None
-        log.info("version %d live on %s: pause %.3fs, total sync %.3fs (%s%s)", staged.version,
-                 self.status.engine_url or self.status.engine, applied.pause_seconds, applied.sync_seconds,
+        log.info("version %d live on %s: pause %.3fs (load %.3fs), total sync %.3fs (%s%s)", staged.version,
+                 self.status.engine_url or self.status.engine, applied.pause_seconds, load, applied.sync_seconds,
                  "from a full version" if staged.pull.from_full else f"delta from version {staged.pull.previous}",
                  ", after a fallback" if staged.pull.fallback else "")
         self._set_state("serving")
