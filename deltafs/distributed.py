@@ -23,6 +23,7 @@ Protocol (all steps are collectives over `group`; every rank gets the same outco
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -361,55 +362,45 @@ def push_distributed(store: str, tensors: Mapping[str, Any], *, extra_files: Map
     decision: _Decision = _from_root(comm, "reading the store", decide)
 
     encoder: _Encoder | None = None
-    work: dict[str, Any] = {}
+    repo_box: list[Repository] = []
 
-    def encode() -> _RankReport:
-        nonlocal encoder
-        repo = Repository.open(store, storage_options)
-        if repo.store_id != decision.store_id:
-            raise UsageError(f"rank {comm.rank} sees another store at {store} than the root rank")
-        cache = LocalCheckpoint(os.path.join(cache_dir or default_cache_dir(repo.store_id), f"rank-{comm.rank}", "base"))
-        work["repo"], work["cache"] = repo, cache
-        lock = cache.lock(wait=False, name="push.lock")
-        lock.__enter__()
-        work["lock"] = lock
-        tmp = tempfile.mkdtemp(prefix="deltafs-rank-", dir=tmp_dir)
-        work["tmp"] = tmp
-        _write_files(tmp, comm.rank, tensors, extra, layout, comm.is_root)
-        if not os.listdir(tmp):
-            return _RankReport([], 0, 0, 0, 0, 0, [], False)
-        files = scan_source(tmp)
-        keys = {seg.key for f in files for seg in f.segments}
-        rederived = False
-        for attempt in range(2):
-            base = None
-            if decision.kind == "delta":
-                assert decision.head is not None
-                base, fresh = _rank_base(repo, cache, decision.head, keys, rederive=attempt > 0)
-                rederived = rederived or fresh
-            encoder = _Encoder(repo, base, level, threads or default_threads(), cache)
-            try:
-                entries = encoder.encode_files(files, lambda n: None)
-                break
-            except LocalBaseError:
-                if attempt:
-                    raise  # the cache was just rebuilt from the store: something else is wrong
-        return _RankReport([e.to_json() for e in entries], encoder.stored, encoder.chunks_written, encoder.chunks_total,
-                           encoder.elements_total, encoder.elements_changed, sorted(encoder.reused), rederived)
+    with contextlib.ExitStack() as stack:  # this rank's cache lock and temporary directory
 
-    try:
+        def encode() -> _RankReport:
+            nonlocal encoder
+            repo = Repository.open(store, storage_options)
+            repo_box.append(repo)
+            if repo.store_id != decision.store_id:
+                raise UsageError(f"rank {comm.rank} sees another store at {store} than the root rank")
+            cache = LocalCheckpoint(os.path.join(cache_dir or default_cache_dir(repo.store_id), f"rank-{comm.rank}", "base"))
+            stack.enter_context(cache.lock(wait=False, name="push.lock"))
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="deltafs-rank-", dir=tmp_dir))
+            _write_files(tmp, comm.rank, tensors, extra, layout, comm.is_root)
+            if not os.listdir(tmp):
+                return _RankReport([], 0, 0, 0, 0, 0, [], False)
+            files = scan_source(tmp)
+            keys = {seg.key for f in files for seg in f.segments}
+            rederived = False
+            for attempt in range(2):
+                base = None
+                if decision.kind == "delta":
+                    assert decision.head is not None
+                    base, fresh = _rank_base(repo, cache, decision.head, keys, rederive=attempt > 0)
+                    rederived = rederived or fresh
+                enc = encoder = _Encoder(repo, base, level, threads or default_threads(), cache)
+                try:
+                    entries = enc.encode_files(files, lambda n: None)
+                    return _RankReport([e.to_json() for e in entries], enc.stored, enc.chunks_written, enc.chunks_total,
+                                       enc.elements_total, enc.elements_changed, sorted(enc.reused), rederived)
+                except LocalBaseError:
+                    if attempt:
+                        raise  # the cache was just rebuilt from the store: something else is wrong
+            raise AssertionError("unreachable")
+
         try:
             reports: list[_RankReport] = _collective(comm, "writing chunks", encode)
-        except BaseException:
-            if encoder is not None:
-                encoder.discard_staging()
-            raise
-
-        def commit() -> tuple[bytes, dict[str, Any]]:
-            return _commit(work["repo"], decision, reports, metadata, t0)
-
-        try:
-            man_bytes, result = _from_root(comm, "committing", commit)
+            man_bytes, result = _from_root(comm, "committing",
+                                           lambda: _commit(repo_box[0], decision, reports, metadata, t0))
         except BaseException:
             if encoder is not None:
                 encoder.discard_staging()
@@ -417,15 +408,7 @@ def push_distributed(store: str, tensors: Mapping[str, Any], *, extra_files: Map
         man = Manifest.from_bytes(man_bytes, where=f"manifest of version {decision.version}")
         if encoder is not None:
             encoder.install_cache(man)
-        return PushResult(**{**result, "seconds": time.monotonic() - t0,
-                             "base_rederived": any(r.rederived for r in reports)})
-    finally:
-        if "lock" in work:
-            work["lock"].__exit__(None, None, None)
-        if "tmp" in work:
-            import shutil
-
-            shutil.rmtree(work["tmp"], ignore_errors=True)
+    return PushResult(**{**result, "seconds": time.monotonic() - t0, "base_rederived": any(r.rederived for r in reports)})
 
 
 def _commit(repo: Repository, decision: _Decision, reports: list[_RankReport], metadata: Mapping[str, Any] | None,
