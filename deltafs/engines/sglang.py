@@ -97,7 +97,8 @@ class SGLangEngine:
         except ValueError:
             data = None
         if not 200 <= resp.status_code < 300:
-            detail = data.get("message") if isinstance(data, dict) else resp.text[:200]
+            detail = (data.get("message") or data.get("detail")) if isinstance(data, dict) else None
+            detail = detail or resp.text[:200] or resp.reason
             raise EngineError(f"{method} {route} answered HTTP {resp.status_code}: {detail}")
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineError(f"{method} {route} reported failure: {data.get('message', '')}")

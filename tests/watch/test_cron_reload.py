@@ -1,0 +1,53 @@
+"""Cron mode: `deltafs pull --once --engine sglang` pulls, then switches the engine through reload_engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from deltafs.engines import SwitchError, reload_engine
+from deltafs.pull import local_version
+from watch_helpers import same_weights
+
+MAIN = "import sys; from deltafs.cli.main import main; sys.argv[0] = 'deltafs'; main()"
+
+
+def pull_once(store: str, dest: str, url: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", MAIN, "pull", store, dest, "--once", "--engine", "sglang",
+                           "--engine-url", url], capture_output=True, text=True, timeout=60)
+
+
+def test_pull_once_reloads_the_engine(trainer, tmp_path, engine_server):
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    first = pull_once(trainer.store, dest, engine_server.url)
+    assert first.returncode == 0, first.stderr
+    assert engine_server.weight_version == "1" and not engine_server.paused
+    again = pull_once(trainer.store, dest, engine_server.url)
+    assert again.returncode == 100
+    trainer.push()
+    second = pull_once(trainer.store, dest, engine_server.url)
+    assert second.returncode == 0, second.stderr
+    assert same_weights(engine_server.state_dict(), trainer.weights[2])
+
+
+def test_failed_reload_rolls_back_to_the_version_the_engine_served(trainer, tmp_path, engine_server):
+    from deltafs.pull import pull
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    pull(trainer.store, dest)
+    reload_engine("sglang", engine_server.url, dest=dest)
+    trainer.push()
+    pull(trainer.store, dest)
+    engine_server.inject("success_false")
+    with pytest.raises(SwitchError, match="serving version 1 again"):
+        reload_engine("sglang", engine_server.url, dest=dest)
+    # The rollback target was found beside DEST: version 1's directory, which pull kept.
+    assert engine_server.weight_version == "1" and not engine_server.paused
+    assert same_weights(engine_server.state_dict(), trainer.weights[1])
+    # The next run (DEST already current) repairs the engine.
+    assert reload_engine("sglang", engine_server.url, dest=dest) is not None
+    assert engine_server.weight_version == "2" and local_version(dest).version == 2
