@@ -38,6 +38,8 @@ def gc_cmd(
         f"{verb} versions: {removed}",
         f"{verb} {len(plan.chunks)} chunks; {human_bytes(plan.bytes_freed)} {'would be ' if dry_run else ''}freed",
     ]
+    if plan.temp_files:
+        lines.append(f"{verb} {len(plan.temp_files)} partial files left by killed writers")
     if plan.chunks_too_young:
         lines.append(f"left {plan.chunks_too_young} unreferenced chunks younger than --grace {grace:g}s (a push in flight?)")
     out.result(res.to_json(), "\n".join(lines))

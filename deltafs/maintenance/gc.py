@@ -17,7 +17,9 @@ Rules (FORMAT.md, "gc and locking"):
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -48,11 +50,13 @@ class GcPlan:
     manifest_bytes: dict[int, int] = field(default_factory=dict)  # size of each removed manifest
     chunks_referenced: int = 0
     chunks_too_young: int = 0  # unreferenced, but written less than `grace` ago (a push in flight?)
+    temp_files: dict[str, int] = field(default_factory=dict)  # local stores: partial writes of killed processes
     grace: float = DEFAULT_GRACE
 
     @property
     def bytes_freed(self) -> int:
-        return sum(self.chunks.values()) + sum(self.manifest_bytes.get(v, 0) for v in self.remove)
+        return (sum(self.chunks.values()) + sum(self.manifest_bytes.get(v, 0) for v in self.remove)
+                + sum(self.temp_files.values()))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -143,7 +147,37 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
             plan.chunks_too_young += 1
             continue
         plan.chunks[oid] = size
+    plan.temp_files = _stale_temp_files(repo.objects, now, grace)
     return plan
+
+
+def _stale_temp_files(objects: ObjectStore, now: float, grace: float) -> dict[str, int]:
+    """A local store's `.tmp-*` files (a writer killed mid-write) older than `grace`: path -> size.
+
+    Object stores have no such leftovers (an interrupted upload never becomes an object).
+    """
+    from deltafs.store.objects import LocalObjectStore
+
+    if not isinstance(objects, LocalObjectStore):
+        return {}
+    out = {}
+    dirs = [objects.root]  # HEAD and the store config are written through temp files at the top
+    for top in ("chunks", "manifests", "locks"):
+        dirs += [d for d, _sub, _files in os.walk(os.path.join(objects.root, top))]
+    for directory in dirs:
+        try:
+            names = [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(directory, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if now - st.st_mtime >= grace:
+                out[path] = st.st_size
+    return out
 
 
 def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float, threads: int,
@@ -168,6 +202,9 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
 
     for _ in ordered_map(delete, list(plan.chunks), threads):
         result.chunks_removed += 1
+    for path in plan.temp_files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     result.bytes_freed = plan.bytes_freed
     return result
 

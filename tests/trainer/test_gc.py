@@ -237,3 +237,19 @@ def test_gc_on_s3(s3_url, s3_options, tmp_path, maker):
     assert res.versions_removed == [2, 1]
     assert not repo.has_chunk(orphan)
     assert verify(s3_url, all_versions=True, storage_options=s3_options).ok
+
+
+def test_partial_writes_of_killed_processes_are_removed_after_the_grace_period(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 2)
+    leftover = os.path.join(store, "chunks", "ab", ".tmp-0123456789abcdef")
+    os.makedirs(os.path.dirname(leftover), exist_ok=True)
+    with open(leftover, "wb") as fh:
+        fh.write(b"x" * 1000)  # what a push SIGKILLed in the middle of a chunk write leaves
+    assert gc(store, keep_last=2, grace=3600, settle=0).plan.temp_files == {}  # maybe a write in flight
+    assert os.path.exists(leftover)
+    plan = gc(store, keep_last=2, grace=0, dry_run=True).plan
+    assert plan.temp_files == {leftover: 1000} and plan.bytes_freed == 1000
+    gc(store, keep_last=2, grace=0, settle=0)
+    assert not os.path.exists(leftover)
+    assert verify(store, all_versions=True).ok
