@@ -314,27 +314,40 @@ def push_megatron(model_or_chunks: Any, store: Any, *, hf_arch: str | None = Non
                   config: Mapping[str, Any] | None = None, vocab_size: int | None = None,
                   version: int | None = None, metadata: Mapping[str, Any] | None = None,
                   storage_options: dict[str, Any] | None = None, extra_files: Mapping[str, bytes] | None = None,
-                  groups: Groups | None = None, **push_kwargs: Any) -> Any:
+                  groups: Groups | None = None, multi_rank: bool = False, **push_kwargs: Any) -> Any:
     """Convert the model to an HF checkpoint and push it as the store's next version.
 
-    Collective: call on every rank. Returns the PushResult on the writing rank, None elsewhere.
-    config: the model's original HF config.json as a dict (keeps token ids etc.; its vocab_size is
-    the default for `vocab_size`). extra_files: more files for the version (tokenizer files ...).
-    Other keyword arguments go to deltafs.publish.push (cache_dir, keyframe_every, level, ...).
-    """
-    from deltafs.publish import push_tensors
+    Collective: call on every rank. config: the model's original HF config.json as a dict (keeps
+    token ids etc.; its vocab_size is the default for `vocab_size`). extra_files: more files for the
+    version (tokenizer files ...). Other keyword arguments go to deltafs.publish.push (cache_dir,
+    keyframe_every, level, ...).
 
+    multi_rank=False: the model is gathered on one rank, which pushes; it gets the PushResult and the
+    other ranks None. multi_rank=True: each pipeline stage's first TP rank encodes and writes its own
+    layers in parallel (deltafs.distributed.push_distributed over the default group, so every rank of
+    the job must call); every rank gets the PushResult.
+    """
     if vocab_size is None and config is not None and config.get("vocab_size"):
         vocab_size = int(config["vocab_size"])
     info = describe(model_or_chunks, vocab_size=vocab_size)
     cfg = hf_config(info, hf_arch=hf_arch, base=config)  # refuse a bad config before any collective
+    files = {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}
+    files |= dict(extra_files or {})
+    options = dict(version=version, metadata=metadata, storage_options=storage_options, **push_kwargs)
+    if multi_rank:
+        from deltafs.distributed import push_distributed
+
+        stage, _, stage_groups, _ = _stage(model_or_chunks, vocab_size, groups, info)
+        # Only the rank holding the embeddings names the extra files, so they are written once.
+        mine = files if stage is not None and stage_groups.pp_rank == 0 else None
+        return push_distributed(store, stage or {}, extra_files=mine, **options)
+
+    from deltafs.publish import push_tensors
+
     tensors = megatron_to_hf(model_or_chunks, groups=groups, info=info)
     if tensors is None:
         return None
-    files = {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}
-    files |= dict(extra_files or {})
-    return push_tensors(store, tensors, extra_files=files, version=version, metadata=metadata,
-                        storage_options=storage_options, **push_kwargs)
+    return push_tensors(store, tensors, extra_files=files, **options)
 
 
 __all__ = ["HF_ARCHS", "ModelInfo", "UnsupportedModelError", "check_supported", "describe", "hf_config",

@@ -4,7 +4,8 @@
 
 SPEC: {"tp": 2, "pp": 1, "vpp": None, "dtype": "float32" | "bfloat16" (bf16 without pipeline only),
        "tiny": {...Tiny fields...}, "store": URL, "cache": DIR, "out": DIR, "steps": 1,
-       "rank_tiny": {RANK: {...Tiny fields that differ on that rank...}} (optional)}
+       "rank_tiny": {RANK: {...Tiny fields that differ on that rank...}} (optional),
+       "push": {...more push_megatron keyword arguments, e.g. "multi_rank": true...} (optional)}
 Each rank builds the model, then for step 0..steps: (after an Adam step when step > 0) computes the
 full logits, and calls push_megatron on every rank. Rank 0 writes logits-<step>.pt and
 push-<step>.json (the PushResult) to OUT; the test pulls and compares.
@@ -85,11 +86,14 @@ def main() -> None:
                           pipeline_logits(model if vpp else [model], toks, pp_rank, pp, tiny))
             result = push_megatron(model, spec["store"], vocab_size=tiny.vocab, metadata={"step": step},
                                    cache_dir=spec["cache"], **spec.get("push", {}))
+            multi_rank = spec.get("push", {}).get("multi_rank", False)
+            if multi_rank:
+                assert result is not None, f"rank {rank} got no push result from a multi-rank push"
             if rank == 0:
                 assert result is not None
                 with open(os.path.join(spec["out"], f"push-{step}.json"), "w") as fh:
                     json.dump(asdict(result), fh)
-            else:
+            elif not multi_rank:
                 assert result is None, f"rank {rank} got a push result"
             if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
                 torch.save(logits[..., : tiny.vocab].float(), os.path.join(spec["out"], f"logits-{step}.pt"))

@@ -27,12 +27,13 @@ WORKER = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
 
 
 def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int, vpp: int | None = None, dp: int = 1,
-            dtype: str = "float32",
+            dtype: str = "float32", push: dict[str, Any] | None = None,
             rank_tiny: dict[str, Any] | None = None, expect_ok: bool = True) -> tuple[dict[str, Any], list[str]]:
     world = tp * pp * dp
     spec = {"tp": tp, "pp": pp, "vpp": vpp, "dtype": dtype, "steps": steps,
             "store": str(tmp_path / "store"), "cache": str(tmp_path / "cache"), "out": str(tmp_path),
-            "tiny": {k: v for k, v in asdict(tiny).items() if k != "dtype"}, "rank_tiny": rank_tiny or {}}
+            "tiny": {k: v for k, v in asdict(tiny).items() if k != "dtype"}, "rank_tiny": rank_tiny or {},
+            "push": push or {}}
     port = mc.free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=mc.env_for_rank(r, world, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
@@ -90,13 +91,15 @@ def test_tp2_push_step_push(tmp_path: Any, groups: int, dp: int, dtype: str) -> 
 
 def test_tp2_pp2_virtual_chunks_publish_layers_under_global_indices(tmp_path: Any) -> None:
     """4 ranks, TP=2 x PP=2 x 2 virtual chunks, tied embeddings: stage 0 holds layers 0 and 2, stage 1
-    layers 1 and 3 (each numbered from 0 locally); the last stage's copy of the embeddings is not published."""
+    layers 1 and 3 (each numbered from 0 locally); the last stage's copy of the embeddings is not published.
+
+    Pushed with multi_rank=True: each stage writes its own layers (its own safetensors shard)."""
     from safetensors import safe_open
 
     from deltafs.pull import pull
 
     tiny = mc.Tiny(layers=4, qk_norm=True, tied=True)
-    spec, _ = run_job(tmp_path, tp=2, pp=2, vpp=2, tiny=tiny, steps=0)
+    spec, _ = run_job(tmp_path, tp=2, pp=2, vpp=2, tiny=tiny, steps=0, push={"multi_rank": True})
     check_versions(tmp_path, spec, tiny, steps=0)
     path = pull(spec["store"], str(tmp_path / "dest")).path
     names: set[str] = set()
@@ -113,6 +116,16 @@ def test_tp2_pp2_virtual_chunks_publish_layers_under_global_indices(tmp_path: An
     layers = [{n.split(".")[2] for n in st if n.startswith("model.layers.")} for st in stages]
     assert layers == [{"0", "2"}, {"1", "3"}]
     assert "model.embed_tokens.weight" in stages[0] and "model.norm.weight" in stages[1]
+
+    # The pulled checkpoint has one shard per writer: stage 0 and stage 1 (their first TP ranks).
+    shards = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "pt") as fh:
+                shards[f] = set(fh.keys())
+    assert sorted(shards.values(), key=len) == sorted(stages, key=len)
+    index = json.loads(open(os.path.join(path, "model.safetensors.index.json")).read())
+    assert set(index["weight_map"]) == names
 
 
 def test_shapes_that_disagree_between_ranks_fail_on_every_rank_before_anything_is_written(tmp_path: Any) -> None:
