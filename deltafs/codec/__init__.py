@@ -7,6 +7,7 @@ alone. The exact byte layouts are specified in manifests/FORMAT.md, "Chunk encod
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -109,8 +110,12 @@ def decode(codec: dict[str, Any], payload: bytes | None, base: Any | None, size:
     FormatError for an unknown or malformed codec record, IntegrityError for a payload that does not decode to
     exactly what the record declares. itemsize is the segment's; the record's own width is what decodes.
     """
-    if not isinstance(size, int) or size < 0:
-        raise FormatError(f"chunk size must be a non-negative integer, got {size!r}")
+    try:
+        size = operator.index(size)
+    except TypeError:
+        raise FormatError(f"chunk size must be an integer, got {size!r}") from None
+    if size < 0:
+        raise FormatError(f"chunk size must be non-negative, got {size}")
     rec = from_json(codec)
     b = None if base is None else _as_u8(base)
     try:

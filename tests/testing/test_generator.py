@@ -88,3 +88,12 @@ def test_write_sharded_checkpoint(tmp_path: Path) -> None:
             assert torch.equal(t.view(torch.int16), tensors[name].view(torch.int16))
             total += t.numel() * 2
     assert index["metadata"]["total_size"] == total
+
+
+def test_simulating_a_subset_of_tensors() -> None:
+    names = ["model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"]
+    sim = TrainerSim(TINY, seed=0, names=names)
+    out = sim.step()
+    assert list(out) == ["model.embed_tokens.weight", "model.layers.1.mlp.up_proj.weight"]  # checkpoint order
+    with pytest.raises(KeyError):
+        TrainerSim(TINY, names=["model.layers.9.mlp.up_proj.weight"])
