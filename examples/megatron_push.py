@@ -51,8 +51,8 @@ def build_model(*, layers: int = 4, hidden: int = 256, heads: int = 8, groups: i
 
 
 def train(model: Any, store: str, *, steps: int, push_every: int, seq: int = 64, batch: int = 4,
-          cache_dir: str | None = None) -> list[Any]:
-    """Train on random tokens; push at step 0 and every `push_every` steps. Returns rank 0's PushResults."""
+          cache_dir: str | None = None, multi_rank: bool = False) -> list[Any]:
+    """Train on random tokens; push at step 0 and every `push_every` steps. Returns this rank's PushResults."""
     device = next(model.parameters()).device
     vocab = HF_CONFIG["vocab_size"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -62,12 +62,15 @@ def train(model: Any, store: str, *, steps: int, push_every: int, seq: int = 64,
     results = []
     for step in range(steps + 1):
         if step % push_every == 0:
-            # Collective: every rank calls it; rank 0 writes and gets the PushResult, the others None.
-            result = push_megatron(model, store, config=HF_CONFIG, metadata={"step": step}, cache_dir=cache_dir)
+            # Collective: every rank calls it. Single writer: rank 0 writes and gets the PushResult, the
+            # others None. multi_rank: each pipeline stage writes its own layers; every rank gets it.
+            result = push_megatron(model, store, config=HF_CONFIG, metadata={"step": step}, cache_dir=cache_dir,
+                                   multi_rank=multi_rank)
             if result is not None:
+                results.append(result)
+            if result is not None and _rank() == 0:
                 print(f"step {step}: version {result.version} ({result.kind}), "
                       f"{result.bytes_written / 1e6:.2f} MB written of {result.full_bytes / 1e6:.2f} MB")
-                results.append(result)
         if step == steps:
             break
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
@@ -79,12 +82,19 @@ def train(model: Any, store: str, *, steps: int, push_every: int, seq: int = 64,
     return results
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", required=True, help="deltafs store URL (a path, file://, s3://, gs://, ...)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--push-every", type=int, default=5)
+    parser.add_argument("--multi-rank", action="store_true", help="every pipeline stage writes its own layers")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -96,7 +106,7 @@ def main() -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)  # CPU initialization: the same full weights on every rank before sharding
     model = build_model(device="cuda")
-    train(model, args.store, steps=args.steps, push_every=args.push_every)
+    train(model, args.store, steps=args.steps, push_every=args.push_every, multi_rank=args.multi_rank)
     dist.destroy_process_group()
 
 

@@ -18,7 +18,8 @@ import megatron_cpu as mc  # noqa: E402
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "megatron_push.py")
 
 
-def test_example_training_loop_pushes_versions_that_pull_as_qwen3(tmp_path: Any) -> None:
+@pytest.mark.parametrize("multi_rank", [False, True], ids=["single-writer", "multi-rank"])
+def test_example_training_loop_pushes_versions_that_pull_as_qwen3(tmp_path: Any, multi_rank: bool) -> None:
     from deltafs.pull import pull
 
     spec = importlib.util.spec_from_file_location("megatron_push_example", EXAMPLE)
@@ -29,7 +30,8 @@ def test_example_training_loop_pushes_versions_that_pull_as_qwen3(tmp_path: Any)
     torch.manual_seed(0)
     model = example.build_model(layers=2, hidden=64, heads=4, groups=2, ffn=96, device="cpu")
     store = str(tmp_path / "store")
-    results = example.train(model, store, steps=2, push_every=1, seq=16, batch=2, cache_dir=str(tmp_path / "cache"))
+    results = example.train(model, store, steps=2, push_every=1, seq=16, batch=2, cache_dir=str(tmp_path / "cache"),
+                            multi_rank=multi_rank)
     assert [r.version for r in results] == [1, 2, 3]
     assert results[0].kind == "full" and all(r.bytes_written < r.full_bytes for r in results[1:])
 
