@@ -68,68 +68,78 @@ def chunks(size: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(size, s + chunk)) for s in range(0, size, chunk)]
 
 
+def measure_tensor(n: np.ndarray, o: np.ndarray, args: argparse.Namespace, pool: ThreadPoolExecutor, timer: Timer,
+                   res: dict[str, dict[str, float]]) -> None:
+    """Add one tensor's bytes and best times, for every method, to res."""
+    c1 = zstandard.ZstdCompressor(level=1)
+    d1 = zstandard.ZstdDecompressor()
+    out = np.empty_like(n)
+    spans = chunks(n.size, args.chunk_bytes)
+
+    # full copy
+    t, _ = timer.best(lambda: np.copyto(out, n))
+    res["full copy"]["bytes"] += n.size
+    res["full copy"]["encode"] += t
+    res["full copy"]["apply"] += t
+
+    # zstd-1 of the full tensor
+    t, frame = timer.best(lambda: c1.compress(n))
+    res["zstd-1 full"]["bytes"] += len(frame)
+    res["zstd-1 full"]["encode"] += t
+    t, _ = timer.best(lambda: np.copyto(out, np.frombuffer(d1.decompress(frame), np.uint8)))
+    assert out.tobytes() == n.tobytes()
+    res["zstd-1 full"]["apply"] += t
+
+    # XOR + zstd-1, one frame per tensor
+    t, frame = timer.best(lambda: c1.compress(np.bitwise_xor(n, o)))
+    res["XOR + zstd-1 per tensor"]["bytes"] += len(frame)
+    res["XOR + zstd-1 per tensor"]["encode"] += t
+    t, _ = timer.best(lambda: np.bitwise_xor(np.frombuffer(d1.decompress(frame), np.uint8), o, out=out))
+    assert out.tobytes() == n.tobytes()
+    res["XOR + zstd-1 per tensor"]["apply"] += t
+
+    # deltafs, per chunk, 1 and 2 threads, default level and split level
+    runs = [("deltafs (1 thread)", None, args.level), ("deltafs (2 threads)", pool, args.level),
+            (METHODS[-1], None, max(args.level, codec.SPLIT_LEVEL))]
+    for label, threads, level in runs:
+        encs, t_enc, t_apply = run_deltafs(n, o, out, spans, level, threads, timer)
+        assert out.tobytes() == n.tobytes()
+        res[label]["bytes"] += sum(len(e.payload or b"") for e in encs)
+        res[label]["encode"] += t_enc
+        res[label]["apply"] += t_apply
+        if threads is None:
+            for e in encs:
+                res["codecs " + label][e.codec["name"] + (" split" if e.codec.get("split") else "")] += 1
+
+
+def run_deltafs(n: np.ndarray, o: np.ndarray, out: np.ndarray, spans: list[tuple[int, int]], level: int,
+                pool: ThreadPoolExecutor | None, timer: Timer) -> tuple[list[codec.Encoded], float, float]:
+    """Encode n against o chunk by chunk, then apply the result into out; (encoded chunks, best times)."""
+
+    def enc_one(span: tuple[int, int]) -> codec.Encoded:
+        s, e = span
+        return codec.encode(n[s:e], o[s:e], 2, level=level)
+
+    def apply_one(item: tuple[tuple[int, int], codec.Encoded]) -> None:
+        (s, e), enc = item
+        out[s:e] = codec.decode(enc.codec, enc.payload, o[s:e], e - s, 2)
+
+    def encode_all() -> list[codec.Encoded]:
+        return [enc_one(sp) for sp in spans] if pool is None else list(pool.map(enc_one, spans))
+
+    t_enc, encs = timer.best(encode_all)
+    items = list(zip(spans, encs))
+    t_apply, _ = timer.best(lambda: [apply_one(it) for it in items] if pool is None else list(pool.map(apply_one, items)))
+    return encs, t_enc, t_apply
+
+
 def measure_group(prev: dict[str, np.ndarray], new: dict[str, np.ndarray], args: argparse.Namespace,
                   pool: ThreadPoolExecutor, timer: Timer) -> dict[str, dict[str, float]]:
     """Bytes, encode seconds and apply seconds of every method on one group of tensors."""
     res: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    c1 = zstandard.ZstdCompressor(level=1)
-    d1 = zstandard.ZstdDecompressor()
     for name, n in new.items():
-        o = prev[name]
-        out = np.empty_like(n)
-        spans = chunks(n.size, args.chunk_bytes)
-
-        # full copy
-        t, _ = timer.best(lambda: np.copyto(out, n))
-        res["full copy"]["bytes"] += n.size
-        res["full copy"]["encode"] += t
-        res["full copy"]["apply"] += t
-
-        # zstd-1 of the full tensor
-        t, frame = timer.best(lambda: c1.compress(n))
-        res["zstd-1 full"]["bytes"] += len(frame)
-        res["zstd-1 full"]["encode"] += t
-        t, _ = timer.best(lambda: np.copyto(out, np.frombuffer(d1.decompress(frame), np.uint8)))
-        assert out.tobytes() == n.tobytes()
-        res["zstd-1 full"]["apply"] += t
-
-        # XOR + zstd-1, one frame per tensor
-        t, frame = timer.best(lambda: c1.compress(np.bitwise_xor(n, o)))
-        res["XOR + zstd-1 per tensor"]["bytes"] += len(frame)
-        res["XOR + zstd-1 per tensor"]["encode"] += t
-        t, _ = timer.best(lambda: np.bitwise_xor(np.frombuffer(d1.decompress(frame), np.uint8), o, out=out))
-        assert out.tobytes() == n.tobytes()
-        res["XOR + zstd-1 per tensor"]["apply"] += t
-
-        # deltafs, per chunk, 1 and 2 threads
-        level = args.level
-
-        def enc_one(span: tuple[int, int]) -> codec.Encoded:
-            s, e = span
-            return codec.encode(n[s:e], o[s:e], 2, level=level)
-
-        def apply_one(item: tuple[tuple[int, int], codec.Encoded]) -> None:
-            (s, e), enc = item
-            out[s:e] = codec.decode(enc.codec, enc.payload, o[s:e], e - s, 2)
-
-        runs = [("deltafs (1 thread)", 1, args.level), ("deltafs (2 threads)", 2, args.level),
-                (METHODS[-1], 1, max(args.level, codec.SPLIT_LEVEL))]
-        for label, threads, level in runs:
-            if threads == 1:
-                t, encs = timer.best(lambda: [enc_one(sp) for sp in spans])
-                ta, _ = timer.best(lambda: [apply_one(it) for it in zip(spans, encs)])
-            else:
-                t, encs = timer.best(lambda: list(pool.map(enc_one, spans)))
-                ta, _ = timer.best(lambda: list(pool.map(apply_one, zip(spans, encs))))
-            assert out.tobytes() == n.tobytes()
-            res[label]["bytes"] += sum(len(e.payload or b"") for e in encs)
-            res[label]["encode"] += t
-            res[label]["apply"] += ta
-            if label == "deltafs (1 thread)" or label == METHODS[-1]:
-                for e in encs:
-                    res["codecs " + label][e.codec["name"] + (" split" if e.codec.get("split") else "")] += 1
-
-        bits, changed = delta_entropy_bits(n, o, 2)
+        measure_tensor(n, prev[name], args, pool, timer, res)
+        bits, changed = delta_entropy_bits(n, prev[name], 2)
         res["entropy estimate"]["bytes"] += bits / 8
         res["totals"]["full"] += n.size
         res["totals"]["elements"] += n.size // 2

@@ -80,8 +80,8 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     n = _as_u8(new)
     width = _width(n.size, itemsize)
     if base is None:
-        rec, payload = Raw.encode(n, width, level)
-        return Encoded(rec.to_json(), payload, n.size // width)
+        raw, raw_payload = Raw.encode(n, width, level)
+        return Encoded(raw.to_json(), raw_payload, n.size // width)
     b = _as_u8(base)
     if b.size != n.size:
         raise ValueError(f"base chunk has {b.size} bytes, new chunk {n.size}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+_POP8 = np.array([i.bit_count() for i in range(256)], dtype=np.uint8)
 # _SELECT8[b, k]: position of the k-th (0-based) set bit of byte b, 8 if b has fewer set bits.
 _SELECT8 = np.full((256, 9), 8, dtype=np.uint8)
 for _b in range(256):
@@ -21,9 +21,12 @@ _BYTE_SHIFTS = np.arange(0, 64, 8, dtype=np.uint64)
 
 
 def _popcount64(words: np.ndarray) -> np.ndarray:
+    counts: np.ndarray
     if hasattr(np, "bitwise_count"):  # numpy >= 2.0
-        return np.bitwise_count(words).astype(np.int64)
-    return _POP8[words.view(np.uint8)].reshape(-1, 8).sum(axis=1, dtype=np.int64)
+        counts = np.bitwise_count(words).astype(np.int64)
+    else:
+        counts = _POP8[words.view(np.uint8)].reshape(-1, 8).sum(axis=1, dtype=np.int64)
+    return counts
 
 
 class RankIndex:
@@ -63,7 +66,8 @@ class RankIndex:
             words = ~self.words
         w = np.searchsorted(before, ranks, side="right") - 1
         k = (ranks - before[w]).astype(np.uint64)  # rank within the word, 0..63
-        return w * 64 + _select_in_word(words[w], k)
+        where: np.ndarray = w * 64 + _select_in_word(words[w], k)
+        return where
 
 
 _M1, _M2, _M4 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
@@ -83,4 +87,5 @@ def _select_in_word(x: np.ndarray, k: np.ndarray) -> np.ndarray:
     shift = byte * _U[8]
     prev = ((cum << _U[8]) >> shift) & np.uint64(0xFF)  # set bits in the bytes before that one
     value = (x >> shift) & np.uint64(0xFF)
-    return (shift + _SELECT8[value, k - prev]).astype(np.int64)
+    pos: np.ndarray = (shift + _SELECT8[value, k - prev]).astype(np.int64)
+    return pos

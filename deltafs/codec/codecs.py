@@ -113,7 +113,8 @@ class Xor:
         b = _need_base(self.name, base, size)
         body = streams.unseal(_need_payload(self.name, payload), "xor chunk")
         data = streams.unpack(body, size, "xor chunk")
-        return np.bitwise_xor(streams.from_planes(data, self.width), b)
+        out: np.ndarray = np.bitwise_xor(streams.from_planes(data, self.width), b)
+        return out
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,8 @@ def _split_mask(bw: np.ndarray, split: int) -> np.ndarray:
     # Two passes over the chunk; for floats this puts small weights, whose ulp is small and which change far more
     # often, in a class of their own. Scratch buffers: the result is consumed (packed) before the next call.
     tmp = np.bitwise_and(bw, mask, out=streams.scratch("split", bw.size, bw.dtype))
-    return np.less(tmp, bw.dtype.type(split), out=streams.scratch("split_mask", bw.size, np.bool_))
+    low: np.ndarray = np.less(tmp, bw.dtype.type(split), out=streams.scratch("split_mask", bw.size, np.bool_))
+    return low
 
 
 def choose_split(bw: np.ndarray, idx: np.ndarray) -> int:

@@ -37,7 +37,7 @@ def register(cls: C) -> C:
     name = cls.name  # type: ignore[attr-defined]
     if name in _REGISTRY:
         raise ValueError(f"codec {name!r} registered twice")
-    _REGISTRY[name] = cls  # type: ignore[assignment]
+    _REGISTRY[name] = cls
     return cls
 
 

@@ -1,5 +1,5 @@
-"""Byte-level building blocks shared by the codecs: zstd frames with bounded decompression, byte planes, zigzag,
-and Rice-coded gaps. Every function here is pure and vectorized numpy (speed matters: chunks are up to 4 MiB).
+"""Byte-level building blocks shared by the codecs: streams stored raw or as bounded zstd frames, the payload
+trailer, byte planes and Rice-coded gaps. Every function here is pure and vectorized numpy (speed matters: chunks are up to 4 MiB).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def scratch(name: str, size: int, dtype: np.dtype[Any] | type) -> np.ndarray:
     return buf[: size * dt.itemsize].view(dt)
 
 
-def compress(data: np.ndarray | bytes, level: int) -> bytes:
+def compress(data: bytes, level: int) -> bytes:
     """One zstd frame holding data, with its content size in the frame header."""
     return _compressor(level).compress(data)
 
@@ -133,19 +133,6 @@ def from_planes(planes: np.ndarray, width: int) -> np.ndarray:
     if width == 1:
         return planes
     return np.ascontiguousarray(planes.reshape(width, -1).T).reshape(-1)
-
-
-def zigzag(d: np.ndarray) -> np.ndarray:
-    """Map wrapped differences (unsigned, read as two's complement) to small unsigned codes: 0,-1,1,-2 -> 0,1,2,3."""
-    bits = d.dtype.itemsize * 8
-    sign = d >> np.array(bits - 1, d.dtype)
-    # Unsigned arithmetic throughout, so every shift and negation is defined and wraps.
-    return (d << np.array(1, d.dtype)) ^ (np.zeros(1, d.dtype) - sign)
-
-
-def unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of zigzag."""
-    return (z >> np.array(1, z.dtype)) ^ (np.zeros(1, z.dtype) - (z & np.array(1, z.dtype)))
 
 
 # --- Rice-coded gaps ---------------------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 __all__ = [
-    "ModelConfig",
-    "TINY",
-    "SMALL",
     "LLAMA_1B",
+    "SMALL",
+    "TINY",
+    "ModelConfig",
     "TrainerSim",
     "changed_fraction",
     "write_checkpoint",
@@ -115,7 +115,7 @@ CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TINY, SMALL, LLAMA_1B)}
 class _Param:
     """One fp32 master tensor with its AdamW moments."""
 
-    __slots__ = ("name", "master", "m", "v", "grad_scale")
+    __slots__ = ("grad_scale", "m", "master", "name", "v")
 
     def __init__(self, name: str, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_scale: float) -> None:
         self.name, self.master, self.m, self.v, self.grad_scale = name, master, m, v, grad_scale

@@ -67,7 +67,7 @@ def test_write_single_file_checkpoint(tmp_path: Path) -> None:
     loaded = load_file(os.path.join(tmp_path, "model.safetensors"))
     assert set(loaded) == set(tensors)
     assert all(torch.equal(loaded[k].view(torch.int16), tensors[k].view(torch.int16)) for k in tensors)
-    cfg = json.loads(open(os.path.join(tmp_path, "config.json")).read())
+    cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["num_hidden_layers"] == TINY.num_layers and cfg["model_type"] == "llama"
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert os.path.getsize(os.path.join(tmp_path, name)) > 0
@@ -78,7 +78,7 @@ def test_write_sharded_checkpoint(tmp_path: Path) -> None:
     written = write_checkpoint(tmp_path, tensors, TINY, shard_bytes=100_000)
     shards = [w for w in written if w.endswith(".safetensors")]
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
-    index = json.loads(open(os.path.join(tmp_path, "model.safetensors.index.json")).read())
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(tensors)
     total = 0
     for shard in shards:
