@@ -253,3 +253,15 @@ def test_partial_writes_of_killed_processes_are_removed_after_the_grace_period(t
     gc(store, keep_last=2, grace=0, settle=0)
     assert not os.path.exists(leftover)
     assert verify(store, all_versions=True).ok
+
+
+def test_gc_refuses_a_store_with_a_broken_chain_and_deletes_nothing(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push_history(store, maker, 4, keyframe_every=100)
+    repo = Repository.open(store)
+    repo.objects.delete("manifests/v0000000002.json")  # version 3 and 4 can no longer be rebuilt
+    before = store_bytes(store)
+    proc = run_cli("gc", store, "--keep-last", "1", "--grace", "0")
+    assert proc.returncode == 6 and "gc stopped: version 4 cannot be rebuilt" in proc.stderr
+    assert "deltafs verify --all" in proc.stderr
+    assert store_bytes(store) == before and not repo.objects.exists(GC_LOCK_KEY)
