@@ -172,16 +172,13 @@ def rice_encode(gaps: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     unary[ones] = 1
     if k == 0:
         return np.packbits(unary), np.empty(0, np.uint8)
-    r = gaps & ((1 << k) - 1)
-    shifts = np.arange(k - 1, -1, -1, dtype=np.int64)
-    bits = ((r[:, None] >> shifts) & 1).astype(np.uint8)
-    return np.packbits(unary), np.packbits(bits.reshape(-1))
+    return np.packbits(unary), pack_fields(gaps & ((1 << k) - 1), k)
 
 
 def rice_decode(unary: np.ndarray, remainder: np.ndarray, count: int, k: int, limit: int, what: str) -> np.ndarray:
     """The count gaps (int64), each < limit; IntegrityError unless both streams hold exactly count codes and zero
     padding. Checking q before shifting keeps hostile input from overflowing int64 (k <= 32, limit < 2**40)."""
-    ones = np.flatnonzero(np.unpackbits(unary))
+    ones = np.flatnonzero(np.unpackbits(unary).view(np.bool_))  # nonzero on bool is ~10x faster than on uint8
     if ones.size != count:
         raise IntegrityError(f"{what}: gap stream holds the wrong number of gaps", expected=count, actual=ones.size)
     if count and unary.size != (int(ones[-1]) >> 3) + 1:
@@ -191,16 +188,52 @@ def rice_decode(unary: np.ndarray, remainder: np.ndarray, count: int, k: int, li
         raise IntegrityError(f"{what}: gap out of range")
     if k == 0:
         return q
-    bits = np.unpackbits(remainder)
-    if remainder.size != (count * k + 7) // 8 or bits[count * k:].any():
+    if remainder.size != (count * k + 7) // 8 or np.unpackbits(remainder[-1:])[(count * k - 1) % 8 + 1:].any():
         raise IntegrityError(f"{what}: remainder stream has the wrong size or padding")
-    r = np.zeros(count, dtype=np.int64)
-    # k passes over count elements; cheaper than a (count, k) matrix product for the k <= 20 seen in practice.
-    field = bits[: count * k].reshape(count, k)
-    for j in range(k):
-        r <<= 1
-        r |= field[:, j]
-    gaps = (q << k) | r
+    gaps: np.ndarray = (q << k) | unpack_fields(remainder, count, k)
     if count and int(gaps.max()) >= limit:
         raise IntegrityError(f"{what}: gap out of range")
     return gaps
+
+
+# Fixed-width bit fields, most significant bit first. For k <= 8 (mean gaps below ~350, the usual case) eight
+# fields make exactly k bytes, so they are assembled in a uint64 per eight values: a handful of vector ops over
+# count / 8 words instead of per-bit work. Wider fields take the general per-bit path.
+_FIELD_SHIFTS = [np.array([k * (7 - j) for j in range(8)], dtype=np.uint64) for k in range(9)]
+
+
+def pack_fields(values: np.ndarray, k: int) -> np.ndarray:
+    """The low k bits of each value, concatenated MSB first, zero-padded to whole bytes."""
+    count = values.size
+    if k == 0 or count == 0:
+        return np.empty(0, np.uint8)
+    if k > 8:
+        shifts = np.arange(k - 1, -1, -1, dtype=np.int64)
+        return np.packbits(((values[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1))
+    v = np.zeros(count + (-count) % 8, np.uint64)
+    v[:count] = values
+    words = np.bitwise_or.reduce(v.reshape(-1, 8) << _FIELD_SHIFTS[k], axis=1)
+    out: np.ndarray = words.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - k:].reshape(-1)
+    return out[: (count * k + 7) // 8]
+
+
+def unpack_fields(buf: np.ndarray, count: int, k: int) -> np.ndarray:
+    """Inverse of pack_fields: count values (int64) of k bits each from buf (ceil(count * k / 8) bytes)."""
+    if k == 0 or count == 0:
+        return np.zeros(count, np.int64)
+    if k > 8:
+        field = np.unpackbits(buf)[: count * k].reshape(count, k)
+        out = np.zeros(count, dtype=np.int64)
+        for j in range(k):
+            out <<= 1
+            out |= field[:, j]
+        return out
+    groups = (count + 7) // 8
+    flat = np.zeros(groups * k, np.uint8)
+    flat[: buf.size] = buf
+    full = np.zeros((groups, 8), np.uint8)
+    full[:, 8 - k:] = flat.reshape(groups, k)
+    words = full.view(">u8").reshape(-1).astype(np.uint64)
+    vals = (words[:, None] >> _FIELD_SHIFTS[k]) & np.uint64((1 << k) - 1)
+    result: np.ndarray = vals.reshape(-1)[:count].astype(np.int64)
+    return result

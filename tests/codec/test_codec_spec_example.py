@@ -16,7 +16,7 @@ SPEC = Path(__file__).resolve().parents[2] / "manifests" / "FORMAT.md"
 def example_from_spec() -> tuple[dict[str, object], bytes]:
     text = SPEC.read_text()
     block = text[text.index("<!-- codecs:begin -->"):text.index("<!-- codecs:end -->")]
-    record = re.search(r"record:\s+(\{.*?\})\s*\n\s*object:", block, re.S)
+    record = re.search(r"record:\s+(\{.*?\})\s*\n\s*object:", block, re.DOTALL)
     payload = re.search(r"object:\s+([0-9a-f |]+)\n", block)
     assert record and payload, "the spec's sparse example is missing"
     rec = json.loads(" ".join(record.group(1).split()).replace(", ", ","))

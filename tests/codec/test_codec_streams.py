@@ -1,0 +1,71 @@
+"""The codec's building blocks: bit fields, Rice-coded gaps, rank/select, stored streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltafs.codec import streams
+from deltafs.codec.bitmap import RankIndex
+from deltafs.errors import IntegrityError
+
+
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(0, 32), values=st.lists(st.integers(0, 2**32 - 1), max_size=300))
+def test_bit_fields_roundtrip_msb_first(k: int, values: list[int]) -> None:
+    v = np.array(values, dtype=np.int64) & ((1 << k) - 1)
+    packed = streams.pack_fields(v, k)
+    assert packed.size == (v.size * k + 7) // 8
+    # Same bits as the obvious per-bit construction.
+    bits = "".join(format(int(x), f"0{k}b") if k else "" for x in v)
+    bits += "0" * (-len(bits) % 8)
+    assert packed.tobytes() == bytes(int(bits[i:i + 8], 2) for i in range(0, len(bits), 8))
+    assert np.array_equal(streams.unpack_fields(packed, v.size, k), v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.integers(0, 5000), min_size=1, max_size=400))
+def test_rice_roundtrip_with_the_best_parameter(gaps: list[int]) -> None:
+    g = np.array(gaps, dtype=np.int64)
+    k = streams.best_rice_k(g)
+    assert all(streams.rice_cost(g, k) <= streams.rice_cost(g, j) for j in range(14))
+    unary, remainder = streams.rice_encode(g, k)
+    assert np.array_equal(streams.rice_decode(unary, remainder, g.size, k, 5001, "t"), g)
+    with pytest.raises(IntegrityError):
+        streams.rice_decode(unary, remainder, g.size + 1, k, 5001, "t")
+    if g.max() > 0:
+        with pytest.raises(IntegrityError):  # a gap beyond the limit
+            streams.rice_decode(unary, remainder, g.size, k, int(g.max()), "t")
+
+
+@settings(max_examples=100, deadline=None)
+@given(bits=st.lists(st.booleans(), min_size=1, max_size=700), data=st.data())
+def test_rank_and_select_invert_each_other(bits: list[bool], data: st.DataObject) -> None:
+    mask = np.array(bits)
+    index = RankIndex(mask)
+    assert index.ones == mask.sum() and index.zeros == (~mask).sum()
+    idx = np.array(sorted(data.draw(st.sets(st.integers(0, mask.size - 1), min_size=1))))
+    is_set, rank = index.rank(idx)
+    assert np.array_equal(is_set, mask[idx])
+    for bit in (1, 0):
+        sel = idx[is_set == bool(bit)]
+        assert np.array_equal(index.select(rank[is_set == bool(bit)], bit), sel)
+
+
+def test_streams_are_stored_raw_when_zstd_does_not_help() -> None:
+    noise = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
+    assert streams.pack(noise, 3) == noise.tobytes()
+    zeros = np.zeros(1000, np.uint8)
+    stored = streams.pack(zeros, 3)
+    assert len(stored) < 100
+    assert streams.unpack(stored, 1000, "t").tobytes() == zeros.tobytes()
+    assert streams.pack(np.empty(0, np.uint8), 3) == b""
+    with pytest.raises(IntegrityError):
+        streams.unpack(stored, 999, "t")
+    sealed = bytearray(streams.seal([b"abc"]))
+    sealed[-1] ^= 1
+    with pytest.raises(IntegrityError):
+        streams.unseal(bytes(sealed), "t")
+    assert bytes(streams.unseal(streams.seal([b"ab", b"c"]), "t")) == b"abc"
