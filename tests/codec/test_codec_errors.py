@@ -173,3 +173,45 @@ def test_codec_records_roundtrip_through_json(kind: str) -> None:
     assert json.dumps(parsed.to_json(), sort_keys=True, separators=(",", ":")) == text
     assert type(parsed).name == kind
     assert set(codec.registered()) == {"same", "raw", "xor", "sparse"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_hostile_sparse_records_and_streams_fail_cleanly(data: st.DataObject) -> None:
+    """Any record that parses, with any sealed payload, decodes or raises FormatError/IntegrityError; never
+    another exception, a hang or an oversized allocation."""
+    width = data.draw(st.sampled_from([1, 2, 4]))
+    n = data.draw(st.integers(1, 300))
+    split = data.draw(st.sampled_from([0, 1, 100, (1 << (8 * width - 1)) - 1]))
+    groups = []
+    for _ in range(2 if split else 1):
+        groups.append({k: data.draw(st.integers(0, 40)) for k in ("count", "unary", "big", "big_unary")}
+                      | {"rice": data.draw(st.integers(0, 32)), "big_rice": data.draw(st.integers(0, 32))})
+    streams_ = [data.draw(st.binary(max_size=24)) for _ in range(len(groups) * (5 + width))]
+    record = {"name": "sparse", "width": width, "split": split, "groups": groups,
+              "frames": [len(s) for s in streams_]}
+    base = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)), np.uint8)
+    try:
+        out = codec.decode(record, seal(streams_), base, n * width, width)
+    except (FormatError, IntegrityError):
+        return
+    assert out.size == n * width
+
+
+@pytest.mark.parametrize("level", [codec.DEFAULT_LEVEL, codec.SPLIT_LEVEL])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_resealed_damage_inside_streams_fails_cleanly(level: int, data: st.DataObject) -> None:
+    """Damage that keeps the checksum valid (a writer bug, not the wire) still never crashes the decoder."""
+    new, base = bf16_pair(n=1 << 14, p=0.03, seed=data.draw(st.integers(0, 3)))
+    enc = codec.encode(new, base, 2, level=level)
+    assert enc.payload is not None
+    body = bytearray(enc.payload[:-8])
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(body) - 1))
+        body[i] = data.draw(st.integers(0, 255))
+    try:
+        out = codec.decode(enc.codec, seal([bytes(body)]), base, new.size, 2)
+    except (FormatError, IntegrityError):
+        return
+    assert out.size == new.size
