@@ -44,7 +44,7 @@ from deltafs.watch.ledger import (
     utcnow,
     write_status,
 )
-from deltafs.watch.notify import Notifier
+from deltafs.watch.notify import Notifier, jittered
 
 log = logging.getLogger("deltafs.watch")
 
@@ -258,6 +258,14 @@ class Subscriber:
             except LockHeldError as exc:
                 log.info("%s; trying again later", exc)
                 delay = self._backoff(1)
+            except StoreNotFoundError as exc:
+                if self.status.store_id is not None:  # it existed: a vanished store is a failure
+                    delay = self._failed(exc)
+                else:  # started before the trainer's first push: wait quietly at the poll rate
+                    if not self._said_waiting:
+                        log.info("%s; waiting for the first version", exc)
+                        self._said_waiting = True
+                    delay = jittered(self.poll_interval or 5.0)
             except (DeltafsError, OSError) as exc:
                 delay = self._failed(exc)
             if self.stop_event.is_set():
@@ -316,6 +324,13 @@ class Subscriber:
         """pull() verifies every byte and itself falls back to the nearest full version when the
         local base is unusable; what is left to handle here is a DEST of another store."""
         kwargs: dict[str, Any] = {"version": version, "keep": self.keep, "threads": self.threads}
+        if self.served is not None:
+            # pull's cleanup keeps the newest version directories by mtime; touching the one the
+            # engine serves keeps it as the rollback target however many versions arrive meanwhile.
+            try:
+                os.utime(self.served.path)
+            except OSError:
+                pass
         try:
             return pull(self.repo, self.dest, **kwargs)
         except DestinationError as exc:
@@ -367,6 +382,7 @@ class Subscriber:
         self._write_ledger()
 
     _last_write = 0.0
+    _said_waiting = False
 
     def _beat(self) -> None:
         """Refresh the ledger entry now and then, so `deltafs status` can tell a live host from a dead one."""

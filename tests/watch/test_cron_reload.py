@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from watch_helpers import same_weights
 
 from deltafs.engines import SwitchError, reload_engine
 from deltafs.pull import local_version
-from watch_helpers import same_weights
 
 MAIN = "import sys; from deltafs.cli.main import main; sys.argv[0] = 'deltafs'; main()"
 

@@ -8,10 +8,12 @@ weights bit-identical to what was pushed, failures end on a verified version, ne
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from watch_helpers import FAST, running, same_weights, wait_until
 
+from deltafs.engines.base import SwitchError
 from deltafs.engines.sglang import SGLangEngine
 from deltafs.store.open import open_objects
 from deltafs.watch import Subscriber
@@ -118,3 +120,27 @@ def test_engine_refusing_connections_then_coming_back(trainer, tmp_path, engine_
         assert thread.is_alive()
     assert same_weights(engine_server.state_dict(), trainer.weights[2])
     assert not engine_server.paused
+
+
+def test_watcher_started_before_the_first_push(trainer, tmp_path, engine_server):
+    sub = subscriber(trainer, tmp_path, engine_server, poll=0.1)
+    with running(sub):
+        wait_until(lambda: engine_server.weight_version == "default" and sub.status.state == "starting")
+        trainer.push()
+        wait_until(lambda: engine_server.weight_version == "1", what="the first version live")
+        assert sub.status.failures == 0
+    assert same_weights(engine_server.state_dict(), trainer.weights[1])
+
+
+def test_the_served_version_stays_on_disk_as_rollback_target(trainer, tmp_path, engine_server):
+    trainer.push()
+    sub = subscriber(trainer, tmp_path, engine_server)
+    sub.start()
+    sub.sync()
+    first = sub.served.path
+    for _ in range(4):  # versions staged but never switched in (the engine keeps failing)
+        trainer.push()
+        engine_server.inject("http500")
+        with pytest.raises(SwitchError, match="serving version 1 again"):
+            sub.sync()
+    assert os.path.isdir(first) and sub.served.path == first
