@@ -170,7 +170,9 @@ def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -
     big_k = streams.best_rice_k(big_gaps)
     big_unary, big_remainder = streams.rice_encode(big_gaps, big_k)
     big_values = magnitude[big_at] - np.array(2, diff.dtype)  # magnitude 0 cannot occur; 2 and up store from 0
-    planes = streams.to_planes(big_values.view(np.uint8), width).reshape(width, -1)
+    # Explicitly little-endian before splitting into byte planes (arithmetic results are in native order).
+    little = big_values.astype(streams.UINT[width], copy=False)
+    planes = streams.to_planes(little.view(np.uint8), width).reshape(width, -1)
     parts = [unary, remainder, np.packbits(negative), big_unary, big_remainder, *planes]
     group = Group(int(ranks.size), k, int(unary.size), int(big_at.size), big_k, int(big_unary.size))
     return group, [streams.pack(p, level) for p in parts]
