@@ -221,10 +221,9 @@ class Subscriber:
         self.status.last_sync = applied.to_json()
         self.status.failures = 0
         self.status.last_error = None
-        log.info("version %d live on %s: pause %.3fs (load %.3fs), total sync %.3fs (%s%s)", staged.version,
+        log.info("version %d live on %s: pause %.3fs (load %.3fs), total sync %.3fs (%s)", staged.version,
                  self.status.engine_url or self.status.engine, applied.pause_seconds, load, applied.sync_seconds,
-                 "from a full version" if staged.pull.from_full else f"delta from version {staged.pull.previous}",
-                 ", after a fallback" if staged.pull.fallback else "")
+                 _describe_pull(staged.pull))
         self._set_state("serving")
         return applied
 
@@ -402,3 +401,11 @@ class Subscriber:
             log.debug("no ledger update, the store is unreachable: %s", exc)
             return
         write_status(objects, self.status)
+
+
+def _describe_pull(res: PullResult) -> str:
+    if not res.updated:
+        return "already in DEST"
+    how = "from a full version" if res.from_full else f"as a delta from version {res.previous}"
+    fallback = " after the delta path failed" if res.fallback else ""
+    return f"pulled {how}{fallback} in {res.seconds:.3f}s, {res.bytes_read / 1024:.0f} KiB read"
