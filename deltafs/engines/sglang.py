@@ -143,6 +143,8 @@ class SGLangEngine:
                 if attempt + 1 < attempts:
                     time.sleep(delay)
                     delay *= 2
+        if isinstance(last, EngineUnreachableError):
+            raise last  # nothing answers: whether it is paused cannot be known, say what is known
         raise EngineError(f"could not resume generation on {self.url}; the engine may still be paused: {last}")
 
     def switch(self, target: Target, previous: Target | None) -> SwitchResult:

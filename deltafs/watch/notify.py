@@ -17,6 +17,33 @@ from deltafs.store.objects import LocalObjectStore, ObjectStore
 log = logging.getLogger("deltafs.watch")
 
 
+# Filesystems whose changes made on other machines raise no inotify events here.
+NO_EVENTS_FS = ("nfs", "cifs", "smb", "fuse", "9p", "ceph", "lustre", "gpfs", "beegfs", "glusterfs", "afs")
+
+
+def mount_fstype(path: str, mounts: str | None = None) -> str | None:
+    """The filesystem type of the mount holding path (from /proc/mounts), or None if unknown."""
+    if mounts is None:
+        try:
+            with open("/proc/mounts") as fh:
+                mounts = fh.read()
+        except OSError:
+            return None
+    path = os.path.realpath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)  # the store may not exist yet: judge by its parent
+    best, fstype = "", None
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, fstype = point, parts[2]
+    return fstype
+
+
 def jittered(seconds: float, spread: float = 0.2) -> float:
     """seconds ± spread, so a fleet started together does not poll the store in lockstep."""
     return max(0.0, seconds * (1.0 + random.uniform(-spread, spread)))
@@ -32,7 +59,11 @@ class Notifier:
         self.mode = "poll"
         self.interval = poll if poll is not None else fallback_poll
         if poll is None and isinstance(objects, LocalObjectStore):
-            self._start_inotify()
+            fstype = mount_fstype(objects.root)
+            if fstype is not None and fstype.startswith(NO_EVENTS_FS):
+                log.info("%s is on %s, where file events from other hosts never arrive; polling", objects.root, fstype)
+            else:
+                self._start_inotify()
         if self.mode == "poll" and poll is None:
             self.interval = 5.0  # remote store and no --poll: a sensible default
 

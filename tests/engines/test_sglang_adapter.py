@@ -185,8 +185,15 @@ def test_resume_unpauses_an_engine_left_paused(server):
 
 def test_resume_gives_up_with_a_clear_error(server):
     server.stop()
-    with pytest.raises(EngineError, match="may still be paused"):
+    with pytest.raises(EngineError, match="cannot reach SGLang"):
         SGLangEngine(server.url, resume_attempts=2).resume()
+
+
+def test_resume_refused_by_the_engine_says_it_may_still_be_paused(server, ckpts):
+    engine = SGLangEngine(server.url, resume_attempts=2)
+    engine.url = server.url + "/no-such-prefix"  # every call answers 404
+    with pytest.raises(EngineError, match="may still be paused"):
+        engine.resume()
 
 
 def test_unknown_pause_mode_is_a_usage_error():

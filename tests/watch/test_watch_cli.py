@@ -105,3 +105,20 @@ def test_signal_boundary_by_sigusr1(trainer, tmp_path, engine_server):
     finally:
         proc.kill()
     assert same_weights(engine_server.state_dict(), trainer.weights[1])
+
+
+def test_sigterm_while_degraded_exits_with_the_error_code(trainer, tmp_path, engine_server):
+    trainer.push()
+    engine_server.stop()
+    proc, log = start_watch(tmp_path, trainer.store, str(tmp_path / "dest"), "--engine-url", engine_server.url,
+                            "--host-id", "h1")
+    try:
+        wait_until(lambda: (ledger(trainer.store, "h1") or HostStatus("", "", "")).failures >= 1, timeout=20)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    text = open(log).read()
+    assert rc == 10, text  # EngineError: the engine could not be switched
+    assert "cannot reach SGLang" in text and "Traceback" not in text
+    assert ledger(trainer.store, "h1").state == "stopped"
