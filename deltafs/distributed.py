@@ -75,6 +75,8 @@ class _Comm:
             self.rank, self.world, self.root_global = 0, 1, 0
         else:
             self.rank = dist.get_rank(group)
+            if self.rank < 0:
+                raise UsageError("push_distributed was called on a rank that is not in the given group")
             self.world = dist.get_world_size(group)
             self.root_global = dist.get_global_rank(group, root) if group is not None else root
         if not 0 <= root < self.world:
