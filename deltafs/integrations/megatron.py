@@ -8,9 +8,12 @@ untied embeddings, QKV bias (Qwen2) or q/k RMSNorm (Qwen3), any tensor- and pipe
 (virtual pipeline chunks too), local or TransformerEngine layer specs. Anything else (MoE, MLA,
 LayerNorm, GELU, linear biases, ...) is refused before any tensor moves or anything is written.
 
-Every function here is collective over the model-parallel ranks of data-parallel replica 0: call it on
-every rank. Pipeline rank 0 / TP rank 0 / DP rank 0 (normally global rank 0) gets the tensors and
-writes; the other ranks get None.
+The functions that move tensors (megatron_to_hf, megatron_stage_to_hf, push_megatron) are
+collective: call them on every rank. By default pipeline rank 0 / TP rank 0 / DP rank 0 (normally
+global rank 0) gets the whole model and writes, and the other ranks get None; with
+push_megatron(multi_rank=True) every pipeline stage writes its own layers through
+deltafs.distributed.push_distributed. describe, check_supported and hf_config are local.
+Layout rules: megatron_layout.py; torch.distributed moves: megatron_gather.py.
 """
 
 from __future__ import annotations
