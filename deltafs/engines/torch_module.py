@@ -12,17 +12,17 @@ import logging
 import os
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import xxhash
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.engines.versions import read_version_manifest
-from deltafs.errors import EngineError, FormatError, IntegrityError
+from deltafs.errors import DeltafsError, EngineError, IntegrityError
 from deltafs.format.manifest import Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
@@ -138,7 +138,7 @@ class TorchModuleEngine:
     def __init__(self, module: torch.nn.Module, *, lock: threading.Lock | threading.RLock | None = None,
                  strict: bool = True) -> None:
         self.applier = ModuleApplier(module, strict=strict)
-        self.lock: ContextManager[Any] = lock if lock is not None else nullcontext()
+        self.lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
         self._version: str | None = None
 
     @property
@@ -160,19 +160,26 @@ class TorchModuleEngine:
         with self.lock:
             try:
                 report = self.applier.apply(target.path, man)
-            except (EngineError, IntegrityError, OSError, RuntimeError) as exc:
-                rolled_back = False
-                if previous is not None:
-                    try:
-                        self.applier.apply(previous.path)
-                        self._version = previous.version
-                        rolled_back = True
-                    except (EngineError, IntegrityError, OSError, RuntimeError, FormatError) as exc2:
-                        log.critical("rollback of the module to version %s failed: %s", previous.version, exc2)
-                        self._version = None
+            except BaseException as exc:  # KeyboardInterrupt too: never keep a half-applied module
+                rolled_back = self._rollback(previous)
+                if not isinstance(exc, Exception):
+                    raise
                 raise SwitchError(f"in-place apply of version {target.version} failed: {exc}",
                                   rolled_back=rolled_back, previous=previous) from exc
             self._version = target.version
         pause = time.monotonic() - started
         return SwitchResult(version=target.version, pause_seconds=pause, load_seconds=report.seconds,
                             tensors_changed=report.changed)
+
+    def _rollback(self, previous: Target | None) -> bool:
+        if previous is None:
+            self._version = None  # partly applied: what the module holds is no known version
+            return False
+        try:
+            self.applier.apply(previous.path)
+        except (DeltafsError, OSError, RuntimeError, SafetensorError) as exc:
+            log.critical("rollback of the module to version %s failed: %s", previous.version, exc)
+            self._version = None
+            return False
+        self._version = previous.version
+        return True

@@ -130,3 +130,17 @@ def test_switch_waits_for_the_inference_lock(versions):
     worker.join(5)
     assert done.is_set()
     assert_module_holds(module, weights[1])
+
+
+def test_truncated_file_is_rolled_back(versions):
+    paths, weights = versions
+    module = build_model(CONFIG)
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(paths[1], "1"), None)
+    path = f"{paths[2]}/model.safetensors"
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    with pytest.raises(SwitchError) as info:
+        engine.switch(Target(paths[2], "2"), Target(paths[1], "1"))
+    assert info.value.rolled_back
+    assert_module_holds(module, weights[1])
