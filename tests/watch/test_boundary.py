@@ -35,7 +35,7 @@ def test_idle_waits_for_running_requests_to_finish(engine_server):
     engine_server.token_delay = 0.05
     engine = SGLangEngine(engine_server.url)
     gen, _ = in_thread(lambda: requests.post(engine_server.url + "/generate",
-                                             json={"text": "x", "sampling_params": {"max_new_tokens": 12}}))
+                                             json={"text": "x", "sampling_params": {"max_new_tokens": 20}}))
     wait_until(lambda: engine.busy_requests() == 1)
     started = time.monotonic()
     assert Idle(max_wait=10, interval=0.02).wait(engine, threading.Event())
@@ -52,7 +52,7 @@ def test_idle_switches_anyway_after_max_wait(engine_server):
     wait_until(lambda: engine.busy_requests() == 1)
     started = time.monotonic()
     assert Idle(max_wait=0.3, interval=0.02).wait(engine, threading.Event())
-    assert 0.3 <= time.monotonic() - started < 1.5
+    assert 0.3 <= time.monotonic() - started < 5  # it gave up waiting, it did not wait for the request
     assert engine.busy_requests() == 1
     gen.join()
 

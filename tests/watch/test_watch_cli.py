@@ -87,7 +87,7 @@ def test_sigterm_while_idle_exits_promptly(trainer, tmp_path, engine_server):
         rc = proc.wait(timeout=10)
     finally:
         proc.kill()
-    assert rc == 0 and time.monotonic() - started < 3, open(log).read()
+    assert rc == 0 and time.monotonic() - started < 10, open(log).read()  # not after a 30 s poll
 
 
 def test_signal_boundary_by_sigusr1(trainer, tmp_path, engine_server):

@@ -82,10 +82,10 @@ def test_polling_mode_follows_the_store_too(trainer, tmp_path, engine_server):
     assert same_weights(engine_server.state_dict(), trainer.weights[2])
 
 
-@pytest.mark.parametrize("fault, seconds", [("http500", 0), ("success_false", 0), ("wrong_version", 0), ("hang", 1.0)])
+@pytest.mark.parametrize("fault, seconds", [("http500", 0), ("success_false", 0), ("wrong_version", 0), ("hang", 1.3)])
 def test_every_engine_failure_ends_on_a_verified_version_and_recovers(trainer, tmp_path, engine_server, fault, seconds):
     trainer.push()
-    sub = subscriber(trainer, tmp_path, engine_server, load_timeout=0.5)
+    sub = subscriber(trainer, tmp_path, engine_server, load_timeout=1.0)
     with running(sub) as thread:
         wait_until(lambda: served(trainer, 1))
         engine_server.inject(fault, seconds=seconds)
