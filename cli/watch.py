@@ -100,7 +100,7 @@ def render_fleet(report: Any) -> str:
                      _v(st.staged_version), last, _ago(st.updated_at), r.problem or ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines)
 
 
