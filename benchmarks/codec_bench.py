@@ -68,13 +68,12 @@ def chunks(size: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(size, s + chunk)) for s in range(0, size, chunk)]
 
 
-def measure_tensor(n: np.ndarray, o: np.ndarray, args: argparse.Namespace, pool: ThreadPoolExecutor, timer: Timer,
+def measure_tensor(n: np.ndarray, o: np.ndarray, args: argparse.Namespace, timer: Timer,
                    res: dict[str, dict[str, float]]) -> None:
-    """Add one tensor's bytes and best times, for every method, to res."""
+    """Add one tensor's bytes and best times, for the per-tensor baselines, to res."""
     c1 = zstandard.ZstdCompressor(level=1)
     d1 = zstandard.ZstdDecompressor()
     out = np.empty_like(n)
-    spans = chunks(n.size, args.chunk_bytes)
 
     # full copy
     t, _ = timer.best(lambda: np.copyto(out, n))
@@ -98,38 +97,30 @@ def measure_tensor(n: np.ndarray, o: np.ndarray, args: argparse.Namespace, pool:
     assert out.tobytes() == n.tobytes()
     res["XOR + zstd-1 per tensor"]["apply"] += t
 
-    # deltafs, per chunk, 1 and 2 threads, default level and split level
-    runs = [("deltafs (1 thread)", None, args.level), ("deltafs (2 threads)", pool, args.level),
-            (METHODS[-1], None, max(args.level, codec.SPLIT_LEVEL))]
-    for label, threads, level in runs:
-        encs, t_enc, t_apply = run_deltafs(n, o, out, spans, level, threads, timer)
-        assert out.tobytes() == n.tobytes()
-        res[label]["bytes"] += sum(len(e.payload or b"") for e in encs)
-        res[label]["encode"] += t_enc
-        res[label]["apply"] += t_apply
-        if threads is None:
-            for e in encs:
-                res["codecs " + label][e.codec["name"] + (" split" if e.codec.get("split") else "")] += 1
 
 
-def run_deltafs(n: np.ndarray, o: np.ndarray, out: np.ndarray, spans: list[tuple[int, int]], level: int,
-                pool: ThreadPoolExecutor | None, timer: Timer) -> tuple[list[codec.Encoded], float, float]:
-    """Encode n against o chunk by chunk, then apply the result into out; (encoded chunks, best times)."""
+# One work item of deltafs: (new tensor, old tensor, output buffer, start, end) of a chunk.
+Item = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
 
-    def enc_one(span: tuple[int, int]) -> codec.Encoded:
-        s, e = span
+
+def run_deltafs(items: list[Item], level: int, pool: ThreadPoolExecutor | None,
+                timer: Timer) -> tuple[list[codec.Encoded], float, float]:
+    """Encode every chunk, then apply them all into their output buffers; (encoded chunks, best times).
+
+    All chunks of a group go to the pool at once, as a pusher streaming through a checkpoint would submit them.
+    """
+
+    def enc_one(item: Item) -> codec.Encoded:
+        n, o, _, s, e = item
         return codec.encode(n[s:e], o[s:e], 2, level=level)
 
-    def apply_one(item: tuple[tuple[int, int], codec.Encoded]) -> None:
-        (s, e), enc = item
+    def apply_one(pair: tuple[Item, codec.Encoded]) -> None:
+        (_, o, out, s, e), enc = pair
         out[s:e] = codec.decode(enc.codec, enc.payload, o[s:e], e - s, 2)
 
-    def encode_all() -> list[codec.Encoded]:
-        return [enc_one(sp) for sp in spans] if pool is None else list(pool.map(enc_one, spans))
-
-    t_enc, encs = timer.best(encode_all)
-    items = list(zip(spans, encs))
-    t_apply, _ = timer.best(lambda: [apply_one(it) for it in items] if pool is None else list(pool.map(apply_one, items)))
+    t_enc, encs = timer.best(lambda: [enc_one(it) for it in items] if pool is None else list(pool.map(enc_one, items)))
+    pairs = list(zip(items, encs))
+    t_apply, _ = timer.best(lambda: [apply_one(p) for p in pairs] if pool is None else list(pool.map(apply_one, pairs)))
     return encs, t_enc, t_apply
 
 
@@ -137,8 +128,24 @@ def measure_group(prev: dict[str, np.ndarray], new: dict[str, np.ndarray], args:
                   pool: ThreadPoolExecutor, timer: Timer) -> dict[str, dict[str, float]]:
     """Bytes, encode seconds and apply seconds of every method on one group of tensors."""
     res: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    items: list[Item] = []
     for name, n in new.items():
-        measure_tensor(n, prev[name], args, pool, timer, res)
+        out = np.empty_like(n)
+        items += [(n, prev[name], out, s, e) for s, e in chunks(n.size, args.chunk_bytes)]
+    # deltafs, per chunk, 1 and 2 threads, default level and split level
+    runs = [("deltafs (1 thread)", None, args.level), ("deltafs (2 threads)", pool, args.level),
+            (METHODS[-1], None, max(args.level, codec.SPLIT_LEVEL))]
+    for label, threads, level in runs:
+        encs, t_enc, t_apply = run_deltafs(items, level, threads, timer)
+        assert all(np.array_equal(out[s:e], n[s:e]) for n, _, out, s, e in items), f"{label} did not round-trip"
+        res[label]["bytes"] += sum(len(e.payload or b"") for e in encs)
+        res[label]["encode"] += t_enc
+        res[label]["apply"] += t_apply
+        if threads is None:
+            for e in encs:
+                res["codecs " + label][e.codec["name"] + (" split" if e.codec.get("split") else "")] += 1
+    for name, n in new.items():
+        measure_tensor(n, prev[name], args, timer, res)
         bits, changed = delta_entropy_bits(n, prev[name], 2)
         res["entropy estimate"]["bytes"] += bits / 8
         res["totals"]["full"] += n.size
