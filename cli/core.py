@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import json
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -100,18 +101,21 @@ def pull_cmd(
         return EXIT_BUSY
     data = res.to_json()
     data["status"] = "updated" if res.updated else "current"
-    if res.updated and engine:
+    switched = None
+    if engine:
         from deltafs.engines import reload_engine  # optional: only the engine extras need it
 
-        reload_engine(engine, engine_url, dest=dest, version=res.version)
-        data["engine_reloaded"] = True
+        # Every run, "already current" ones too: a run whose pull worked but whose reload failed
+        # is repaired by the next run. reload_engine is a no-op when the engine serves the version.
+        switched = reload_engine(engine, engine_url, dest=dest, api_key=os.environ.get("DELTAFS_ENGINE_API_KEY"))
+        data["engine_reloaded"] = switched is not None
     if res.updated:
         how = "from a full version" if res.from_full else f"from version {res.previous}"
         human = f"pulled version {res.version} into {dest} ({how}{', after a fallback' if res.fallback else ''}): {human_bytes(res.bytes_read)} read, {res.seconds:.2f}s"
     else:
         human = f"{dest} already holds version {res.version}"
     out.result(data, human)
-    return EXIT_CURRENT if once and not res.updated else EXIT_UPDATED
+    return EXIT_CURRENT if once and not res.updated and switched is None else EXIT_UPDATED
 
 
 def verify_cmd(

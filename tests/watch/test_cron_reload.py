@@ -51,3 +51,19 @@ def test_failed_reload_rolls_back_to_the_version_the_engine_served(trainer, tmp_
     # The next run (DEST already current) repairs the engine.
     assert reload_engine("sglang", engine_server.url, dest=dest) is not None
     assert engine_server.weight_version == "2" and local_version(dest).version == 2
+
+
+def test_pull_once_repairs_an_engine_left_on_the_old_version(trainer, tmp_path, engine_server):
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    assert pull_once(trainer.store, dest, engine_server.url).returncode == 0
+    trainer.push()
+    engine_server.inject("success_false")
+    failed = pull_once(trainer.store, dest, engine_server.url)
+    assert failed.returncode == 10, failed.stderr
+    assert engine_server.weight_version == "1" and not engine_server.paused
+    engine_server.clear_faults()
+    repaired = pull_once(trainer.store, dest, engine_server.url)  # DEST is already current; the engine is not
+    assert repaired.returncode == 0, repaired.stderr
+    assert engine_server.weight_version == "2"
+    assert pull_once(trainer.store, dest, engine_server.url).returncode == 100
