@@ -10,12 +10,13 @@ encoded against bytes that readers can rebuild.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -54,6 +55,7 @@ class PushResult:
     store: str
     base_rederived: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+    fold_bytes: int = 0  # bytes of the folded delta written after the commit (push(..., fold=True))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -70,8 +72,12 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
          storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, progress: bool = False,
          level: int = codec.DEFAULT_LEVEL, threads: int | None = None, full: bool = False,
          keyframe_every: int | None = DEFAULT_KEYFRAME_EVERY,
-         keyframe_budget: float | None = DEFAULT_KEYFRAME_BUDGET) -> PushResult:
-    """Publish the checkpoint at src (a directory or a .safetensors file) as the store's next version."""
+         keyframe_budget: float | None = DEFAULT_KEYFRAME_BUDGET, fold: bool = False) -> PushResult:
+    """Publish the checkpoint at src (a directory or a .safetensors file) as the store's next version.
+
+    fold=True also writes, for a delta two or more steps past its full version, a folded delta from
+    that full version straight to the new version (deltafs.folds), so lagging readers take one step.
+    """
     t0 = time.monotonic()
     meta = dict(metadata or {})
     try:
@@ -84,15 +90,20 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
     if version is not None and head is not None and version <= head.version:
         raise UsageError(f"version {version} is not newer than the store's newest version {head.version}")
     new_version = version if version is not None else (head.version + 1 if head else 1)
-    cache = LocalCheckpoint(os.path.join(cache_dir or default_cache_dir(repo.store_id), "base"))
+    cache_root = cache_dir or default_cache_dir(repo.store_id)
+    cache = LocalCheckpoint(os.path.join(cache_root, "base"))
     with cache.lock(wait=False, name="push.lock"):
         rederived = rederive = False
         for attempt in range(3):
             base = _base_for(repo, cache, head, rederive=rederive)
             rederived = rederived or base[1]
             try:
-                return _push_once(repo, files, cache, base[0], head, new_version, meta, level,
-                                  threads or default_threads(), full, keyframe_every, keyframe_budget, progress, t0, rederived)
+                res = _push_once(repo, files, cache, base[0], head, new_version, meta, level,
+                                 threads or default_threads(), full, keyframe_every, keyframe_budget, progress, t0, rederived)
+                if fold:
+                    res = replace(res, fold_bytes=_fold_after_commit(repo, files, cache, cache_root, level,
+                                                                     threads or default_threads()))
+                return res
             except LocalBaseError:
                 if rederive:
                     raise
@@ -231,8 +242,10 @@ def _keyframe_due(parent: Manifest, full_bytes: int, every: int | None, budget: 
 class _Encoder:
     """Encodes files chunk by chunk in a thread pool and writes the new push cache as it goes."""
 
-    def __init__(self, repo: Repository, base: LocalState | None, level: int, threads: int, cache: LocalCheckpoint) -> None:
+    def __init__(self, repo: Repository, base: LocalState | None, level: int, threads: int, cache: LocalCheckpoint,
+                 *, write_cache: bool = True) -> None:
         self.repo = repo
+        self.write_cache = write_cache  # False: only encode (a fold), do not keep a copy of the bytes
         self.base = base
         self.base_segments = base.manifest.segments() if base else {}
         self.level = level
@@ -274,7 +287,7 @@ class _Encoder:
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
         fhash = hashlib.sha256()
         segments = []
-        with open(f.abspath, "rb") as src, open(out_path, "wb") as out:
+        with open(f.abspath, "rb") as src, (open(out_path, "wb") if self.write_cache else _Sink()) as out:
             fd = src.fileno()
             for seg in f.segments:
                 base = self._base_of(seg)
@@ -285,8 +298,9 @@ class _Encoder:
                     if bfd is not None:
                         bfd.close()
             out.flush()
-            os.fsync(out.fileno())
-        size = os.path.getsize(out_path)
+            if self.write_cache:
+                os.fsync(out.fileno())
+        size = os.path.getsize(out_path) if self.write_cache else out.tell()
         if size != f.size:
             raise DeltafsError(f"{f.abspath} changed size while it was being pushed")
         return FileEntry(f.path, f.size, fhash.hexdigest(), f.format, tuple(segments))
@@ -340,6 +354,99 @@ class _Encoder:
             raise LocalBaseError(f"push cache does not match version {self.base.version if self.base else '?'} at {seg.key[2:]}")
         return Segment(key=seg.key, kind=seg.kind, offset=seg.offset, size=seg.size,
                        digest="xxh3-128:" + shash.hexdigest(), chunks=tuple(chunks), dtype=seg.dtype, shape=seg.shape)
+
+
+class _Sink(io.RawIOBase):
+    """Counts the bytes written to it and keeps none (encoding without a cache copy)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        self.n += size
+        return size
+
+    def tell(self) -> int:
+        return self.n
+
+
+# --- folded deltas -------------------------------------------------------------------------------
+def _fold_after_commit(repo: Repository, files: list[SourceFile], cache: LocalCheckpoint, cache_root: str,
+                       level: int, threads: int) -> int:
+    """Keep the keyframe cache current, and write the fold of the version just committed.
+
+    The version is already committed: a fold that cannot be written is logged and skipped.
+    Returns the bytes written for the fold (chunks plus its manifest).
+    """
+    from deltafs.folds import fold_key, is_fold_of
+    from deltafs.rebuild import plan_chain
+
+    state = cache.state()
+    if state is None:
+        return 0
+    man = state.manifest
+    keyframe = LocalCheckpoint(os.path.join(cache_root, "keyframe"))
+    try:
+        if man.kind == "full":
+            _link_keyframe(repo, state, keyframe)
+            return 0
+        if int(man.stats.get("since_full", 0)) < 2:
+            return 0  # the chain from the full version is this delta alone (or one more): nothing to fold
+        full = plan_chain(repo, man.version, None).steps[0]
+        kstate = keyframe.state()
+        if kstate is None or kstate.store_id != repo.store_id or kstate.digest != full.digest:
+            from deltafs.pull import pull
+
+            pull(repo, keyframe.dest, version=full.version, force=True, keep=1)
+            kstate = keyframe.state()
+            assert kstate is not None
+        enc = _Encoder(repo, kstate, level, threads, keyframe, write_cache=False)
+        try:
+            entries = enc.encode_files(files, lambda n: None)
+        except LocalBaseError:
+            _drop_cache(keyframe)  # rebuilt from the store next time
+            raise
+        finally:
+            enc.discard_staging()
+        stats = {"fold_of": man.digest, "full_bytes": man.raw_bytes, "chunk_bytes_stored": enc.stored,
+                 "chunks_total": enc.chunks_total, "chunks_stored": enc.chunks_written,
+                 "elements_total": enc.elements_total, "elements_changed": enc.elements_changed}
+        folded = Manifest(store_id=repo.store_id, version=man.version, parent=full.version, parent_digest=full.digest,
+                          kind="delta", chunk_bytes=man.chunk_bytes, created=utcnow(), files=tuple(entries),
+                          metadata=man.metadata, stats=stats).seal()
+        if not is_fold_of(folded, man):
+            raise DeltafsError("the source changed after the version was committed")
+        wait_out_gc(repo, enc.reused)
+        data = folded.to_bytes()
+        repo.objects.put_if_absent(fold_key(man.version), data)  # after its chunks, like a commit
+        return enc.stored + len(data)
+    except (DeltafsError, OSError) as exc:
+        import logging
+
+        logging.getLogger("deltafs").warning("version %s is committed, but its fold was not written: %s", man.version, exc)
+        return 0
+
+
+def _link_keyframe(repo: Repository, state: LocalState, keyframe: LocalCheckpoint) -> None:
+    """Make the keyframe cache a copy of the full version just pushed (hard links: no extra disk)."""
+    staging = keyframe.new_staging()
+    try:
+        for f in state.manifest.files:
+            src, dst = os.path.join(state.path, f.path), os.path.join(staging, f.path)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copyfile(src, dst)
+        keyframe.install(staging, store_id=repo.store_id, store_url=repo.url, manifest=state.manifest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    keyframe.cleanup(keep=1)
 
 
 # --- tensors from Python ---------------------------------------------------------------------------

@@ -61,13 +61,14 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             if man.digest == state.digest:
                 return PullResult(target, state.version, False, state.path, 0, time.monotonic() - t0)
             state = None  # same number, other contents (store rewritten): rebuild
+        chain = None
         try:
-            chain = plan_chain(repo, target, state)
+            chain = plan_chain(repo, target, state, folds=True)
             path, source, _ = _materialize(repo, local, chain, progress, threads)
             fallback = False
         except (LocalBaseError, IntegrityError, ObjectNotFoundError) as exc:
-            if state is None:
-                raise
+            if state is None and (chain is None or chain.final is None):
+                raise  # already the plain path from a full version (a fold path gets a second chance)
             # The delta path is unusable (local base corrupt, chunk missing or bad): start over
             # from the nearest full version. A full-path failure is final.
             _warn(f"delta path to version {target} failed ({exc}); rebuilding from a full version")

@@ -44,22 +44,24 @@ def file_sha256(path: str, block: int = 8 << 20) -> str:
 class Chain:
     """How to reach a target version: start from the local base (if any), then apply steps in order."""
 
-    steps: list[Manifest]  # oldest first; the last one is the target
+    steps: list[Manifest]  # oldest first; the last one is the target (or its fold, see final)
     local: LocalState | None  # the base the first step applies to; None when the chain starts at a full version
+    final: Manifest | None = None  # the target's own manifest when the last step is a fold (deltafs.folds)
 
     @property
     def target(self) -> Manifest:
-        return self.steps[-1]
+        return self.final if self.final is not None else self.steps[-1]
 
     def stored_bytes(self) -> int:
         return sum(int(m.stats.get("chunk_bytes_stored", 0)) for m in self.steps)
 
 
-def plan_chain(repo: Repository, target: int, local: LocalState | None) -> Chain:
+def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds: bool = False) -> Chain:
     """Walk parents back from target until the local version or a full version; the cheaper path by bytes.
 
     Any full version on the way makes a chain that crosses it no cheaper than starting there, so
-    stopping at the first full version or at the local base is the cheapest plan.
+    stopping at the first full version or at the local base is the cheapest plan. With folds=True a
+    chain that starts at a full version may be shortened to [full, fold of target] (deltafs.folds).
     """
     steps: list[Manifest] = []
     man = repo.manifest(target)
@@ -70,6 +72,10 @@ def plan_chain(repo: Repository, target: int, local: LocalState | None) -> Chain
         steps.append(man)
         if man.kind == "full":
             steps.reverse()
+            if folds:
+                from deltafs.folds import prefer_fold
+
+                return prefer_fold(repo, Chain(steps, None))
             return Chain(steps, None)
         if man.parent is None:
             raise IntegrityError(f"version {man.version} is a delta without a parent")

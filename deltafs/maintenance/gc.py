@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from deltafs.errors import DeltafsError, IntegrityError, UsageError
+from deltafs.folds import FOLD_PREFIX, fold_key, load_fold, parse_fold_key
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key
 from deltafs.maintenance.lock import DEFAULT_STALE_AFTER, StoreLock
 from deltafs.parallel import ordered_map
@@ -51,17 +52,19 @@ class GcPlan:
     chunks_referenced: int = 0
     chunks_too_young: int = 0  # unreferenced, but written less than `grace` ago (a push in flight?)
     temp_files: dict[str, int] = field(default_factory=dict)  # local stores: partial writes of killed processes
+    folds: dict[int, int] = field(default_factory=dict)  # folded deltas that go: version -> size
     grace: float = DEFAULT_GRACE
 
     @property
     def bytes_freed(self) -> int:
         return (sum(self.chunks.values()) + sum(self.manifest_bytes.get(v, 0) for v in self.remove)
-                + sum(self.temp_files.values()))
+                + sum(self.temp_files.values()) + sum(self.folds.values()))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["keep"] = {str(k): v for k, v in sorted(self.keep.items())}
         out["manifest_bytes"] = {str(k): v for k, v in sorted(self.manifest_bytes.items())}
+        out["folds"] = {str(k): v for k, v in sorted(self.folds.items())}
         out["bytes_freed"] = self.bytes_freed
         return out
 
@@ -136,6 +139,12 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
     plan.keep = keep
     plan.remove = sorted((v for v in versions if v not in keep), reverse=True)
     referenced = _objects_of(manifests[v] for v in keep)
+    for v, key in _fold_keys(repo):
+        fold = load_fold(repo, manifests[v]) if v in keep else None
+        if fold is not None:
+            referenced |= _objects_of([fold])
+        else:  # the fold of a removed version, or one that is unusable anyway
+            plan.folds[v] = repo.objects.size(key)
     plan.chunks_referenced = len(referenced)
     plan.manifest_bytes = {v: repo.manifest_size(v) for v in plan.remove}
     for key in repo.objects.list("chunks"):
@@ -184,6 +193,10 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
              on_delete: Callable[[str], None] | None) -> GcResult:
     result = GcResult(plan, executed=True)
     _absorb_new_versions(repo, plan)
+    for v in sorted(plan.folds, reverse=True):  # folds first: no fold outlives its version
+        if on_delete:
+            on_delete(fold_key(v))
+        repo.objects.delete(fold_key(v))
     for v in plan.remove:  # newest first: an older removed version never loses its own chain first
         key = manifest_key(v)
         if on_delete:
@@ -221,6 +234,22 @@ def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:
         plan.remove = [r for r in plan.remove if r not in plan.keep]
         plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
         plan.versions.append(v)
+    # Folds written since planning (a push writes its fold just after its commit) keep their chunks.
+    for v, _key in _fold_keys(repo):
+        if v in plan.keep and v not in plan.folds:
+            fold = load_fold(repo, repo.manifest(v))
+            if fold is not None:
+                needed = _objects_of([fold])
+                plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
+
+
+def _fold_keys(repo: Repository) -> list[tuple[int, str]]:
+    out = []
+    for key in repo.objects.list(FOLD_PREFIX):
+        v = parse_fold_key(key)
+        if v is not None:
+            out.append((v, key))
+    return out
 
 
 def _chain(repo: Repository, version: int) -> list[Manifest]:

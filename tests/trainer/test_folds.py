@@ -1,0 +1,130 @@
+"""Folded deltas: a lagging or new reader rebuilds version N from its full version in one step."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from deltafs.folds import chain_cost, fold_key, load_fold
+from deltafs.maintenance.gc import gc
+from deltafs.maintenance.verify import verify
+from deltafs.publish import push
+from deltafs.pull import local_version, pull
+from deltafs.rebuild import plan_chain
+from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import files_of, write_safetensors
+
+
+class MovingSubset:
+    """An optimizer-like history: the same 2.5% of the weights move at every step."""
+
+    def __init__(self, root, n: int = 100_000) -> None:
+        self.root = root
+        self.rng = np.random.default_rng(0)
+        self.w = self.rng.standard_normal(n).astype(np.float32)
+        self.idx = self.rng.choice(n, n // 40, replace=False)
+        self.step = 0
+
+    def write(self) -> str:
+        path = str(self.root / f"step{self.step}")
+        write_safetensors(path + "/model.safetensors", {"w": ("F32", (self.w.size,), self.w.tobytes())})
+        with open(path + "/config.json", "w") as fh:
+            fh.write('{"hidden_size": 8}\n')
+        self.step += 1
+        self.w[self.idx] += self.rng.standard_normal(self.idx.size).astype(np.float32) * 1e-3
+        return path
+
+
+@pytest.fixture
+def history(tmp_path):
+    store = str(tmp_path / "store")
+    gen = MovingSubset(tmp_path / "src")
+    srcs, results = {}, {}
+    for _ in range(8):
+        res = push(store, gen.write(), fold=True, keyframe_every=5)  # full 1 and 6
+        srcs[res.version], results[res.version] = gen.root / f"step{gen.step - 1}", res
+    return store, srcs, results, Repository.open(store)
+
+
+def test_folds_are_written_for_deltas_two_or_more_steps_past_a_full_version(history):
+    store, _srcs, results, repo = history
+    folded = sorted(int(k.split("/v")[1][:10]) for k in repo.objects.list("folds"))
+    assert folded == [3, 4, 5, 8]
+    assert [v for v, r in results.items() if r.fold_bytes] == folded
+    for v in folded:
+        fold = load_fold(repo, repo.manifest(v))
+        full = 1 if v < 6 else 6
+        assert fold is not None and fold.parent == full and fold.parent_digest == repo.manifest(full).digest
+        assert fold.stats["fold_of"] == repo.manifest(v).digest
+
+
+def test_a_new_reader_takes_the_fold_and_installs_the_real_version(tmp_path, history):
+    store, srcs, _results, repo = history
+    dest = tmp_path / "dest"
+    res = pull(store, str(dest), version=4)
+    full, fold = repo.manifest(1), load_fold(repo, repo.manifest(4))
+    assert res.from_full and not res.fallback
+    assert res.bytes_read == chain_cost([full, fold]) < chain_cost(plan_chain(repo, 4, None).steps)
+    assert files_of(dest) == files_of(srcs[4])
+    state = local_version(str(dest))
+    assert state.version == 4 and state.digest == repo.manifest(4).digest  # N's own manifest, not the fold's
+    assert verify(store, local=str(dest)).ok
+    # From there the reader follows the ordinary chain.
+    res = pull(store, str(dest), version=5)
+    assert not res.from_full and res.previous == 4 and files_of(dest) == files_of(srcs[5])
+
+
+def test_a_reader_with_a_local_base_keeps_its_chain(tmp_path, history):
+    store, srcs, _results, repo = history
+    dest = tmp_path / "dest"
+    pull(store, str(dest), version=2)
+    plan = plan_chain(repo, 5, local_version(str(dest)), folds=True)
+    assert plan.final is None and [m.version for m in plan.steps] == [3, 4, 5]
+    res = pull(store, str(dest), version=5)
+    assert not res.from_full and res.bytes_read == chain_cost(plan.steps)
+    assert files_of(dest) == files_of(srcs[5])
+
+
+def test_a_damaged_or_foreign_fold_is_not_trusted(tmp_path, history):
+    store, srcs, _results, repo = history
+    fold = load_fold(repo, repo.manifest(4))
+    # A chunk of the fold is gone: the pull falls back to the ordinary chain and still succeeds.
+    victim = next(ch.object for f in fold.files for s in f.segments for ch in s.chunks
+                  if ch.object and ch.name in ("xor", "sparse"))
+    repo.objects.delete(f"chunks/{victim[:2]}/{victim}")
+    res = pull(store, str(tmp_path / "d4"), version=4)
+    assert res.fallback and files_of(tmp_path / "d4") == files_of(srcs[4])
+    # A fold that names another version's digest is ignored.
+    raw = json.loads(repo.objects.get(fold_key(5)))
+    raw["stats"]["fold_of"] = repo.manifest(4).digest
+    repo.objects.put(fold_key(5), json.dumps(raw).encode())
+    assert load_fold(repo, repo.manifest(5)) is None
+    res = pull(store, str(tmp_path / "d5"), version=5)
+    assert res.bytes_read == chain_cost(plan_chain(repo, 5, None).steps)
+    assert files_of(tmp_path / "d5") == files_of(srcs[5])
+    assert verify(store, all_versions=True).ok  # verify checks the ordinary chains
+
+
+def test_gc_removes_folds_of_removed_versions_and_keeps_what_kept_folds_need(tmp_path, history):
+    store, srcs, _results, repo = history
+    res = gc(store, keep_last=2, grace=0, settle=0)  # keeps 7, 8 and their chain from full 6
+    assert sorted(res.plan.keep) == [6, 7, 8] and sorted(res.plan.folds) == [3, 4, 5]
+    assert repo.objects.list("folds") == [fold_key(8)]
+    assert verify(store, all_versions=True).ok
+    out = pull(store, str(tmp_path / "d"), version=8)
+    assert out.bytes_read == chain_cost([repo.manifest(6), load_fold(repo, repo.manifest(8))])
+    assert files_of(tmp_path / "d") == files_of(srcs[8])
+
+
+def test_a_restarted_trainer_rebuilds_its_keyframe_cache_from_the_store(tmp_path):
+    store = str(tmp_path / "store")
+    gen = MovingSubset(tmp_path / "src")
+    push(store, gen.write(), fold=True, cache_dir=str(tmp_path / "c1"))
+    push(store, gen.write(), fold=True, cache_dir=str(tmp_path / "c1"))
+    res = push(store, gen.write(), fold=True, cache_dir=str(tmp_path / "c2"))  # new host, no keyframe cache
+    assert res.version == 3 and res.base_rederived and res.fold_bytes > 0
+    src3 = gen.root / "step2"
+    pull(store, str(tmp_path / "d"))
+    assert files_of(tmp_path / "d") == files_of(src3)
