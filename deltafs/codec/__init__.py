@@ -22,6 +22,7 @@ from deltafs.errors import FormatError, IntegrityError
 
 __all__ = [
     "DEFAULT_LEVEL",
+    "SPLIT_LEVEL",
     "Codec",
     "Encoded",
     "Raw",
@@ -44,7 +45,7 @@ DEFAULT_LEVEL = 3
 SPARSE_ONLY_BELOW = 0.10
 # From this level on, sparse chunks may split elements into two classes by base magnitude (see choose_split): on
 # bf16 trainer deltas about 18% smaller, but each encode and decode pays two more passes over the chunk plus a
-# rank/select per change, roughly halving throughput. Below it the codec stays faster than XOR + zstd-1.
+# rank/select per change, which halves throughput or worse. Below it the codec is faster than XOR + zstd-1.
 SPLIT_LEVEL = 5
 
 
