@@ -38,6 +38,8 @@ def gc_cmd(
         f"{verb} versions: {removed}",
         f"{verb} {len(plan.chunks)} chunks; {human_bytes(plan.bytes_freed)} {'would be ' if dry_run else ''}freed",
     ]
+    if plan.folds:
+        lines.append(f"{verb} the folded deltas of versions {', '.join(map(str, sorted(plan.folds)))}")
     if plan.temp_files:
         lines.append(f"{verb} {len(plan.temp_files)} partial files left by killed writers")
     if plan.chunks_too_young:
