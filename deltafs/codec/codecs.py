@@ -293,7 +293,9 @@ class Sparse:
         if split:
             index = RankIndex(_split_mask(bw, split))
             low, ranks = index.rank(idx)
-            members = [(ranks[low], diff[low], index.ones), (ranks[~low], diff[~low], index.zeros)]
+            # flatnonzero + take: boolean-mask indexing of randomly interleaved classes is ~10x slower.
+            hi, lo = np.flatnonzero(low), np.flatnonzero(~low)
+            members = [(ranks.take(hi), diff.take(hi), index.ones), (ranks.take(lo), diff.take(lo), index.zeros)]
         else:
             members = [(idx, diff, nw.size)]
         groups, parts = [], []
