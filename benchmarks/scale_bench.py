@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
         stores = {k: v for k, v in stores.items() if k in args.stores}
         for name, (url, options) in stores.items():
             results[name] = bench_store(name, url, options, versions, work, expect, args)
-            print(json.dumps({name: results[name]}, indent=1), file=sys.stderr)
+            Path(args.out).write_text(json.dumps(results, indent=1))  # partial results survive a later failure
         results["s3_server_peak_rss"] = vm_hwm(server._process.pid) if server._process else None
     finally:
         server.stop()
@@ -163,6 +163,8 @@ def bench_store(name: str, url: str, options: dict[str, Any], versions: list[Pat
         pushes.append(run_worker("push", "--store", url, "--src", str(v), "--options", opts, "--cache", str(cache)))
     shutil.rmtree(cache, ignore_errors=True)
     out: dict[str, Any] = {"url": url, "pushes": pushes}
+    print(f"[{name}] pushed: " + ", ".join(f"v{p['version']} {p['kind']} {p['bytes_written']} B {p['seconds']:.1f}s"
+                                        for p in pushes), file=sys.stderr)
     if name == "local":
         out["store_bytes"] = du(Path(url))
     newest = len(versions)
