@@ -51,6 +51,7 @@ def push_cmd(
     full: Annotated[bool, typer.Option("--full", help="Store a full version (keyframe) even if a delta is possible.")] = False,
     keyframe_every: Annotated[int, typer.Option("--keyframe-every", help="A full version at least every N versions (0: never).")] = 50,
     keyframe_budget: Annotated[float, typer.Option("--keyframe-budget", help="A full version once the deltas since the last one exceed this many full sizes (0: never).")] = 1.0,
+    fold: Annotated[bool, typer.Option("--fold", help="Also write a folded delta from the last full version, so lagging readers take one step.")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Push cache directory (default $DELTAFS_CACHE or ~/.cache/deltafs).")] = None,
     level: Annotated[int, typer.Option("--level", help="zstd level for chunk payloads.")] = 3,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Encoding threads (default: CPU count, at most 8).")] = None,
@@ -63,7 +64,7 @@ def push_cmd(
     out = Output(json_mode=json_out, quiet=quiet)
     res = push(store, src, version=version, metadata=_metadata(meta, metadata), storage_options=parse_storage_options(storage_options),
                cache_dir=cache, progress=out.progress, level=level, threads=threads, full=full,
-               keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None)
+               keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold)
     ratio = f"{res.full_bytes / res.bytes_written:.1f}x smaller than full" if res.bytes_written else ""
     human = (f"pushed version {res.version} ({res.kind}) to {res.store}: {human_bytes(res.bytes_written)} written "
              f"for {human_bytes(res.full_bytes)} of checkpoint, {ratio}; "

@@ -274,25 +274,5 @@ def _created(man: Manifest) -> float:
 
 def stat(objects: ObjectStore, key: str) -> tuple[int, float | None]:
     """(size, last-modified seconds since the epoch or None) of one object."""
-    own = getattr(objects, "stat", None)
-    if callable(own):  # a store layer that knows its backend's timestamps
-        return own(key)  # type: ignore[no-any-return]
-    info = objects._call("stat", key, lambda: objects.fs.info(objects.path(key)))
-    size = int(info.get("size") or 0)
-    for name in ("mtime", "LastModified", "last_modified", "updated", "timeCreated", "created"):
-        value = info.get(name)
-        if value is None:
-            continue
-        if isinstance(value, _dt.datetime):
-            return size, (value if value.tzinfo else value.replace(tzinfo=_dt.timezone.utc)).timestamp()
-        if isinstance(value, (int, float)):
-            return size, float(value)
-        if isinstance(value, str):
-            try:
-                return size, _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return size, None
+    return objects.stat(key)
 
-
-__all__ = ["DEFAULT_GRACE", "GcPlan", "GcResult", "gc", "make_plan"]

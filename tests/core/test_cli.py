@@ -89,3 +89,13 @@ def test_push_refuses_older_version_number(tmp_path, maker):
     _one_line_error(run_cli("push", maker.write("b"), store, "--version", "100"), 2, "not newer")
     out = json.loads(run_cli("push", maker.write("c"), store, "--version", "150", "--json", check=0).stdout)
     assert out["version"] == 150 and out["parent"] == 100
+
+
+def test_push_fold_writes_a_folded_delta(tmp_path, maker):
+    store = tmp_path / "store"
+    for _ in range(3):
+        run_cli("push", maker.write(), store, "--fold", "-q", check=0)
+        maker.advance()
+    assert [p.name for p in sorted((store / "folds").iterdir())] == ["v0000000003.json"]
+    run_cli("pull", store, tmp_path / "dest", check=0)
+    run_cli("verify", store, "--local", tmp_path / "dest", check=0)
