@@ -75,9 +75,9 @@ def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:
     config = dict(configured.get("config_kwargs") or {})
     config.setdefault("connect_timeout", 10)
     config.setdefault("read_timeout", 60)
-    # botocore's own retries would hide whether a conditional PUT that got 412 was our own
-    # earlier attempt; deltafs retries with backoff itself.
-    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    # One retry policy, deltafs's (backoff with jitter, bounded, reported in errors), instead of
+    # botocore's multiplied by s3fs's multiplied by ours.
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
     out["config_kwargs"] = config
     return out
 

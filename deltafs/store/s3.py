@@ -77,19 +77,28 @@ class S3ObjectStore(ObjectStore):
     def _unsupported(self, exc: BaseException) -> bool:
         return _error_code(exc) == "NotImplemented" or getattr(exc, "errno", None) == errno.ENOSYS
 
+    def _ours(self, key: str, data: bytes) -> bool:
+        """After a 412: is the stored object our own write whose reply was lost?
+
+        The HTTP client may resend a PUT on a new connection when the first one broke after the
+        server had stored it (aiohttp retries idempotent requests; deltafs retries transient
+        errors), and the resend is answered 412. Equal bytes mean the write was ours: manifests
+        carry their creation time, so two writers never produce the same manifest bytes, and for
+        content-addressed chunks equal bytes are the same chunk anyway.
+        """
+        return self._read(key) == data
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create key with If-None-Match: *; False when another writer's object is there."""
         if not self.capabilities.atomic_create:
             return super().put_if_absent(key, data)
-        tries = [0]
 
         def create() -> bool:
-            tries[0] += 1
             try:
                 self.fs.pipe_file(self.path(key), data, mode="create")
                 return True
             except FileExistsError:
-                # After a retry the 412 may answer our own earlier attempt whose reply was lost.
-                return tries[0] > 1 and self._read(key) == data
+                return self._ours(key, data)
             except OSError as exc:
                 if self._unsupported(exc):
                     raise _NoConditionalWrites() from exc
@@ -105,15 +114,13 @@ class S3ObjectStore(ObjectStore):
         if not if_absent or not self.capabilities.atomic_create:
             return await super()._aput(key, data, if_absent)
         path = self.path(key)
-        tries = [0]
 
         async def create() -> bool:
-            tries[0] += 1
             try:
                 await self.fs._pipe_file(path, data, mode="create")
                 return True
             except FileExistsError:
-                return tries[0] > 1 and await self._aread(key) == data
+                return await self._aread(key) == data
             except OSError as exc:
                 if self._unsupported(exc):
                     raise _NoConditionalWrites() from exc

@@ -190,3 +190,24 @@ def test_environment_configuration(s3_server: S3Server, s3_url: str, style: str)
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "from env"
+
+
+def test_conditional_create_whose_reply_was_lost_is_still_ours(s3_server: S3Server, s3_url: str,
+                                                                 s3_options: dict[str, Any]) -> None:
+    # The server stores the object, then the connection breaks in the middle of its answer (after the
+    # 25-byte "100 Continue"); the resent PUT gets 412. The stored bytes are ours, so put_if_absent
+    # must report True, not a conflict.
+    proxy = FlakyProxy(s3_server.endpoint_url, cut=1, cut_after=60)
+    try:
+        store = open_objects(s3_url, {**s3_options, "endpoint_url": proxy.endpoint_url, "deltafs": FAST})
+        assert store.put_if_absent("manifests/v0000000001.json", b"ours") is True
+        assert proxy.connections >= 2
+        assert store.get("manifests/v0000000001.json") == b"ours"
+    finally:
+        proxy.close()
+    other = FlakyProxy(s3_server.endpoint_url, cut=1, cut_after=60)
+    try:
+        store = open_objects(s3_url, {**s3_options, "endpoint_url": other.endpoint_url, "deltafs": FAST})
+        assert store.put_if_absent("manifests/v0000000001.json", b"theirs") is False
+    finally:
+        other.close()
