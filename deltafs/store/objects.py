@@ -208,7 +208,8 @@ class ObjectStore:
         """Write only if nothing is there; True when this call created the object.
 
         Here a check then a write: two writers can both win. Backends that can do better
-        override this and set capabilities.atomic_create.
+        override this and set capabilities.atomic_create. S3 cannot tell its own write whose reply
+        was lost from a conflict, and answers True whenever the stored bytes equal data.
         """
         if self.exists(key):
             return False
