@@ -65,7 +65,7 @@ class Repository:
                 raise StoreNotFoundError(f"no deltafs store at {url} (push to it first)") from None
             config = StoreConfig(store_id=uuid.uuid4().hex, chunk_bytes=chunk_bytes, created=utcnow())
             objects.put_if_absent(CONFIG_KEY, config.to_bytes())
-            data = objects.get(CONFIG_KEY)  # another writer may have created it first
+            data = objects.get(CONFIG_KEY, referenced=True)  # another writer may have created it first
         return cls(objects, StoreConfig.from_bytes(data))
 
     # --- HEAD and manifests ----------------------------------------------------------------
