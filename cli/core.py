@@ -53,7 +53,7 @@ def push_cmd(
     keyframe_budget: Annotated[float, typer.Option("--keyframe-budget", help="A full version once the deltas since the last one exceed this many full sizes (0: never).")] = 1.0,
     fold: Annotated[bool, typer.Option("--fold", help="Also write a folded delta from the last full version, so lagging readers take one step.")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Push cache directory (default $DELTAFS_CACHE or ~/.cache/deltafs).")] = None,
-    level: Annotated[int, typer.Option("--level", help="zstd level for chunk payloads.")] = 3,
+    level: Annotated[int, typer.Option("--level", help="zstd level of the codec streams; 5 and above also split elements by magnitude (~18% smaller bf16 deltas, slower).")] = 3,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Encoding threads (default: CPU count, at most 8).")] = None,
     json_out: Json = False,
     quiet: Quiet = False,

@@ -9,15 +9,18 @@ encoded against bytes that readers can rebuild.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import xxhash
@@ -30,6 +33,7 @@ from deltafs.parallel import default_threads, ordered_map
 from deltafs.progress import Progress
 from deltafs.rebuild import LocalBaseError
 from deltafs.source import SourceFile, SourceSegment, scan_source
+from deltafs.store.objects import LocalObjectStore
 from deltafs.store.repo import Repository, utcnow
 
 # Keyframe policy defaults: a full version every 50 versions, or sooner once the deltas since the
@@ -256,6 +260,10 @@ class _Encoder:
         self.stored = self.chunks_written = self.chunks_total = 0
         self.reused: set[str] = set()  # chunks already in the store (deduplicated), see wait_out_gc
         self.elements_total = self.elements_changed = 0
+        # Remote stores are latency-bound: many uploads in flight; a local disk is fsync-bound.
+        self.io_threads = 4 if isinstance(repo.objects, LocalObjectStore) else 16
+        self._inflight = threading.BoundedSemaphore(32)
+        self._pending_lock = threading.Lock()
 
     def discard_staging(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -276,81 +284,109 @@ class _Encoder:
         return os.path.join(self.base.path, bfile.path), bseg
 
     def encode_files(self, files: list[SourceFile], advance: Any) -> list[FileEntry]:
+        """Encode every file; returns once every chunk object it wrote is durable in the store."""
+        io_pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="deltafs-put")
+        pending: list[tuple[str, int, Future[bool]]] = []
         try:
-            return [self._encode_file(f, advance) for f in files]
+            entries = [self._encode_file(f, advance, io_pool, pending) for f in files]
+            for oid, size, fut in pending:
+                if fut.result():
+                    self.stored += size
+                else:
+                    self.reused.add(oid)
+            return entries
         except BaseException:
+            for _oid, _size, fut in pending:
+                fut.cancel()
             self.discard_staging()
             raise
+        finally:
+            io_pool.shutdown(wait=True)
 
-    def _encode_file(self, f: SourceFile, advance: Any) -> FileEntry:
+    def _put(self, oid: str, payload: bytes) -> bool:
+        try:
+            return self.repo.put_chunk(payload, oid=oid)[1]
+        finally:
+            self._inflight.release()
+
+    def _encode_file(self, f: SourceFile, advance: Any, io_pool: ThreadPoolExecutor,
+                     pending: list[tuple[str, int, Future[bool]]]) -> FileEntry:
         out_path = os.path.join(self.staging, f.path)
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
         fhash = hashlib.sha256()
-        segments = []
-        with open(f.abspath, "rb") as src, (open(out_path, "wb") if self.write_cache else _Sink()) as out:
-            fd = src.fileno()
-            for seg in f.segments:
-                base = self._base_of(seg)
-                bfd = open(base[0], "rb") if base else None
-                try:
-                    segments.append(self._encode_segment(fd, bfd, seg, base[1] if base else None, out, fhash, advance))
-                finally:
-                    if bfd is not None:
-                        bfd.close()
+        bases = {seg.key: self._base_of(seg) for seg in f.segments}
+        base_fds: dict[str, int] = {}
+        with contextlib.ExitStack() as stack:
+            src = stack.enter_context(open(f.abspath, "rb"))
+            for hit in bases.values():
+                if hit is not None and hit[0] not in base_fds:
+                    base_fds[hit[0]] = stack.enter_context(open(hit[0], "rb")).fileno()
+            out = stack.enter_context(open(out_path, "wb") if self.write_cache else _Sink())
+
+            def work(task: tuple[SourceSegment, int]) -> tuple[bytes, bytes | None, codec.Encoded, str | None]:
+                seg, i = task
+                start = i * self.cb
+                size = min(self.cb, seg.size - start)
+                new = os.pread(src.fileno(), size, seg.offset + start)
+                if len(new) != size:
+                    raise DeltafsError(f"{f.abspath} shrank while it was being pushed")
+                old = None
+                hit = bases[seg.key]
+                if hit is not None:
+                    old = os.pread(base_fds[hit[0]], size, hit[1].offset + start)
+                    if len(old) != size:
+                        raise LocalBaseError("push cache file is truncated")
+                enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
+                                   seg.itemsize, level=self.level)
+                oid = None
+                if enc.payload is not None:
+                    # Uploads run in their own pool, so store latency overlaps encoding; the semaphore
+                    # bounds the payload bytes waiting for it.
+                    oid = hashlib.sha256(enc.payload).hexdigest()
+                    self._inflight.acquire()
+                    pending_put = io_pool.submit(self._put, oid, enc.payload)
+                    with self._pending_lock:
+                        pending.append((oid, len(enc.payload), pending_put))
+                return new, old, enc, oid
+
+            tasks = ((seg, i) for seg in f.segments for i in range((seg.size + self.cb - 1) // self.cb))
+            results = ordered_map(work, tasks, self.threads, self.threads * 2)
+            try:
+                segments = [self._collect_segment(seg, bases[seg.key], results, out, fhash, advance) for seg in f.segments]
+            finally:
+                results.close()
             out.flush()
             if self.write_cache:
                 os.fsync(out.fileno())
-        size = os.path.getsize(out_path) if self.write_cache else out.tell()
+            size = out.tell()
         if size != f.size:
             raise DeltafsError(f"{f.abspath} changed size while it was being pushed")
         return FileEntry(f.path, f.size, fhash.hexdigest(), f.format, tuple(segments))
 
-    def _encode_segment(self, fd: int, bfile: Any, seg: SourceSegment, bseg: Segment | None, out: Any, fhash: Any,
-                        advance: Any) -> Segment:
-        n = (seg.size + self.cb - 1) // self.cb
-        itemsize = seg.itemsize
-
-        def work(i: int) -> tuple[bytes, bytes | None, codec.Encoded, str | None, bool]:
-            start = i * self.cb
-            size = min(self.cb, seg.size - start)
-            new = os.pread(fd, size, seg.offset + start)
-            if len(new) != size:
-                raise DeltafsError("source file shrank while it was being pushed")
-            old = None
-            if bseg is not None:
-                old = os.pread(bfile.fileno(), size, bseg.offset + start)
-                if len(old) != size:
-                    raise LocalBaseError("push cache file is truncated")
-            enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
-                               itemsize, level=self.level)
-            oid, fresh = (None, False)
-            if enc.payload is not None:
-                oid, fresh = self.repo.put_chunk(enc.payload)
-            return new, old, enc, oid, fresh
-
+    def _collect_segment(self, seg: SourceSegment, hit: tuple[str, Segment] | None,
+                         results: Iterator[tuple[bytes, bytes | None, codec.Encoded, str | None]], out: Any, fhash: Any,
+                         advance: Any) -> Segment:
+        """Take this segment's chunks from the ordered results: write the cache copy, hash, record."""
         shash = xxhash.xxh3_128()
         bhash = xxhash.xxh3_128()
         chunks = []
-        for i, (new, old, enc, oid, fresh) in enumerate(ordered_map(work, range(n), self.threads, self.threads * 2)):
+        for i in range((seg.size + self.cb - 1) // self.cb):
+            new, old, enc, oid = next(results)
             out.write(new)
             fhash.update(new)
             shash.update(new)
             if old is not None:
                 bhash.update(old)
             stored = len(enc.payload) if enc.payload is not None else 0
-            if fresh:
-                self.stored += stored
-            elif oid is not None:
-                self.reused.add(oid)
             if enc.payload is not None:
                 self.chunks_written += 1
             self.chunks_total += 1
             if seg.kind == "tensor":
-                self.elements_total += len(new) // itemsize
+                self.elements_total += len(new) // seg.itemsize
                 self.elements_changed += enc.changed
             chunks.append(ChunkRef(index=i, size=len(new), codec=enc.codec, object=oid, stored=stored))
             advance(len(new))
-        if bseg is not None and "xxh3-128:" + bhash.hexdigest() != bseg.digest:
+        if hit is not None and "xxh3-128:" + bhash.hexdigest() != hit[1].digest:
             raise LocalBaseError(f"push cache does not match version {self.base.version if self.base else '?'} at {seg.key[2:]}")
         return Segment(key=seg.key, kind=seg.kind, offset=seg.offset, size=seg.size,
                        digest="xxh3-128:" + shash.hexdigest(), chunks=tuple(chunks), dtype=seg.dtype, shape=seg.shape)

@@ -21,6 +21,7 @@ from deltafs.errors import ChunkNotFoundError, DeltafsError, IntegrityError, Obj
 from deltafs.format.manifest import DELTA_CODECS, FileEntry, Manifest, Segment
 from deltafs.local import LocalState
 from deltafs.parallel import default_threads, ordered_map
+from deltafs.store.objects import LocalObjectStore
 from deltafs.store.repo import Repository
 
 
@@ -28,8 +29,18 @@ class LocalBaseError(IntegrityError):
     """The local copy a delta would be applied to is missing or does not match its manifest."""
 
 
-def xxh3_digest(data: bytes) -> str:
-    return "xxh3-128:" + xxhash.xxh3_128_hexdigest(data)
+def _range_xxh3(path: str, offset: int, size: int, block: int = 8 << 20) -> str | None:
+    """XXH3-128 of a byte range of a file, read in blocks (a tensor can be larger than memory allows)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        done = 0
+        while done < size:
+            data = os.pread(fh.fileno(), min(block, size - done), offset + done)
+            if not data:
+                return None  # truncated
+            h.update(data)
+            done += len(data)
+    return "xxh3-128:" + h.hexdigest()
 
 
 def file_sha256(path: str, block: int = 8 << 20) -> str:
@@ -150,7 +161,8 @@ class Builder:
         self.repo = repo
         self.chain = chain
         self.source = source
-        self.threads = threads or default_threads()
+        # Remote stores are latency-bound: keep many fetches in flight (decoding releases the GIL).
+        self.threads = threads or (default_threads() if isinstance(repo.objects, LocalObjectStore) else 16)
         self.on_bytes = on_bytes or (lambda n: None)
         self.chunk_bytes = chain.target.chunk_bytes
         self._per_step = [m.segments() for m in chain.steps]
@@ -181,9 +193,7 @@ class Builder:
             ok = self._local_checked.get(key)
             if ok is None:
                 try:
-                    with open(path, "rb") as fh:
-                        data = os.pread(fh.fileno(), seg.size, seg.offset)
-                    ok = len(data) == seg.size and xxh3_digest(data) == seg.digest
+                    ok = _range_xxh3(path, seg.offset, seg.size) == seg.digest
                 except OSError:
                     ok = False
                 self._local_checked[key] = ok
@@ -241,7 +251,7 @@ class Builder:
                 continue
             to_build.append(f)
         results: Generator[tuple[_Task, np.ndarray], None, None] = ordered_map(
-            lambda t: (t, self._chunk(t)), self._tasks(to_build), self.threads, self.threads * 3)
+            lambda t: (t, self._chunk(t)), self._tasks(to_build), self.threads, self.threads * 2)
         # Empty files and empty segments have no chunks: walk files and segments explicitly.
         results_iter = iter(results)
         try:

@@ -145,9 +145,9 @@ class Repository:
             self.objects.put(HEAD_KEY, head.to_bytes())
 
     # --- chunks ------------------------------------------------------------------------------
-    def put_chunk(self, data: bytes) -> tuple[str, bool]:
-        """Store a chunk under the sha256 of its bytes; returns (id, newly_written)."""
-        oid = hashlib.sha256(data).hexdigest()
+    def put_chunk(self, data: bytes, oid: str | None = None) -> tuple[str, bool]:
+        """Store a chunk under the sha256 of its bytes (oid, if the caller already hashed them); returns (id, newly_written)."""
+        oid = oid or hashlib.sha256(data).hexdigest()
         return oid, self.objects.put_if_absent(chunk_key(oid), data)
 
     def get_chunk(self, oid: str) -> bytes:

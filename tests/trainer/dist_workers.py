@@ -120,8 +120,8 @@ def die_while_writing(rank: int, world: int, args: dict[str, Any]) -> dict[str, 
         real = Repository.put_chunk
         count = [0]
 
-        def put_chunk(self: Repository, data: bytes) -> tuple[str, bool]:
-            out = real(self, data)
+        def put_chunk(self: Repository, data: bytes, oid: str | None = None) -> tuple[str, bool]:
+            out = real(self, data, oid)
             count[0] += 1
             if count[0] == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
