@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from deltafs import codec
-from deltafs.errors import DeltafsError, UsageError, VersionConflictError
+from deltafs.errors import DeltafsError, UsageError
 from deltafs.format.manifest import FileEntry, Head, Manifest, canonical_json
 from deltafs.local import LocalCheckpoint, LocalState
 from deltafs.parallel import default_threads
@@ -43,12 +43,12 @@ from deltafs.publish import (
     PushResult,
     _Encoder,
     _keyframe_due,
+    commit_version,
     default_cache_dir,
-    wait_out_gc,
 )
 from deltafs.rebuild import Builder, Chain, ChunkSource, LocalBaseError, plan_chain
 from deltafs.source import scan_source
-from deltafs.store.repo import Repository, utcnow
+from deltafs.store.repo import Repository
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -423,45 +423,20 @@ def _commit(repo: Repository, decision: _Decision, reports: list[_RankReport], m
     full_bytes = sum(f.size for f in entries)
     elements_total = sum(r.elements_total for r in reports)
     elements_changed = sum(r.elements_changed for r in reports)
-    stats = {
-        "full_bytes": full_bytes,
-        "chunk_bytes_stored": stored,
-        "chunks_total": sum(r.chunks_total for r in reports),
-        "chunks_stored": sum(r.chunks_written for r in reports),
-        "elements_total": elements_total,
-        "elements_changed": elements_changed,
-        "chain_bytes": stored + int(parent.stats.get("chain_bytes", 0)) if kind == "delta" and parent else 0,
-        "since_full": 0 if kind == "full" else int(parent.stats.get("since_full", 0)) + 1 if parent else 0,
-        "ranks": len(reports),
-    }
     meta = dict(metadata or {})
-    man = Manifest(
-        store_id=repo.store_id,
-        version=decision.version,
-        parent=parent.version if parent else None,
-        parent_digest=parent.digest if parent else None,
-        kind=kind,
-        chunk_bytes=repo.config.chunk_bytes,
-        created=utcnow(),
-        files=tuple(entries),
-        metadata=meta,
-        stats=stats,
-    ).seal()
-    wait_out_gc(repo, {oid for r in reports for oid in r.reused})
-    now = repo.head()
-    if (now is None) != (decision.head is None) or (now is not None and decision.head is not None
-                                                    and now.digest != decision.head.digest):
-        raise VersionConflictError(
-            f"HEAD of {repo.url} moved to version {now.version if now else None} during this push; another writer is publishing"
-        )
-    manifest_size = repo.commit(man)
+    man, manifest_size = commit_version(
+        repo, version=decision.version, kind=kind, parent=parent, head_seen=decision.head, files=entries, metadata=meta,
+        stored=stored, chunks_total=sum(r.chunks_total for r in reports),
+        chunks_stored=sum(r.chunks_written for r in reports), elements_total=elements_total,
+        elements_changed=elements_changed, reused={oid for r in reports for oid in r.reused},
+        extra_stats={"ranks": len(reports)})
     result = {
         "version": man.version,
         "kind": kind,
         "parent": man.parent,
         "bytes_written": stored + manifest_size,
         "full_bytes": full_bytes,
-        "chunks_written": stats["chunks_stored"],
+        "chunks_written": man.stats["chunks_stored"],
         "changed_fraction": (elements_changed / elements_total if elements_total else 0.0) if kind == "delta" else 1.0,
         "seconds": time.monotonic() - t0,
         "store": repo.url,

@@ -152,44 +152,14 @@ def _push_once(repo: Repository, files: list[SourceFile], cache: LocalCheckpoint
     encoder = _Encoder(repo, base if kind == "delta" else None, level, threads, cache)
     with Progress(f"push v{new_version}", full_bytes, enabled=progress) as bar:
         entries = encoder.encode_files(files, bar.advance)
-    # Delta bytes since the last full version (the full version itself not counted).
-    # chain_bytes: bytes of the deltas since the last full version (0 for a full version); the budget rule compares it.
-    chain_bytes = encoder.stored + int(parent.stats.get("chain_bytes", 0)) if kind == "delta" and parent else 0
-    since_full = 0 if kind == "full" else int(parent.stats.get("since_full", 0)) + 1 if parent else 0
-    stats = {
-        "full_bytes": full_bytes,
-        "chunk_bytes_stored": encoder.stored,
-        "chunks_total": encoder.chunks_total,
-        "chunks_stored": encoder.chunks_written,
-        "elements_total": encoder.elements_total,
-        "elements_changed": encoder.elements_changed,
-        "chain_bytes": chain_bytes,
-        "since_full": since_full,
-    }
-    man = Manifest(
-        store_id=repo.store_id,
-        version=new_version,
-        parent=parent.version if parent else None,
-        parent_digest=parent.digest if parent else None,
-        kind=kind,
-        chunk_bytes=repo.config.chunk_bytes,
-        created=utcnow(),
-        files=tuple(entries),
-        metadata=meta,
-        stats=stats,
-    ).seal()
     try:
-        wait_out_gc(repo, encoder.reused)
+        man, manifest_size = commit_version(
+            repo, version=new_version, kind=kind, parent=parent, head_seen=head, files=entries, metadata=meta,
+            stored=encoder.stored, chunks_total=encoder.chunks_total, chunks_stored=encoder.chunks_written,
+            elements_total=encoder.elements_total, elements_changed=encoder.elements_changed, reused=encoder.reused)
     except BaseException:
         encoder.discard_staging()
         raise
-    now = repo.head()
-    if (now is None) != (head is None) or (now is not None and head is not None and now.digest != head.digest):
-        encoder.discard_staging()
-        raise VersionConflictError(
-            f"HEAD of {repo.url} moved to version {now.version if now else None} during this push; another writer is publishing"
-        )
-    manifest_size = repo.commit(man)
     encoder.install_cache(man)
     changed = encoder.elements_changed / encoder.elements_total if encoder.elements_total else 0.0
     return PushResult(
@@ -205,6 +175,47 @@ def _push_once(repo: Repository, files: list[SourceFile], cache: LocalCheckpoint
         base_rederived=rederived,
         metadata=meta,
     )
+
+
+def commit_version(repo: Repository, *, version: int, kind: str, parent: Manifest | None, head_seen: Head | None,
+                   files: list[FileEntry], metadata: dict[str, Any], stored: int, chunks_total: int, chunks_stored: int,
+                   elements_total: int, elements_changed: int, reused: set[str],
+                   extra_stats: Mapping[str, Any] | None = None) -> tuple[Manifest, int]:
+    """Seal a new version's manifest and commit it; the one commit path of single- and multi-rank pushes.
+
+    Every chunk must already be durable. Returns the manifest and its size in bytes.
+    """
+    stats: dict[str, Any] = {
+        "full_bytes": sum(f.size for f in files),
+        "chunk_bytes_stored": stored,
+        "chunks_total": chunks_total,
+        "chunks_stored": chunks_stored,
+        "elements_total": elements_total,
+        "elements_changed": elements_changed,
+        # Delta bytes since the last full version (0 for a full version): what the keyframe budget compares.
+        "chain_bytes": stored + int(parent.stats.get("chain_bytes", 0)) if kind == "delta" and parent else 0,
+        "since_full": int(parent.stats.get("since_full", 0)) + 1 if kind == "delta" and parent else 0,
+        **(extra_stats or {}),
+    }
+    man = Manifest(
+        store_id=repo.store_id,
+        version=version,
+        parent=parent.version if parent else None,
+        parent_digest=parent.digest if parent else None,
+        kind=kind,
+        chunk_bytes=repo.config.chunk_bytes,
+        created=utcnow(),
+        files=tuple(files),
+        metadata=metadata,
+        stats=stats,
+    ).seal()
+    wait_out_gc(repo, reused)
+    now = repo.head()
+    if (now is None) != (head_seen is None) or (now is not None and head_seen is not None and now.digest != head_seen.digest):
+        raise VersionConflictError(
+            f"HEAD of {repo.url} moved to version {now.version if now else None} during this push; another writer is publishing"
+        )
+    return man, repo.commit(man)
 
 
 # How long a push waits for a running gc before giving up (a gc of a large store takes minutes).
