@@ -7,6 +7,8 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q 'torch==2.13.0' -e '.[test,s3,sglang,megatron]'
+# torch first and on its own, with the venv's own pip: that takes the CPU wheel on disk (a newer pip, or
+# resolving torch together with the project, can prefer the CUDA build from the index: 2.7 GB more).
+.venv/bin/python -m pip install -q 'torch==2.13.0'
+.venv/bin/python -m pip install -q -e '.[test,s3,sglang,megatron]'
 .venv/bin/python -c "import deltafs, torch, safetensors, zstandard, fsspec; print('deltafs', deltafs.__version__, 'torch', torch.__version__)"
