@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltafs.errors import DeltafsError, IntegrityError, ObjectNotFoundError, VersionNotFoundError
+from deltafs.errors import IntegrityError, ObjectNotFoundError, VersionNotFoundError
 from deltafs.local import LocalCheckpoint, LocalState, refuse_foreign
 from deltafs.progress import Progress
 from deltafs.rebuild import Builder, ChunkSource, LocalBaseError, plan_chain
 from deltafs.store.repo import Repository
+
+log = logging.getLogger("deltafs")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
                 raise  # already the plain path from a full version (a fold path gets a second chance)
             # The delta path is unusable (local base corrupt, chunk missing or bad): start over
             # from the nearest full version. A full-path failure is final.
-            _warn(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
+            log.warning(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
             chain = plan_chain(repo, target, None)
             path, source, _ = _materialize(repo, local, chain, progress, threads)
             fallback = True
@@ -106,10 +109,4 @@ def _materialize(repo: Repository, local: LocalCheckpoint, chain: Any, progress:
     return path, source, report
 
 
-def _warn(message: str) -> None:
-    import logging
-
-    logging.getLogger("deltafs").warning(message)
-
-
-__all__ = ["PullResult", "pull", "local_version", "DeltafsError"]
+__all__ = ["PullResult", "pull", "local_version", "resolve_version"]

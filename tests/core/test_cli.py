@@ -79,8 +79,18 @@ def test_bad_inputs_get_one_line_errors(tmp_path, maker):
     assert not store.exists()  # nothing was written for a bad source
     _one_line_error(run_cli("pull", store, tmp_path / "d"), 3, "no deltafs store")
     _one_line_error(run_cli("push", src, store, "--storage-options", "{oops"), 2, "--storage-options is not valid JSON")
-    _one_line_error(run_cli("push", src, "gs://bucket/x"), 3, "pip install 'deltafs[gcs]'")
+    _one_line_error(run_cli("push", src, "abfs://container/x"), 3, "no backend installed for abfs://")
+    _one_line_error(_cli_without("s3fs", "push", src, "s3://bucket/x"), 3, "pip install 'deltafs[s3]'")
     _one_line_error(run_cli("push", src, "nosuchproto://x/y"), 3, "nosuchproto")
+
+
+def _cli_without(module, *args):
+    """The CLI in a process where `module` cannot be imported, as on a host without that extra."""
+    code = f"import sys; sys.modules[{module!r}] = None; sys.argv = ['deltafs'] + sys.argv[1:]; from deltafs.cli.main import main; main()"
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=60)
 
 
 def test_push_refuses_older_version_number(tmp_path, maker):
