@@ -91,6 +91,10 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
     if protocol in ("file", "local"):
         root = os.path.abspath(os.path.expanduser(rest))
         store = LocalObjectStore(fsspec.filesystem("file"), root, url, retry=retry, **workers)
+    elif protocol in ("gs", "gcs"):
+        from deltafs.store.gcs import open_gcs
+
+        store = open_gcs(url, options, retry=retry, workers=workers)
     else:
         if protocol in ("s3", "s3a"):
             options = _s3_defaults(options)
