@@ -16,12 +16,15 @@ taken off, so deltafs's policy is the only one: bounded, with jitter, and report
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from deltafs.errors import ObjectNotFoundError, StoreError, StoreNotFoundError, UsageError
 from deltafs.store.objects import Capabilities, ObjectStore, RetryPolicy, _Kind, classify
 
 _TRANSIENT_CODES = {408, 429, 500, 502, 503, 504}
+# The URL of an object listing: b/BUCKET/o with nothing after it.
+_LISTING = re.compile(r"(^|/)b/[^/]+/o/?$")
 
 
 def _status(exc: BaseException) -> int | None:
@@ -52,7 +55,7 @@ class GCSObjectStore(ObjectStore):
         if isinstance(exc, FileNotFoundError):
             # gcsfs raises FileNotFoundError(url) for any 404. An upload or a listing names no
             # object that could be missing, so there the 404 is the bucket's.
-            if "/upload/storage/v1/b/" in text or text.rstrip("/").endswith("/o"):
+            if "/upload/storage/v1/b/" in text or _LISTING.search(text):
                 return _Kind.NO_BUCKET
             return _Kind.NOT_FOUND
         status = _status(exc)
