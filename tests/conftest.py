@@ -1,4 +1,4 @@
-"""Shared fixtures: one moto S3 server for the whole session, a bucket in it, a fresh prefix per test."""
+"""Shared fixtures: a push cache per test, a checkpoint maker, and one moto S3 server for the session."""
 
 from __future__ import annotations
 
@@ -7,7 +7,20 @@ from typing import Any, Iterator
 
 import pytest
 
+from deltafs.testing.checkpoints import CheckpointMaker
 from deltafs.testing.s3server import S3Server, start_thread_server
+
+
+@pytest.fixture(autouse=True)
+def _push_cache(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets its own push cache, as a fresh trainer host would (and ~/.cache stays clean)."""
+    monkeypatch.setenv("DELTAFS_CACHE", str(tmp_path / "push-cache"))
+
+
+@pytest.fixture
+def maker(tmp_path: Any) -> CheckpointMaker:
+    """Successive versions of a small HF-like checkpoint directory."""
+    return CheckpointMaker(tmp_path / "src")
 
 
 @pytest.fixture(scope="session")

@@ -123,3 +123,43 @@ def files_of(path) -> dict[str, bytes]:
             full = os.path.join(dirpath, f)
             out[os.path.relpath(full, path)] = open(full, "rb").read()
     return out
+
+
+def file_digests(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Relative path -> sha256 of every file below path."""
+    import hashlib
+
+    root = os.fspath(path)
+    out = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            with open(full, "rb") as fh:
+                out[os.path.relpath(full, root)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def race_pushes(url: str, options: dict[str, object], sources: list[str], version: int, cache_root: str,
+                timeout: float = 300.0) -> dict[int, object]:
+    """Push every source as the same version number at once; index -> PushResult or the exception it raised."""
+    import threading
+
+    from deltafs.publish import push
+
+    barrier = threading.Barrier(len(sources))
+    outcome: dict[int, object] = {}
+
+    def pusher(i: int) -> None:
+        barrier.wait(timeout=60)
+        try:
+            outcome[i] = push(url, sources[i], version=version, storage_options=options,
+                              cache_dir=os.path.join(cache_root, f"racer-{i}"))
+        except Exception as exc:  # noqa: BLE001 - the caller asserts on what each racer got
+            outcome[i] = exc
+
+    threads = [threading.Thread(target=pusher, args=(i,)) for i in range(len(sources))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return outcome

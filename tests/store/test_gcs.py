@@ -3,7 +3,6 @@ the server-enforced generation precondition, error messages, and push â†’ pull â
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -28,6 +27,7 @@ from deltafs.store.repo import Repository
 from deltafs.testing import gcsserver
 from deltafs.testing.generator import TINY, TrainerSim, write_checkpoint
 from deltafs.testing.s3server import FlakyProxy, free_port
+from deltafs.testing.checkpoints import file_digests, race_pushes
 from deltafs.testing.store_suite import StoreSuite
 
 if gcsserver.binary() is None:
@@ -182,9 +182,6 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return out
 
 
-def file_digests(path: Path) -> dict[str, str]:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def test_push_pull_verify_round_trip(gcs_url: str, gcs_options: dict[str, Any], versions: list[Path],
@@ -208,25 +205,10 @@ def test_two_pushers_racing_for_one_version_one_wins(gcs_url: str, gcs_options: 
                                                      versions: list[Path], tmp_path: Path) -> None:
     repo = Repository.open(gcs_url, gcs_options, create=True, chunk_bytes=64 << 10)
     push(repo, str(versions[0]), cache_dir=str(tmp_path / "c0"))
-    barrier = threading.Barrier(2)
-    outcome: dict[int, Any] = {}
-
-    def pusher(i: int) -> None:
-        barrier.wait(timeout=60)
-        try:
-            outcome[i] = push(gcs_url, str(versions[i]), version=2, storage_options=gcs_options,
-                              cache_dir=str(tmp_path / f"c{i}"))
-        except VersionConflictError as exc:
-            outcome[i] = exc
-
-    threads = [threading.Thread(target=pusher, args=(i,)) for i in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    outcome = race_pushes(gcs_url, gcs_options, [str(versions[1]), str(versions[2])], 2, str(tmp_path), timeout=120)
     winners = [i for i, o in outcome.items() if not isinstance(o, Exception)]
     losers = [i for i, o in outcome.items() if isinstance(o, VersionConflictError)]
     assert len(winners) == 1 and len(losers) == 1, outcome
     pulled = pull(gcs_url, str(tmp_path / "dest"), storage_options=gcs_options)
     assert pulled.version == 2
-    assert file_digests(tmp_path / "dest") == file_digests(versions[winners[0]])
+    assert file_digests(tmp_path / "dest") == file_digests(versions[winners[0] + 1])

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.pull import local_version, pull
 from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import file_digests, race_pushes
 from deltafs.testing.generator import SMALL, TrainerSim, write_checkpoint
 from deltafs.testing.s3server import FlakyProxy, S3Server
 
@@ -40,10 +39,6 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return out
 
 
-def file_digests(path: Path | str) -> dict[str, str]:
-    root = Path(path)
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def push_all(url: str, options: dict[str, Any], versions: list[Path], cache: Path) -> Repository:
@@ -75,28 +70,13 @@ def test_two_pushers_racing_for_one_version_one_wins(s3_url: str, s3_options: di
                                                      versions: list[Path], tmp_path: Path) -> None:
     repo = Repository.open(s3_url, s3_options, create=True, chunk_bytes=CHUNK_BYTES)
     push(repo, str(versions[0]), cache_dir=str(tmp_path / "c0"))
-    barrier = threading.Barrier(2)
-    outcome: dict[int, Any] = {}
-
-    def pusher(i: int) -> None:
-        barrier.wait(timeout=60)
-        try:
-            outcome[i] = push(s3_url, str(versions[i]), version=2, storage_options=s3_options,
-                              cache_dir=str(tmp_path / f"c{i}"))
-        except VersionConflictError as exc:
-            outcome[i] = exc
-
-    threads = [threading.Thread(target=pusher, args=(i,)) for i in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    outcome = race_pushes(s3_url, s3_options, [str(versions[1]), str(versions[2])], 2, str(tmp_path), timeout=300)
     winners = [i for i, o in outcome.items() if not isinstance(o, Exception)]
     losers = [i for i, o in outcome.items() if isinstance(o, VersionConflictError)]
     assert len(winners) == 1 and len(losers) == 1, outcome
     pulled = pull(s3_url, str(tmp_path / "dest"), storage_options=s3_options)
     assert pulled.version == 2
-    assert file_digests(tmp_path / "dest") == file_digests(versions[winners[0]])
+    assert file_digests(tmp_path / "dest") == file_digests(versions[winners[0] + 1])
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
