@@ -142,7 +142,11 @@ def test_a_server_that_keeps_dropping_gives_up(s3_server: S3Server, s3_url: str,
 def test_backend_not_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     # As on a host without the extra: importing gcsfs fails. (s3 is checked in a fresh process in
     # tests/core/test_cli.py: fsspec caches a backend class once it has been imported.)
+    import deltafs.store.gcs
+
     monkeypatch.setitem(sys.modules, "gcsfs", None)
+    monkeypatch.setitem(sys.modules, "gcsfs.core", None)
+    monkeypatch.setattr(deltafs.store.gcs, "_FS_CLASS", None)  # as in a fresh process
     with pytest.raises(StoreError, match=r"pip install 'deltafs\[gcs\]'") as info:
         open_objects("gs://bucket/run1")
     assert "\n" not in str(info.value)
