@@ -9,10 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from deltafs.cli.options import Json, Quiet, StorageOptions, Version
+from deltafs.cli.options import Json, Quiet, StorageOptions, Version, json_object, parse_storage_options
 from deltafs.cli.output import Output, human_bytes
 from deltafs.errors import LockHeldError, UsageError
-from deltafs.store.open import parse_storage_options
 
 # `pull --once` exit codes, for cron (documented in the README).
 EXIT_UPDATED = 0
@@ -21,15 +20,7 @@ EXIT_BUSY = 101
 
 
 def _metadata(items: list[str] | None, text: str | None) -> dict:
-    meta: dict = {}
-    if text:
-        try:
-            loaded = json.loads(text)
-        except ValueError as exc:
-            raise UsageError(f"--metadata is not valid JSON: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise UsageError("--metadata must be a JSON object")
-        meta.update(loaded)
+    meta = json_object(text, "--metadata")
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -6,10 +6,9 @@ from typing import Annotated
 
 import typer
 
-from deltafs.cli.options import Json, Quiet, StorageOptions
+from deltafs.cli.options import Json, Quiet, StorageOptions, parse_storage_options
 from deltafs.cli.output import Output, human_bytes
 from deltafs.maintenance.gc import DEFAULT_GRACE
-from deltafs.store.open import parse_storage_options
 
 
 def gc_cmd(

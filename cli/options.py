@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import json
+from typing import Annotated, Any, Optional
 
 import typer
+
+from deltafs.errors import UsageError
 
 StorageOptions = Annotated[
     Optional[str],
@@ -13,3 +16,21 @@ StorageOptions = Annotated[
 Version = Annotated[Optional[int], typer.Option("--version", "-v", help="Version number (default: the newest).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+
+
+def json_object(text: str | None, flag: str) -> dict[str, Any]:
+    """The JSON object an option was given, or {}; a one-line UsageError otherwise."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} must be a JSON object")
+    return value
+
+
+def parse_storage_options(text: str | None) -> dict[str, Any]:
+    """The --storage-options JSON object, or {}."""
+    return json_object(text, "--storage-options")

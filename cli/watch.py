@@ -9,11 +9,10 @@ import signal
 from typing import Annotated, Any, Optional
 
 import typer
-from deltafs.cli.options import Json, Quiet, StorageOptions
+from deltafs.cli.options import Json, Quiet, StorageOptions, parse_storage_options
 from deltafs.cli.output import Output
 
 from deltafs.errors import UsageError
-from deltafs.store.open import parse_storage_options
 
 EXIT_FLEET_PROBLEM = 1
 

@@ -8,7 +8,6 @@ fsspec's own configuration (FSSPEC_S3_* variables, ~/.config/fsspec) and the bac
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -30,19 +29,6 @@ DELTAFS_OPTIONS = {
     "read_after_write": "false for a store whose new objects may be invisible for a while",
     "atomic_create": "false for an S3-compatible server that ignores If-None-Match",
 }
-
-
-def parse_storage_options(text: str | None) -> dict[str, Any]:
-    """The --storage-options JSON object, or {}."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise UsageError(f"--storage-options is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise UsageError("--storage-options must be a JSON object")
-    return value
 
 
 def _split_tuning(options: dict[str, Any]) -> tuple[RetryPolicy, dict[str, Any], dict[str, bool]]:
