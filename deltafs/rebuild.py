@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Generator, Iterator
 
 import numpy as np
@@ -63,9 +63,6 @@ class Chain:
     def target(self) -> Manifest:
         return self.final if self.final is not None else self.steps[-1]
 
-    def stored_bytes(self) -> int:
-        return sum(int(m.stats.get("chunk_bytes_stored", 0)) for m in self.steps)
-
 
 def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds: bool = False) -> Chain:
     """Walk parents back from target until the local version or a full version; the cheaper path by bytes.
@@ -98,10 +95,6 @@ def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds
                 actual=parent.digest,
             )
         man = parent
-
-
-def plan_from_full(repo: Repository, target: int) -> Chain:
-    return plan_chain(repo, target, None)
 
 
 class ChunkSource:
@@ -150,7 +143,6 @@ class BuildReport:
     files_built: int = 0
     files_linked: int = 0
     bytes_out: int = 0
-    problems: list[str] = field(default_factory=list)
 
 
 class Builder:
