@@ -66,7 +66,7 @@ def worker_push(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def worker_pull(args: argparse.Namespace) -> dict[str, Any]:
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     t0 = time.monotonic()
     res = pull(args.store, args.dest, version=args.version, storage_options=json.loads(args.options), keep=1)

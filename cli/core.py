@@ -77,7 +77,7 @@ def pull_cmd(
     quiet: Quiet = False,
 ) -> int:
     """Make DEST a complete, verified checkpoint of a version (default: the newest)."""
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     out = Output(json_mode=json_out, quiet=quiet)
     if engine and not engine_url:

@@ -1,3 +1,49 @@
-"""deltafs: lossless checkpoint deltas on any fsspec filesystem."""
+"""deltafs: lossless checkpoint deltas on any fsspec filesystem.
+
+The public API, imported lazily so that `import deltafs` (and the CLI's start-up) stays cheap:
+
+    from deltafs import push, push_tensors, push_distributed, pull, verify, log, gc, Repository
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "push": "deltafs.publish",
+    "push_tensors": "deltafs.publish",
+    "push_distributed": "deltafs.publish",
+    "PushResult": "deltafs.publish",
+    "pull": "deltafs.read",
+    "PullResult": "deltafs.read",
+    "verify": "deltafs.maintenance.verify",
+    "log": "deltafs.maintenance.log",
+    "gc": "deltafs.maintenance.gc",
+    "Repository": "deltafs.store.repo",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from deltafs.maintenance.gc import gc
+    from deltafs.maintenance.log import log
+    from deltafs.maintenance.verify import verify
+    from deltafs.publish import PushResult, push, push_distributed, push_tensors
+    from deltafs.read import PullResult, pull
+    from deltafs.store.repo import Repository
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deltafs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

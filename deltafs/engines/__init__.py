@@ -60,7 +60,7 @@ def reload_engine(kind: str, url: str | None, path: str | None = None, version: 
     from deltafs.errors import DestinationError
 
     if dest is not None:
-        from deltafs.local import LocalCheckpoint
+        from deltafs.read.dest import LocalCheckpoint
 
         state = LocalCheckpoint(dest).state()
         if state is None:

@@ -6,7 +6,7 @@ import json
 
 from deltafs.errors import FormatError
 from deltafs.format.manifest import Manifest, canonical_json
-from deltafs.local import LocalCheckpoint
+from deltafs.read.dest import LocalCheckpoint
 
 
 def weight_version(version: int) -> str:

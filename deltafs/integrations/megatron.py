@@ -12,7 +12,7 @@ The functions that move tensors (megatron_to_hf, megatron_stage_to_hf, push_mega
 collective: call them on every rank. By default pipeline rank 0 / TP rank 0 / DP rank 0 (normally
 global rank 0) gets the whole model and writes, and the other ranks get None; with
 push_megatron(multi_rank=True) every pipeline stage writes its own layers through
-deltafs.distributed.push_distributed. describe, check_supported and hf_config are local.
+deltafs.publish.distributed.push_distributed. describe, check_supported and hf_config are local.
 Layout rules: megatron_layout.py; torch.distributed moves: megatron_gather.py.
 """
 
@@ -327,7 +327,7 @@ def push_megatron(model_or_chunks: Any, store: Any, *, hf_arch: str | None = Non
 
     multi_rank=False: the model is gathered on one rank, which pushes; it gets the PushResult and the
     other ranks None. multi_rank=True: each pipeline stage's first TP rank encodes and writes its own
-    layers in parallel (deltafs.distributed.push_distributed over the default group, so every rank of
+    layers in parallel (deltafs.publish.distributed.push_distributed over the default group, so every rank of
     the job must call); every rank gets the PushResult.
     """
     if vocab_size is None and config is not None and config.get("vocab_size"):
@@ -338,7 +338,7 @@ def push_megatron(model_or_chunks: Any, store: Any, *, hf_arch: str | None = Non
     files |= dict(extra_files or {})
     options = dict(version=version, metadata=metadata, storage_options=storage_options, **push_kwargs)
     if multi_rank:
-        from deltafs.distributed import push_distributed
+        from deltafs.publish.distributed import push_distributed
 
         stage, _, stage_groups, _ = _stage(model_or_chunks, vocab_size, groups, info)
         # Only the rank holding the embeddings names the extra files, so they are written once.

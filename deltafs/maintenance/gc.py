@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from deltafs.errors import DeltafsError, IntegrityError, UsageError
-from deltafs.folds import FOLD_PREFIX, fold_key, load_fold, parse_fold_key
+from deltafs.read.folds import FOLD_PREFIX, fold_key, load_fold, parse_fold_key
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key
-from deltafs.maintenance.lock import DEFAULT_STALE_AFTER, StoreLock
+from deltafs.store.lock import DEFAULT_STALE_AFTER, StoreLock
 from deltafs.parallel import ordered_map
-from deltafs.rebuild import plan_chain
+from deltafs.read.rebuild import plan_chain
 from deltafs.store.objects import ObjectStore
 from deltafs.store.repo import Repository
 

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deltafs.errors import DeltafsError
-from deltafs.local import LocalCheckpoint
-from deltafs.rebuild import Builder, ChunkSource, file_sha256, plan_chain
+from deltafs.read.dest import LocalCheckpoint
+from deltafs.read.rebuild import Builder, ChunkSource, file_sha256, plan_chain
 from deltafs.store.repo import Repository
 
 

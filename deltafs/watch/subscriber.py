@@ -33,8 +33,8 @@ from deltafs.errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from deltafs.local import LocalCheckpoint
-from deltafs.pull import PullResult, pull
+from deltafs.read.dest import LocalCheckpoint
+from deltafs.read.pull import PullResult, pull
 from deltafs.store.repo import CONFIG_KEY, Repository
 from deltafs.watch.boundary import Boundary, Immediate
 from deltafs.watch.ledger import (

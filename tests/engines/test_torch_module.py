@@ -14,7 +14,7 @@ from deltafs.engines.base import SwitchError, Target
 from deltafs.engines.torch_module import ModuleApplier, TorchModuleEngine, tensor_digest
 from deltafs.errors import EngineError
 from deltafs.publish import push_tensors
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 
 CONFIG = tiny_config()
 

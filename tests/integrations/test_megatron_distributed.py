@@ -53,7 +53,7 @@ def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int, vpp: 
 
 def check_versions(tmp_path: Any, spec: dict[str, Any], tiny: mc.Tiny, steps: int,
                    tol: float = 1e-4) -> list[torch.Tensor]:
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     toks = mc.tokens()
     seen = []
@@ -96,7 +96,7 @@ def test_tp2_pp2_virtual_chunks_publish_layers_under_global_indices(tmp_path: An
     Pushed with multi_rank=True: each stage writes its own layers (its own safetensors shard)."""
     from safetensors import safe_open
 
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     tiny = mc.Tiny(layers=4, qk_norm=True, tied=True)
     spec, _ = run_job(tmp_path, tp=2, pp=2, vpp=2, tiny=tiny, steps=0, push={"multi_rank": True})

@@ -20,7 +20,7 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "megat
 
 @pytest.mark.parametrize("multi_rank", [False, True], ids=["single-writer", "multi-rank"])
 def test_example_training_loop_pushes_versions_that_pull_as_qwen3(tmp_path: Any, multi_rank: bool) -> None:
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     spec = importlib.util.spec_from_file_location("megatron_push_example", EXAMPLE)
     assert spec and spec.loader

@@ -98,7 +98,7 @@ def test_bf16_model_in_its_training_wrapper_publishes_bf16(tmp_path: Any) -> Non
 
 def test_push_step_push_then_pull_each_version(tmp_path: Any) -> None:
     """The trainer loop: push, one optimizer step, push again; each pulled version has Megatron's logits."""
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     dm = _megatron()
     tiny = mc.Tiny(qkv_bias=True)

@@ -19,7 +19,7 @@ pytest.importorskip("gcsfs")
 from deltafs.errors import StoreError, StoreNotFoundError, UsageError, VersionConflictError
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 from deltafs.store.gcs import GCSObjectStore
 from deltafs.store.objects import ObjectStore
 from deltafs.store.open import open_objects

@@ -16,7 +16,7 @@ import pytest
 from deltafs.errors import VersionConflictError
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
-from deltafs.pull import local_version, pull
+from deltafs.read.pull import local_version, pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import file_digests, race_pushes
 from deltafs.testing.generator import SMALL, TrainerSim, write_checkpoint

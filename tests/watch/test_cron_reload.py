@@ -9,7 +9,7 @@ import pytest
 from watch_helpers import same_weights
 
 from deltafs.engines import SwitchError, reload_engine
-from deltafs.pull import local_version
+from deltafs.read.pull import local_version
 
 MAIN = "import sys; from deltafs.cli.main import main; sys.argv[0] = 'deltafs'; main()"
 
@@ -34,7 +34,7 @@ def test_pull_once_reloads_the_engine(trainer, tmp_path, engine_server):
 
 
 def test_failed_reload_rolls_back_to_the_version_the_engine_served(trainer, tmp_path, engine_server):
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     dest = str(tmp_path / "dest")
     trainer.push()

@@ -37,7 +37,7 @@ def test_poll_then_apply_updates_the_module_in_place(trainer, tmp_path):
 
 
 def test_pull_only_watcher_keeps_dest_current(trainer, tmp_path):
-    from deltafs.pull import local_version
+    from deltafs.read.pull import local_version
 
     trainer.push()
     dest = str(tmp_path / "dest")

@@ -125,7 +125,7 @@ def test_dest_of_another_store_is_replaced_from_a_full_version(trainer, tmp_path
     from watch_helpers import CONFIG
 
     from deltafs.publish import push_tensors
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     other = str(tmp_path / "other-store")
     push_tensors(other, trainer._current, cache_dir=str(tmp_path / "other-cache"))

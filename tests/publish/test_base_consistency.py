@@ -10,11 +10,11 @@ from deltafs.errors import IntegrityError
 from deltafs.format.manifest import manifest_key
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import CheckpointMaker, files_of, run_cli
 
-from .helpers import push_history
+from history_helpers import push_history
 
 
 def test_every_delta_records_its_parents_digest(tmp_path, maker):

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deltafs.distributed import push_distributed, shard_name
+from deltafs.publish.distributed import push_distributed, shard_name
 from deltafs.errors import UsageError
 from deltafs.maintenance.gc import gc
 from deltafs.maintenance.verify import verify
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 
 from . import dist_workers

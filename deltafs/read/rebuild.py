@@ -19,7 +19,7 @@ import xxhash
 from deltafs import codec
 from deltafs.errors import ChunkNotFoundError, DeltafsError, IntegrityError, ObjectNotFoundError
 from deltafs.format.manifest import DELTA_CODECS, FileEntry, Manifest, Segment
-from deltafs.local import LocalState
+from deltafs.read.dest import LocalState
 from deltafs.parallel import default_threads, ordered_map
 from deltafs.store.objects import LocalObjectStore
 from deltafs.store.repo import Repository
@@ -57,7 +57,7 @@ class Chain:
 
     steps: list[Manifest]  # oldest first; the last one is the target (or its fold, see final)
     local: LocalState | None  # the base the first step applies to; None when the chain starts at a full version
-    final: Manifest | None = None  # the target's own manifest when the last step is a fold (deltafs.folds)
+    final: Manifest | None = None  # the target's own manifest when the last step is a fold (deltafs.read.folds)
 
     @property
     def target(self) -> Manifest:
@@ -69,7 +69,7 @@ def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds
 
     Any full version on the way makes a chain that crosses it no cheaper than starting there, so
     stopping at the first full version or at the local base is the cheapest plan. With folds=True a
-    chain that starts at a full version may be shortened to [full, fold of target] (deltafs.folds).
+    chain that starts at a full version may be shortened to [full, fold of target] (deltafs.read.folds).
     """
     steps: list[Manifest] = []
     man = repo.manifest(target)
@@ -81,7 +81,7 @@ def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds
         if man.kind == "full":
             steps.reverse()
             if folds:
-                from deltafs.folds import prefer_fold
+                from deltafs.read.folds import prefer_fold
 
                 return prefer_fold(repo, Chain(steps, None))
             return Chain(steps, None)

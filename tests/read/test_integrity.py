@@ -13,7 +13,7 @@ from deltafs.errors import FormatError, IntegrityError, DestinationError
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
-from deltafs.pull import local_version, pull
+from deltafs.read.pull import local_version, pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of
 

@@ -12,11 +12,11 @@ import pytest
 
 from deltafs.maintenance.gc import gc
 from deltafs.maintenance.verify import verify
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of
 
-from .helpers import push_history
+from history_helpers import push_history
 
 # Runs a real gc in a child process and parks it (forever) just before its N-th delete.
 _CHILD = textwrap.dedent("""

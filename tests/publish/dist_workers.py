@@ -68,7 +68,7 @@ def run(rank: int, world: int, port: int, out_dir: str, scenario: str, args: dic
 
 
 def _push(rank: int, world: int, args: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    from deltafs.distributed import push_distributed
+    from deltafs.publish.distributed import push_distributed
 
     step = args["step"]
     tensors = kw.pop("tensors", None)

@@ -28,11 +28,11 @@ import xxhash
 from deltafs import codec
 from deltafs.errors import DeltafsError, IntegrityError, LockHeldError, UsageError, VersionConflictError
 from deltafs.format.manifest import ChunkRef, FileEntry, Head, Manifest, Segment, canonical_json
-from deltafs.local import LocalCheckpoint, LocalState
+from deltafs.read.dest import LocalCheckpoint, LocalState
 from deltafs.parallel import default_threads, ordered_map
 from deltafs.progress import Progress
-from deltafs.rebuild import LocalBaseError
-from deltafs.source import SourceFile, SourceSegment, scan_source
+from deltafs.read.rebuild import LocalBaseError
+from deltafs.publish.source import SourceFile, SourceSegment, scan_source
 from deltafs.store.objects import LocalObjectStore
 from deltafs.store.repo import Repository, utcnow
 
@@ -80,7 +80,7 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
     """Publish the checkpoint at src (a directory or a .safetensors file) as the store's next version.
 
     fold=True also writes, for a delta two or more steps past its full version, a folded delta from
-    that full version straight to the new version (deltafs.folds), so lagging readers take one step.
+    that full version straight to the new version (deltafs.read.folds), so lagging readers take one step.
     """
     t0 = time.monotonic()
     meta = dict(metadata or {})
@@ -128,7 +128,7 @@ def _base_for(repo: Repository, cache: LocalCheckpoint, head: Head | None, *, re
     if not rederive and state is not None and state.store_id == repo.store_id and state.version == head.version \
             and state.digest == head.digest:
         return state, False
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     pull(repo, cache.dest, version=head.version, force=True, keep=1)
     state = cache.state()
@@ -233,7 +233,7 @@ def wait_out_gc(repo: Repository, reused: set[str], *, timeout: float = GC_WAIT_
     """
     if not reused:
         return
-    from deltafs.maintenance.lock import is_stale, read_lock
+    from deltafs.store.lock import is_stale, read_lock
 
     deadline = time.monotonic() + timeout
     while (holder := read_lock(repo.objects)) is not None and not is_stale(holder):
@@ -429,8 +429,8 @@ def _fold_after_commit(repo: Repository, files: list[SourceFile], cache: LocalCh
     The version is already committed: a fold that cannot be written is logged and skipped.
     Returns the bytes written for the fold (chunks plus its manifest).
     """
-    from deltafs.folds import fold_key, is_fold_of
-    from deltafs.rebuild import plan_chain
+    from deltafs.read.folds import fold_key, is_fold_of
+    from deltafs.read.rebuild import plan_chain
 
     state = cache.state()
     if state is None:
@@ -446,7 +446,7 @@ def _fold_after_commit(repo: Repository, files: list[SourceFile], cache: LocalCh
         full = plan_chain(repo, man.version, None).steps[0]
         kstate = keyframe.state()
         if kstate is None or kstate.store_id != repo.store_id or kstate.digest != full.digest:
-            from deltafs.pull import pull
+            from deltafs.read.pull import pull
 
             pull(repo, keyframe.dest, version=full.version, force=True, keep=1)
             kstate = keyframe.state()

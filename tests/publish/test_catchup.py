@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from deltafs.pull import local_version, pull
-from deltafs.rebuild import plan_chain
+from deltafs.read.pull import local_version, pull
+from deltafs.read.rebuild import plan_chain
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of
 
-from .helpers import bytes_needed, push_history
+from history_helpers import bytes_needed, push_history
 
 
 @pytest.fixture

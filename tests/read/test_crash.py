@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from deltafs.maintenance.verify import verify
-from deltafs.pull import local_version, pull
+from deltafs.read.pull import local_version, pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, perturb, random_bytes, write_safetensors
 
@@ -33,7 +33,7 @@ DRIVER = textwrap.dedent(
             return orig(*a, **k)
         setattr(obj, name, wrapper)
     from deltafs.store.repo import Repository
-    from deltafs.local import LocalCheckpoint
+    from deltafs.read.dest import LocalCheckpoint
     from deltafs import rebuild
     if point == "chunk":       die_after(Repository, "put_chunk")       # after `count` chunks are stored
     elif point == "head":      die_after(Repository, "advance_head")    # manifest committed, HEAD not moved

@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deltafs.errors import IntegrityError, ObjectNotFoundError, VersionNotFoundError
-from deltafs.local import LocalCheckpoint, LocalState, refuse_foreign
+from deltafs.read.dest import LocalCheckpoint, LocalState, refuse_foreign
 from deltafs.progress import Progress
-from deltafs.rebuild import Builder, ChunkSource, LocalBaseError, plan_chain
+from deltafs.read.rebuild import Builder, ChunkSource, LocalBaseError, plan_chain
 from deltafs.store.repo import Repository
 
 log = logging.getLogger("deltafs")

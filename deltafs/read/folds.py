@@ -16,7 +16,7 @@ from deltafs.errors import DeltafsError, ObjectNotFoundError
 from deltafs.format.manifest import DELTA_CODECS, Manifest
 
 if TYPE_CHECKING:
-    from deltafs.rebuild import Chain
+    from deltafs.read.rebuild import Chain
     from deltafs.store.repo import Repository
 
 FOLD_PREFIX = "folds"
@@ -80,7 +80,7 @@ def chain_cost(steps: list[Manifest]) -> int:
 
 def prefer_fold(repo: Repository, chain: Chain) -> Chain:
     """Replace a chain F, F+1 … N by F, fold(N) when N has a usable fold that reads fewer bytes."""
-    from deltafs.rebuild import Chain
+    from deltafs.read.rebuild import Chain
 
     if chain.local is not None or len(chain.steps) < 3 or chain.final is not None:
         return chain

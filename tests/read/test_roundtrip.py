@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltafs.publish import push, push_tensors
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 from deltafs.maintenance.verify import verify
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import DTYPES, files_of, perturb, random_bytes, write_safetensors

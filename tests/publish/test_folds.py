@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from deltafs.folds import chain_cost, fold_key, load_fold
+from deltafs.read.folds import chain_cost, fold_key, load_fold
 from deltafs.maintenance.gc import gc
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
-from deltafs.pull import local_version, pull
-from deltafs.rebuild import plan_chain
+from deltafs.read.pull import local_version, pull
+from deltafs.read.rebuild import plan_chain
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, write_safetensors
 

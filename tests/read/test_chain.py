@@ -7,7 +7,7 @@ import random
 from deltafs.maintenance.log import log
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
-from deltafs.pull import local_version, pull
+from deltafs.read.pull import local_version, pull
 from deltafs.testing.checkpoints import files_of
 
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from deltafs.errors import DestinationError, FormatError, LockHeldError
 from deltafs.format.manifest import Manifest, canonical_json
 
-STATE_FORMAT = "deltafs.local"
+STATE_FORMAT = "deltafs.read.dest"
 
 
 def fsync_dir(path: str) -> None:

@@ -7,11 +7,11 @@ import inspect
 import numpy as np
 
 from deltafs.publish import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, push
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, perturb, run_cli, write_safetensors
 
-from .helpers import bytes_needed, push_history
+from history_helpers import bytes_needed, push_history
 
 
 def _kinds(store: str) -> list[str]:

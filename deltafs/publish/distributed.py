@@ -1,7 +1,7 @@
 """Multi-rank push: every rank encodes and writes the chunks of the tensors it owns; one rank commits.
 
     import torch.distributed as dist
-    from deltafs.distributed import push_distributed
+    from deltafs.publish.distributed import push_distributed
 
     mine = {name: t for name, t in hf_state.items() if owner(name) == dist.get_rank()}
     res = push_distributed("s3://bucket/run-7", mine, extra_files={"config.json": cfg})  # on every rank
@@ -35,9 +35,9 @@ from typing import Any, Callable, Mapping
 from deltafs import codec
 from deltafs.errors import DeltafsError, UsageError
 from deltafs.format.manifest import FileEntry, Head, Manifest, canonical_json
-from deltafs.local import LocalCheckpoint, LocalState
+from deltafs.read.dest import LocalCheckpoint, LocalState
 from deltafs.parallel import default_threads
-from deltafs.publish import (
+from deltafs.publish.push import (
     DEFAULT_KEYFRAME_BUDGET,
     DEFAULT_KEYFRAME_EVERY,
     PushResult,
@@ -46,8 +46,8 @@ from deltafs.publish import (
     commit_version,
     default_cache_dir,
 )
-from deltafs.rebuild import Builder, Chain, ChunkSource, LocalBaseError, plan_chain
-from deltafs.source import scan_source
+from deltafs.read.rebuild import Builder, Chain, ChunkSource, LocalBaseError, plan_chain
+from deltafs.publish.source import scan_source
 from deltafs.store.repo import Repository
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -13,14 +13,14 @@ import pytest
 
 from deltafs.errors import LockHeldError, UsageError, VersionNotFoundError
 from deltafs.maintenance.gc import gc, make_plan
-from deltafs.maintenance.lock import GC_LOCK_KEY, StoreLock
+from deltafs.store.lock import GC_LOCK_KEY, StoreLock
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, run_cli
 
-from .helpers import push_history, store_bytes
+from history_helpers import push_history, store_bytes
 
 
 def _chunks_on_disk(store: str) -> set[str]:
