@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from deltafs.maintenance.gc import gc
     from deltafs.maintenance.log import log
     from deltafs.maintenance.verify import verify
-    from deltafs.publish import PushResult, push, push_distributed, push_tensors
-    from deltafs.read import PullResult, pull
+    from deltafs.publish.distributed import push_distributed
+    from deltafs.publish.push import PushResult, push, push_tensors
+    from deltafs.read.pull import PullResult, pull
     from deltafs.store.repo import Repository
 
 
