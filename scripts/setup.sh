@@ -10,5 +10,5 @@ fi
 # torch first and on its own, with the venv's own pip: that takes the CPU wheel on disk (a newer pip, or
 # resolving torch together with the project, can prefer the CUDA build from the index: 2.7 GB more).
 .venv/bin/python -m pip install -q 'torch==2.13.0'
-.venv/bin/python -m pip install -q -e '.[test,s3,sglang,megatron]'
+.venv/bin/python -m pip install -q -e '.[torch,test,s3,sglang,megatron]'
 .venv/bin/python -c "import deltafs, torch, safetensors, zstandard, fsspec; print('deltafs', deltafs.__version__, 'torch', torch.__version__)"
