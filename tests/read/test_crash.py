@@ -34,7 +34,7 @@ DRIVER = textwrap.dedent(
         setattr(obj, name, wrapper)
     from deltafs.store.repo import Repository
     from deltafs.read.dest import LocalCheckpoint
-    from deltafs import rebuild
+    from deltafs.read import rebuild
     if point == "chunk":       die_after(Repository, "put_chunk")       # after `count` chunks are stored
     elif point == "head":      die_after(Repository, "advance_head")    # manifest committed, HEAD not moved
     elif point == "cache":     die_after(LocalCheckpoint, "install")    # version committed, push cache not updated

@@ -1,0 +1,191 @@
+"""Read-only looks into a store: one tensor without a pull, and what a pull would read.
+
+`open_version` rebuilds only the chunks of the tensors asked for (each digest checked), so a
+trainer or an evaluation job can read `lm_head.weight` of version 812 without materializing the
+checkpoint. `plan_pull` answers "what would `deltafs pull` do" without writing anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from deltafs.errors import IntegrityError, UsageError
+from deltafs.format.manifest import DELTA_CODECS, FileEntry, Manifest, Segment
+from deltafs.read.dest import LocalCheckpoint
+from deltafs.read.rebuild import Builder, Chain, ChunkSource, _Task, plan_chain
+from deltafs.store.repo import Repository
+
+# safetensors dtype -> numpy dtype, for the dtypes numpy has; bf16 and fp8 come back through torch.
+_NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+          "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+# safetensors dtype -> torch attribute name (looked up lazily: the core does not import torch).
+_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+          "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    stored: int  # bytes this version's manifest stores for the tensor (0 when unchanged)
+    codecs: dict[str, int]  # codec name -> number of chunks
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        return out
+
+
+def tensor_infos(man: Manifest) -> list[TensorInfo]:
+    """Every tensor of a version with its size and how this version stores it."""
+    out = []
+    for f in man.files:
+        for seg in f.segments:
+            if seg.kind != "tensor":
+                continue
+            codecs: dict[str, int] = {}
+            for c in seg.chunks:
+                codecs[c.name] = codecs.get(c.name, 0) + 1
+            out.append(TensorInfo(seg.key[2:], f.path, seg.dtype or "", tuple(seg.shape or ()), seg.size,
+                                  sum(c.stored for c in seg.chunks), codecs))
+    return out
+
+
+class VersionReader:
+    """One committed version, read tensor by tensor from the store (no checkpoint is written)."""
+
+    def __init__(self, repo: Repository, chain: Chain) -> None:
+        self.repo = repo
+        self.manifest = chain.target
+        self._builder = Builder(repo, chain, ChunkSource(repo, None))
+        self._segments = {seg.key[2:]: (f, seg) for f in self.manifest.files for seg in f.segments
+                          if seg.kind == "tensor"}
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    def tensors(self) -> list[TensorInfo]:
+        return tensor_infos(self.manifest)
+
+    def tensor_names(self) -> list[str]:
+        return list(self._segments)
+
+    def tensor_bytes(self, name: str) -> bytes:
+        """The tensor's raw little-endian bytes, digest-checked."""
+        f, seg = self._find(name)
+        return self._segment_bytes(f, seg)
+
+    def tensor(self, name: str, *, framework: str = "numpy") -> Any:
+        """The tensor as a numpy array (framework="numpy") or a torch tensor (framework="torch")."""
+        f, seg = self._find(name)
+        data = self._segment_bytes(f, seg)
+        shape = tuple(seg.shape or ())
+        if framework == "torch":
+            import torch
+
+            dtype = getattr(torch, _TORCH.get(seg.dtype or "", ""), None)
+            if dtype is None:
+                raise UsageError(f"tensor {name} is {seg.dtype}, which this torch lacks: use tensor_bytes()")
+            if not data:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+        if framework != "numpy":
+            raise UsageError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+        np_dtype = _NUMPY.get(seg.dtype or "")
+        if np_dtype is None:
+            raise UsageError(f"tensor {name} is {seg.dtype}, which numpy lacks: use framework='torch' or tensor_bytes()")
+        return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+
+    def _find(self, name: str) -> tuple[FileEntry, Segment]:
+        try:
+            return self._segments[name]
+        except KeyError:
+            raise UsageError(f"version {self.version} has no tensor {name!r}") from None
+
+    def _segment_bytes(self, f: FileEntry, seg: Segment) -> bytes:
+        parts = [self._builder._chunk(_Task(f, seg, i)).tobytes() for i in range(len(seg.chunks))]
+        data = b"".join(parts)
+        got = "xxh3-128:" + xxhash.xxh3_128(data).hexdigest()
+        if got != seg.digest:
+            raise IntegrityError(f"version {self.version}: tensor {seg.key[2:]} digest mismatch", expected=seg.digest,
+                                 actual=got)
+        return data
+
+
+def open_version(store: str | Repository, version: int | None = None, *,
+                 storage_options: dict[str, Any] | None = None) -> VersionReader:
+    """A read-only view of one version (default: HEAD) whose tensors are rebuilt on demand."""
+    repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
+    from deltafs.read.pull import resolve_version
+
+    target = resolve_version(repo, version)
+    return VersionReader(repo, plan_chain(repo, target, None, folds=True))
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """What `deltafs pull` would do now, computed without writing anything."""
+
+    version: int
+    current: int | None  # the version DEST holds, if any
+    up_to_date: bool
+    steps: list[dict[str, Any]]  # the manifests applied, oldest first: version, kind, fold
+    objects: int  # chunk objects to fetch
+    bytes_to_read: int  # their stored size
+    bytes_out: int  # bytes of the checkpoint written or linked
+    files_linked: int  # files identical to DEST's, linked rather than rebuilt
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_pull(store: str | Repository, dest: str, *, version: int | None = None,
+              storage_options: dict[str, Any] | None = None) -> PullPlan:
+    """The chain, objects and bytes a pull into DEST would read (DEST is not locked or changed)."""
+    from deltafs.read.pull import resolve_version
+
+    repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
+    state = LocalCheckpoint(dest).state()
+    if state is not None and state.store_id != repo.store_id:
+        state = None  # a pull would refuse (or, with --force, start from a full version)
+    target = resolve_version(repo, version)
+    if state is not None and state.version == target and repo.manifest(target).digest == state.digest:
+        man = repo.manifest(target)
+        return PullPlan(target, state.version, True, [], 0, 0, man.raw_bytes, 0)
+    chain = plan_chain(repo, target, state, folds=True)
+    final = chain.target
+    local_files = {(lf.sha256, lf.size) for lf in state.manifest.files} if state is not None else set()
+    linked = [f for f in final.files if (f.sha256, f.size) in local_files
+              and os.path.exists(os.path.join(state.path, f.path))] if state is not None else []
+    linked_paths = {f.path for f in linked}
+    needed: dict[str, int] = {}
+    per_step = [m.segments() for m in chain.steps]
+    for f in final.files:
+        if f.path in linked_paths:
+            continue
+        for seg in f.segments:
+            for i in range(len(seg.chunks)):
+                for step in reversed(per_step):
+                    entry = step.get(seg.key)
+                    if entry is None or len(entry[1].chunks) <= i:
+                        break
+                    rec = entry[1].chunks[i]
+                    if rec.object is not None:
+                        needed[rec.object] = rec.stored
+                    if rec.name not in DELTA_CODECS:
+                        break
+    steps = [{"version": m.version, "kind": m.kind,
+              "fold": chain.final is not None and m is chain.steps[-1]} for m in chain.steps]
+    return PullPlan(target, state.version if state else None, False, steps, len(needed), sum(needed.values()),
+                    final.raw_bytes, len(linked))
+
