@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -73,6 +73,7 @@ def pull_cmd(
     engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine (sglang).")] = None,
     engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Download/decode threads.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be read and from where; change nothing.")] = False,
     json_out: Json = False,
     quiet: Quiet = False,
 ) -> int:
@@ -80,6 +81,8 @@ def pull_cmd(
     from deltafs.read.pull import pull
 
     out = Output(json_mode=json_out, quiet=quiet)
+    if dry_run:
+        return _pull_dry_run(out, store, dest, version, parse_storage_options(storage_options))
     if engine and not engine_url:
         raise UsageError("--engine needs --engine-url")
     try:
@@ -108,6 +111,23 @@ def pull_cmd(
         human = f"{dest} already holds version {res.version}"
     out.result(data, human)
     return EXIT_CURRENT if once and not res.updated and switched is None else EXIT_UPDATED
+
+
+def _pull_dry_run(out: Output, store: str, dest: str, version: int | None, options: dict[str, Any]) -> int:
+    from deltafs.read.inspect import plan_pull
+
+    plan = plan_pull(store, dest, version=version, storage_options=options)
+    if plan.up_to_date:
+        human = f"{dest} already holds version {plan.version}: nothing to read"
+    else:
+        start = "a full version" if plan.current is None or plan.steps and plan.steps[0]["kind"] == "full" else f"version {plan.current} in {dest}"
+        chain = " -> ".join(f"{s['version']}{' (full)' if s['kind'] == 'full' else ''}{' (fold)' if s['fold'] else ''}"
+                            for s in plan.steps)
+        human = (f"would pull version {plan.version} into {dest} from {start}: apply {chain}; "
+                 f"read {plan.objects} chunk objects ({human_bytes(plan.bytes_to_read)}) from {store}, "
+                 f"write {human_bytes(plan.bytes_out)}, link {plan.files_linked} unchanged file(s)")
+    out.result(plan.to_json(), human)
+    return EXIT_UPDATED
 
 
 def verify_cmd(
@@ -144,21 +164,25 @@ def verify_cmd(
 def log_cmd(
     store: Annotated[str, typer.Argument(help="Store URL.")],
     storage_options: StorageOptions = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-n", min=1, help="Only the newest N versions.")] = None,
+    since: Annotated[Optional[str], typer.Option("--since", help="Versions >= a number, or created at/after an ISO 8601 UTC time (e.g. 2026-12-01 or 2026-12-01T08:00).")] = None,
     json_out: Json = False,
 ) -> None:
-    """List versions: number, kind, parent, changed fraction, bytes written, ratio to full, time."""
+    """List versions: number, kind, parent, changed fraction, bytes written, ratio to full, time (UTC), metadata."""
     from deltafs.maintenance.log import log
 
-    entries = log(store, storage_options=parse_storage_options(storage_options))
+    since_value: int | str | None = int(since) if since is not None and since.isdigit() else since
+    entries = log(store, storage_options=parse_storage_options(storage_options), limit=limit, since=since_value)
     out = Output(json_mode=json_out)
-    rows = [f"{'version':>8} {'kind':<6} {'parent':>7} {'changed':>8} {'written':>11} {'ratio':>8}  created"]
+    rows = [f"{'version':>8} {'kind':<6} {'parent':>7} {'changed':>8} {'written':>11} {'ratio':>8}  {'created (UTC)':<19}  metadata"]
     for e in entries:
         changed = f"{e.changed_fraction * 100:.2f}%" if e.changed_fraction is not None else "-"
         mark = " *" if e.kind == "full" else ""
         created = e.created.replace("T", " ")[:19]
+        meta = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sorted(e.metadata.items()))
         rows.append(f"{e.version:>8} {e.kind + mark:<6} {e.parent if e.parent is not None else '-':>7} {changed:>8} "
-                    f"{human_bytes(e.bytes_written):>11} {(str(e.ratio) + 'x') if e.ratio else '-':>8}  {created}"
-                    f"{'  (HEAD)' if e.head else ''}")
+                    f"{human_bytes(e.bytes_written):>11} {(str(e.ratio) + 'x') if e.ratio and e.kind == 'delta' else '-':>8}  {created:<19}"
+                    f"  {meta}{'  (HEAD)' if e.head else ''}".rstrip())
     if len(entries) == 0:
         rows.append("(no versions)")
     out.result({"versions": [e.to_json() for e in entries]}, "\n".join(rows))

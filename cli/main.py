@@ -24,7 +24,7 @@ def _register() -> None:
     from deltafs.cli import core
 
     core.register(app)
-    for name in ("watch", "gc"):
+    for name in ("watch", "gc", "inspect"):
         try:
             module = __import__(f"deltafs.cli.{name}", fromlist=["register"])
         except ModuleNotFoundError as exc:

@@ -25,13 +25,25 @@ class LogEntry:
         return asdict(self)
 
 
-def log(store: str | Repository, *, storage_options: dict[str, Any] | None = None) -> list[LogEntry]:
-    """Every committed version, oldest first."""
+def log(store: str | Repository, *, storage_options: dict[str, Any] | None = None, limit: int | None = None,
+        since: int | str | None = None) -> list[LogEntry]:
+    """Committed versions, oldest first.
+
+    limit keeps the newest N; since keeps versions >= an int, or created at or after an ISO 8601 UTC
+    time (a prefix such as "2026-12-01" works). Only the manifests shown are read.
+    """
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     head = repo.head()
-    out = []
-    for v in repo.versions():
+    out: list[LogEntry] = []
+    versions = repo.versions()
+    if isinstance(since, int):
+        versions = [v for v in versions if v >= since]
+    for v in reversed(versions):
+        if limit is not None and len(out) >= limit:
+            break
         man = repo.manifest(v)
+        if isinstance(since, str) and man.created < since:
+            break  # versions are committed in time order: older ones follow
         st = man.stats
         written = int(st.get("chunk_bytes_stored", 0)) + repo.manifest_size(v)
         full = int(st.get("full_bytes", man.raw_bytes))
@@ -39,4 +51,5 @@ def log(store: str | Repository, *, storage_options: dict[str, Any] | None = Non
         changed = (int(st.get("elements_changed", 0)) / total if total else 0.0) if man.kind == "delta" else None
         out.append(LogEntry(v, man.kind, man.parent, changed, written, full, round(full / written, 2) if written else None,
                             man.created, man.metadata, head is not None and head.version == v))
+    out.reverse()
     return out
