@@ -46,21 +46,66 @@ def push_cmd(
     cache: Annotated[Optional[str], typer.Option("--cache", help="Push cache directory (default $DELTAFS_CACHE or ~/.cache/deltafs).")] = None,
     level: Annotated[int, typer.Option("--level", help="zstd level of the codec streams; 5 and above also split elements by magnitude (~18% smaller bf16 deltas, slower).")] = 3,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Encoding threads (default: CPU count, at most 8).")] = None,
+    include: Annotated[Optional[list[str]], typer.Option("--include", help="Publish only files matching this glob (repeatable), e.g. '*.safetensors'.")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Do not publish files matching this glob (repeatable), e.g. 'logs/*'.")] = None,
+    no_default_excludes: Annotated[bool, typer.Option("--no-default-excludes", help="Also publish .cache/, .git/, *.lock, optimizer/scheduler/RNG states (see README).")] = False,
     json_out: Json = False,
     quiet: Quiet = False,
 ) -> None:
-    """Publish SRC as the store's next version (a delta against HEAD, or a full version)."""
+    """Publish SRC as the store's next version (a delta against HEAD, or a full version).
+
+    Examples:
+      deltafs push /ckpt/step-1200 /mnt/ckpt-store --meta step=1200
+      deltafs push /ckpt/step-1200 s3://bucket/run7 --exclude 'logs/*' --json
+    """
     from deltafs.publish import push
 
     out = Output(json_mode=json_out, quiet=quiet)
+    for warning in _store_warnings(src, store):
+        out.info(f"deltafs: warning: {warning}")
     res = push(store, src, version=version, metadata=_metadata(meta, metadata), storage_options=parse_storage_options(storage_options),
                cache_dir=cache, progress=out.progress, level=level, threads=threads, full=full,
-               keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold)
-    ratio = f"{res.full_bytes / res.bytes_written:.1f}x smaller than full" if res.bytes_written else ""
-    human = (f"pushed version {res.version} ({res.kind}) to {res.store}: {human_bytes(res.bytes_written)} written "
-             f"for {human_bytes(res.full_bytes)} of checkpoint, {ratio}; "
-             f"{res.changed_fraction * 100:.2f}% of elements changed; {res.seconds:.2f}s")
-    out.result(res.to_json(), human)
+               keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold,
+               include=include, exclude=exclude, default_excludes=not no_default_excludes)
+    data = res.to_json()
+    files = _stored_per_file(res.store, res.version, parse_storage_options(storage_options))
+    data["files"] = files
+    if res.kind == "full":
+        human = (f"pushed version {res.version} (full) to {res.store}: {human_bytes(res.bytes_written)} written "
+                 f"for {human_bytes(res.full_bytes)} of checkpoint; {res.seconds:.2f}s")
+    else:
+        ratio = f"{res.full_bytes / res.bytes_written:.1f}x smaller than full" if res.bytes_written else ""
+        human = (f"pushed version {res.version} (delta) to {res.store}: {human_bytes(res.bytes_written)} written "
+                 f"for {human_bytes(res.full_bytes)} of checkpoint, {ratio}; "
+                 f"{res.changed_fraction * 100:.2f}% of tensor elements changed; {res.seconds:.2f}s")
+    stored = sum(files.values())
+    top = max(files.items(), key=lambda kv: kv[1]) if files else None
+    # Worth a line when something other than the weights dominates (an optimizer state, a log).
+    if top is not None and stored and top[1] >= 0.5 * stored and not top[0].endswith(".safetensors"):
+        human += f"\n  {top[0]} is {top[1] / stored * 100:.0f}% of the stored bytes ({human_bytes(top[1])})"
+    out.result(data, human)
+
+
+def _store_warnings(src: str, store: str) -> list[str]:
+    """Swapped or nested arguments that still work but are almost certainly not meant."""
+    if "://" in store and not store.startswith("file://"):
+        return []
+    store_path = os.path.abspath(os.path.expanduser(store.removeprefix("file://")))
+    src_path = os.path.abspath(os.path.expanduser(src))
+    out = []
+    if store_path == src_path or store_path.startswith(src_path.rstrip(os.sep) + os.sep):
+        out.append(f"the store {store} is inside the source {src}; its files are not published, but move it out")
+    if os.path.isdir(store_path) and not os.path.exists(os.path.join(store_path, "deltafs.json")):
+        names = os.listdir(store_path)
+        if any(n.endswith(".safetensors") or n == "config.json" for n in names):
+            out.append(f"{store} looks like a checkpoint directory, not a store (are SRC and STORE swapped?)")
+    return out
+
+
+def _stored_per_file(store: str, version: int, options: dict[str, Any]) -> dict[str, int]:
+    from deltafs.maintenance.inspect import show
+
+    return {f.path: f.stored for f in show(store, version, storage_options=options).files}
 
 
 def pull_cmd(

@@ -20,7 +20,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -76,7 +76,9 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
          storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, progress: bool = False,
          level: int = codec.DEFAULT_LEVEL, threads: int | None = None, full: bool = False,
          keyframe_every: int | None = DEFAULT_KEYFRAME_EVERY,
-         keyframe_budget: float | None = DEFAULT_KEYFRAME_BUDGET, fold: bool = False) -> PushResult:
+         keyframe_budget: float | None = DEFAULT_KEYFRAME_BUDGET, fold: bool = False,
+         include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+         default_excludes: bool = True) -> PushResult:
     """Publish the checkpoint at src (a directory or a .safetensors file) as the store's next version.
 
     fold=True also writes, for a delta two or more steps past its full version, a folded delta from
@@ -88,7 +90,7 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
         canonical_json(meta)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"metadata is not JSON: {exc}") from None
-    files = scan_source(src)  # before touching the store: a bad source writes nothing
+    files = scan_source(src, include=include, exclude=exclude, default_excludes=default_excludes)  # before touching the store: a bad source writes nothing
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options, create=True)
     head = repo.head()
     if version is not None and head is not None and version <= head.version:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deltafs.errors import FormatError, SourceError
 from deltafs.format.dtypes import DTYPE_SIZES, nbytes
 from deltafs.format.manifest import check_relpath
+from deltafs.publish.select import is_store_dir, refuse_unpublishable, selected
 
 # A safetensors header larger than this is not a real checkpoint (the format's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
@@ -38,11 +40,16 @@ class SourceFile:
     segments: tuple[SourceSegment, ...]
 
 
-def scan_source(src: str) -> list[SourceFile]:
-    """List the files of src with their segments; raise SourceError for anything unusable."""
+def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                default_excludes: bool = True) -> list[SourceFile]:
+    """List the files of src with their segments; raise SourceError for anything unusable.
+
+    Files are selected by deltafs.publish.select (default ignores plus include/exclude globs).
+    """
     src = os.path.expanduser(src)
     if not os.path.exists(src):
         raise SourceError(f"source {src} does not exist")
+    refuse_unpublishable(src)
     if os.path.isfile(src):
         if not src.endswith(".safetensors"):
             raise SourceError(f"{src} is not a .safetensors file or a checkpoint directory")
@@ -51,15 +58,17 @@ def scan_source(src: str) -> list[SourceFile]:
         raise SourceError(f"{src} is neither a file nor a directory")
     files = []
     for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if not is_store_dir(os.path.join(dirpath, d)))
         for name in sorted(filenames):
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, src).replace(os.sep, "/")
+            if not selected(rel, include, exclude, default_excludes=default_excludes):
+                continue
             if not os.path.isfile(full):  # dangling link, socket, fifo
                 raise SourceError(f"{full} is not a regular file")
             files.append(_scan_file(rel, full))
     if not files:
-        raise SourceError(f"{src} holds no files")
+        raise SourceError(f"{src} holds no files to publish" + (" (after --include/--exclude)" if include or exclude else ""))
     seen: dict[str, str] = {}
     for f in files:
         for seg in f.segments:
