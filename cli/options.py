@@ -11,7 +11,7 @@ from deltafs.errors import UsageError
 
 StorageOptions = Annotated[
     Optional[str],
-    typer.Option("--storage-options", help="JSON object of fsspec storage options, e.g. '{\"endpoint_url\": \"http://...\"}'."),
+    typer.Option("--storage-options", help="fsspec storage options as a JSON object or @file.json (default: $DELTAFS_STORAGE_OPTIONS); keep secrets in a file or the environment, not in argv."),
 ]
 Version = Annotated[Optional[int], typer.Option("--version", "-v", help="Version number (default: the newest).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
@@ -32,5 +32,7 @@ def json_object(text: str | None, flag: str) -> dict[str, Any]:
 
 
 def parse_storage_options(text: str | None) -> dict[str, Any]:
-    """The --storage-options JSON object, or {}."""
-    return json_object(text, "--storage-options")
+    """--storage-options (JSON or @file.json), else $DELTAFS_STORAGE_OPTIONS, else {}."""
+    from deltafs.store.options import resolve_storage_options
+
+    return resolve_storage_options(text)

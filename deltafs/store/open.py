@@ -8,6 +8,7 @@ fsspec's own configuration (FSSPEC_S3_* variables, ~/.config/fsspec) and the bac
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -15,6 +16,9 @@ import fsspec
 
 from deltafs.errors import StoreError, UsageError
 from deltafs.store.objects import LocalObjectStore, MemoryObjectStore, ObjectStore, RetryPolicy
+from deltafs.store.options import check_option_names
+
+log = logging.getLogger("deltafs.store")
 
 # Which pip extra brings the fsspec backend for a protocol, for the error message.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -71,8 +75,9 @@ def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:
 def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
     """An ObjectStore for url; local paths get atomic rename-based writes."""
     options = dict(storage_options or {})
-    retry, workers, flags = _split_tuning(options)
     protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
+    check_option_names(protocol, options)
+    retry, workers, flags = _split_tuning(options)
     store: ObjectStore
     if protocol in ("file", "local"):
         root = os.path.abspath(os.path.expanduser(rest))
@@ -94,6 +99,8 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
             fs.retries = 1
             store = S3ObjectStore(fs, root, url, retry=retry, **workers)
         else:
+            log.warning(f"{protocol}:// has no create-if-absent write: two pushers racing for one version could both "
+                        "commit it; run one pusher per store (see manifests/FORMAT.md, backends)")
             store = ObjectStore(fs, root, url, retry=retry, **workers)
     if flags:
         store.declare(**flags)

@@ -1,0 +1,78 @@
+"""Storage options from a file or the environment, misspelled names refused, non-atomic backends named."""
+
+from __future__ import annotations
+
+import logging
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from deltafs.errors import UsageError
+from deltafs.store.open import open_objects
+from deltafs.store.options import check_option_names, resolve_storage_options
+from deltafs.testing.checkpoints import run_cli
+
+
+def test_sources_in_order(tmp_path):
+    f = tmp_path / "opts.json"
+    f.write_text('{"key": "from-file"}')
+    env = {"DELTAFS_STORAGE_OPTIONS": '{"key": "from-env"}'}
+    assert resolve_storage_options('{"key": "inline"}', env) == {"key": "inline"}
+    assert resolve_storage_options(f"@{f}", env) == {"key": "from-file"}
+    assert resolve_storage_options(None, env) == {"key": "from-env"}
+    assert resolve_storage_options(None, {"DELTAFS_STORAGE_OPTIONS": f"@{f}"}) == {"key": "from-file"}
+    assert resolve_storage_options(None, {}) == {}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[1, 2]", "must be a JSON object"),
+    ("{nope", "not valid JSON"),
+    ("[" * 100000, "not valid JSON"),
+    ("@/nonexistent/opts.json", "not a regular file"),
+])
+def test_bad_options_are_one_line_usage_errors(text, message):
+    with pytest.raises(UsageError, match=message):
+        resolve_storage_options(text, {})
+
+
+@pytest.mark.parametrize("protocol,options,ok", [
+    ("s3", {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "client_kwargs": {}}, True),
+    ("s3", {"endpont_url": "http://127.0.0.1:9"}, False),
+    ("s3", {"use_listings_cache": False, "deltafs": {"attempts": 2}}, True),
+    ("file", {"auto_mkdir": True}, True),
+    ("file", {"auto_mkdirr": True}, False),
+    ("gs", {"endpoint_url": "http://127.0.0.1:9", "token": "anon", "project": "p"}, True),
+    ("gs", {"projct": "p"}, False),
+])
+def test_option_names_checked_for_known_backends(protocol, options, ok):
+    if ok:
+        check_option_names(protocol, options)
+    else:
+        with pytest.raises(UsageError, match="did you mean"):
+            check_option_names(protocol, options)
+
+
+def test_cli_reads_options_from_file_and_env_and_refuses_typos(tmp_path, maker):
+    store = tmp_path / "store"
+    run_cli("push", maker.write(), store, "-q", check=0)
+    opts = tmp_path / "opts.json"
+    opts.write_text('{"auto_mkdir": true}')
+    run_cli("log", store, "--storage-options", f"@{opts}", check=0)
+    bad = run_cli("log", store, env={"DELTAFS_STORAGE_OPTIONS": '{"auto_mkdirr": true}'})
+    assert bad.returncode == 2 and "did you mean 'auto_mkdir'" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+class _PlainFS(MemoryFileSystem):
+    """A backend deltafs has no conditional write for (as hf://, az:// or sftp:// today)."""
+
+    protocol = ("plainfs-test",)
+    store: dict = {}
+    pseudo_dirs = [""]
+
+
+def test_a_backend_without_atomic_create_is_named(caplog):
+    fsspec.register_implementation("plainfs-test", _PlainFS, clobber=True)
+    with caplog.at_level(logging.WARNING, logger="deltafs.store"):
+        open_objects("plainfs-test://bucket/store")
+    assert any("plainfs-test:// has no create-if-absent write" in r.getMessage() for r in caplog.records)
