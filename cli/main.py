@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 
 import typer
@@ -48,9 +49,19 @@ def error_line(exc: BaseException) -> tuple[str, int]:
     return f"deltafs: internal error: {type(exc).__name__}: {exc} (set DELTAFS_DEBUG=1 for the traceback)", 1
 
 
+def _setup_logging() -> None:
+    """Log lines start with an ISO 8601 UTC timestamp: cron and the watcher append them to files."""
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = logging.Formatter("%(asctime)s deltafs: %(levelname)s: %(message)s", "%Y-%m-%dT%H:%M:%SZ")
+    formatter.converter = time.gmtime
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get("DELTAFS_LOG_LEVEL", "WARNING").upper())
+
+
 def main() -> None:
-    logging.basicConfig(level=os.environ.get("DELTAFS_LOG_LEVEL", "WARNING").upper(),
-                        format="deltafs: %(levelname)s: %(message)s", stream=sys.stderr)
+    _setup_logging()
     try:
         rc = app(standalone_mode=False)
         if isinstance(rc, int) and not isinstance(rc, bool):

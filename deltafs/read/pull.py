@@ -80,6 +80,8 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             fallback = True
         shutil.rmtree(local.chunk_cache, ignore_errors=True)
         local.cleanup(keep=keep)
+        log.info("pulled version %d into %s from %s (%d bytes read)", target, dest,
+                 "a full version" if chain.local is None else f"version {chain.local.version}", source.bytes_read)
         return PullResult(
             version=target,
             previous=state.version if state else None,

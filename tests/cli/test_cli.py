@@ -109,3 +109,19 @@ def test_push_fold_writes_a_folded_delta(tmp_path, maker):
     assert [p.name for p in sorted((store / "folds").iterdir())] == ["v0000000003.json"]
     run_cli("pull", store, tmp_path / "dest", check=0)
     run_cli("verify", store, "--local", tmp_path / "dest", check=0)
+
+
+def test_log_lines_carry_an_iso_utc_timestamp(tmp_path, maker):
+    """Cron appends stderr to a file: every log line says when it happened."""
+    import re
+
+    store, dest = tmp_path / "store", tmp_path / "dest"
+    run_cli("push", maker.write(), store, "-q", check=0)
+    run_cli("pull", store, dest, "-q", check=0)
+    maker.advance()
+    run_cli("push", maker.write(), store, "-q", check=0)
+    env = {"DELTAFS_LOG_LEVEL": "INFO"}
+    proc = run_cli("pull", store, dest, env=env, check=0)
+    lines = [ln for ln in proc.stderr.splitlines() if "deltafs: " in ln and not ln.startswith("deltafs: ")]
+    assert lines, proc.stderr
+    assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ deltafs: [A-Z]+: ", ln) for ln in lines), lines

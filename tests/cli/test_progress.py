@@ -46,6 +46,7 @@ def test_progress_bar_on_a_terminal_only(tmp_path):
     env = {**os.environ, "TERM": "xterm", "COLUMNS": "120"}
     rc, shown = _run_on_tty(["push", src, store, "--threads", "1"], env)
     assert rc == 0 and "push v1" in shown and "pushed version 1" in shown
+    assert "MB/s" not in shown and " MB" not in shown  # binary units, as the result lines use
     rc, shown = _run_on_tty(["pull", store, tmp_path / "dest", "--threads", "1"], env)
     assert rc == 0 and "pull v1" in shown
     rc, shown = _run_on_tty(["pull", store, tmp_path / "dest2", "--json"], env)
