@@ -78,6 +78,13 @@ def push_cmd(
         human = (f"pushed version {res.version} (delta) to {res.store}: {human_bytes(res.bytes_written)} written "
                  f"for {human_bytes(res.full_bytes)} of checkpoint, {ratio}; "
                  f"{res.changed_fraction * 100:.2f}% of tensor elements changed; {res.seconds:.2f}s")
+    from deltafs import metrics
+
+    metrics.record("push", {"store": res.store},
+                   {"deltafs_push_last_version": res.version, "deltafs_push_last_bytes_written": res.bytes_written,
+                    "deltafs_push_last_full_bytes": res.full_bytes, "deltafs_push_last_seconds": res.seconds,
+                    "deltafs_push_last_timestamp_seconds": metrics.now()},
+                   {"deltafs_push_total": 1, "deltafs_push_bytes_written_total": res.bytes_written})
     stored = sum(files.values())
     top = max(files.items(), key=lambda kv: kv[1]) if files else None
     # Worth a line when something other than the weights dominates (an optimizer state, a log).
@@ -141,6 +148,7 @@ def pull_cmd(
         return EXIT_BUSY
     data = res.to_json()
     data["status"] = "updated" if res.updated else "current"
+    _pull_metrics(store, dest, res, parse_storage_options(storage_options))
     switched = None
     if engine:
         from deltafs.engines import reload_engine  # optional: only the engine extras need it
@@ -156,6 +164,21 @@ def pull_cmd(
         human = f"{dest} already holds version {res.version}"
     out.result(data, human)
     return EXIT_CURRENT if once and not res.updated and switched is None else EXIT_UPDATED
+
+
+def _pull_metrics(store: str, dest: str, res: Any, options: dict[str, Any]) -> None:
+    from deltafs import metrics
+
+    if not os.environ.get(metrics.ENV_VAR):
+        return
+    from deltafs.store.repo import Repository
+
+    head = Repository.open(store, options).head()
+    metrics.record("pull", {"store": store, "dest": os.path.abspath(dest)},
+                   {"deltafs_pull_last_version": res.version, "deltafs_pull_last_bytes_read": res.bytes_read,
+                    "deltafs_pull_last_seconds": res.seconds, "deltafs_pull_last_timestamp_seconds": metrics.now(),
+                    "deltafs_pull_version_lag": max(0, (head.version if head else res.version) - res.version)},
+                   {"deltafs_pull_total": 1, "deltafs_pull_bytes_read_total": res.bytes_read})
 
 
 def _pull_dry_run(out: Output, store: str, dest: str, version: int | None, options: dict[str, Any]) -> int:
