@@ -122,21 +122,31 @@ def pull_cmd(
     storage_options: StorageOptions = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a DEST that holds another store's checkpoint or foreign files (moved aside, not deleted).")] = False,
     once: Annotated[bool, typer.Option("--once", help="Cron mode: never wait for another pull's lock; exit 0 updated, 100 already current, 101 busy.")] = False,
-    engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine (sglang).")] = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine: sglang or none (see `deltafs watch --help`).")] = None,
     engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Download/decode threads.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be read and from where; change nothing.")] = False,
     json_out: Json = False,
     quiet: Quiet = False,
 ) -> int:
-    """Make DEST a complete, verified checkpoint of a version (default: the newest)."""
+    """Make DEST a complete, verified checkpoint of a version (default: the newest).
+
+    Examples:
+      deltafs pull s3://bucket/run7 /models/run7
+      deltafs pull /mnt/ckpt-store /models/run7 --once --engine sglang --engine-url http://127.0.0.1:30000
+      deltafs pull s3://bucket/run7 /models/run7 --dry-run
+    """
     from deltafs.read.pull import pull
 
     out = Output(json_mode=json_out, quiet=quiet)
     if dry_run:
         return _pull_dry_run(out, store, dest, version, parse_storage_options(storage_options))
-    if engine and not engine_url:
-        raise UsageError("--engine needs --engine-url")
+    if engine:
+        # Before anything is pulled: a misspelled engine or a missing extra must not leave DEST updated
+        # and the engine behind.
+        from deltafs.engines import make_engine
+
+        make_engine(engine, engine_url)
     try:
         res = pull(store, dest, version=version, storage_options=parse_storage_options(storage_options), force=force,
                    progress=out.progress, wait_lock=not once, threads=threads)
@@ -208,7 +218,13 @@ def verify_cmd(
     json_out: Json = False,
     quiet: Quiet = False,
 ) -> int:
-    """Recompute chunk, tensor and file digests; exit 0 only if everything matches."""
+    """Recompute chunk, tensor and file digests; exit 0 only if everything matches.
+
+    Examples:
+      deltafs verify /mnt/ckpt-store
+      deltafs verify s3://bucket/run7 --all
+      deltafs verify /mnt/ckpt-store --local /models/run7
+    """
     from deltafs.maintenance.verify import verify
 
     if all_versions and version is not None:
@@ -236,7 +252,12 @@ def log_cmd(
     since: Annotated[Optional[str], typer.Option("--since", help="Versions >= a number, or created at/after an ISO 8601 UTC time (e.g. 2026-12-01 or 2026-12-01T08:00).")] = None,
     json_out: Json = False,
 ) -> None:
-    """List versions: number, kind, parent, changed fraction, bytes written, ratio to full, time (UTC), metadata."""
+    """List versions: number, kind, parent, changed fraction, bytes written, ratio to full, time (UTC), metadata.
+
+    Examples:
+      deltafs log /mnt/ckpt-store --limit 20
+      deltafs log s3://bucket/run7 --since 2026-12-01 --json
+    """
     from deltafs.maintenance.log import log
 
     since_value: int | str | None = int(since) if since is not None and since.isdigit() else since

@@ -22,7 +22,12 @@ def gc_cmd(
     json_out: Json = False,
     quiet: Quiet = False,
 ) -> None:
-    """Remove old versions and every chunk no kept version references."""
+    """Remove old versions and every chunk no kept version references.
+
+    Examples:
+      deltafs gc /mnt/ckpt-store --keep-last 20 --dry-run
+      deltafs gc s3://bucket/run7 --keep-last 20 --keep-full 2
+    """
     from deltafs.maintenance.gc import gc
 
     out = Output(json_mode=json_out, quiet=quiet)

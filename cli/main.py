@@ -12,13 +12,75 @@ import typer
 
 from deltafs.errors import DeltafsError
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
 app = typer.Typer(
     name="deltafs",
-    help="Lossless checkpoint deltas on any fsspec filesystem: push, pull, verify, watch.",
-    no_args_is_help=True,
-    add_completion=False,
+    help="Lossless checkpoint deltas on any fsspec filesystem: push, pull, verify, watch.\n\n"
+         "Examples:\n\n"
+         "  deltafs push /ckpt/step-1200 s3://bucket/run7 --meta step=1200\n\n"
+         "  deltafs pull s3://bucket/run7 /models/run7\n\n"
+         "  deltafs watch s3://bucket/run7 /models/run7 --engine sglang --engine-url http://127.0.0.1:30000",
+    add_completion=True,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from deltafs import __version__
+
+        sys.stdout.write(f"deltafs {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", "-V", help="Print the program version and exit.",
+                                 callback=_show_version, is_eager=True),
+) -> None:
+    """Lossless checkpoint deltas on any fsspec filesystem: push, pull, verify, watch."""
+    if ctx.invoked_subcommand is None:  # bare `deltafs`: the help, and success
+        sys.stdout.write(ctx.get_help() + "\n")
+        raise typer.Exit(0)
+
+
+def version_cmd() -> None:
+    """Print the program version.
+
+    Examples:
+      deltafs version
+      deltafs -V
+    """
+    _show_version(True)
+
+
+def env_cmd() -> None:
+    """Print versions of deltafs, Python and the optional parts (for bug reports).
+
+    Examples:
+      deltafs env
+    """
+    import platform
+    from importlib import metadata
+
+    from deltafs import __version__
+
+    lines = [f"deltafs: {__version__}", f"python: {platform.python_version()} ({sys.executable})",
+             f"platform: {platform.platform()}"]
+    for dist in ("numpy", "safetensors", "zstandard", "xxhash", "fsspec", "typer", "s3fs", "gcsfs", "torch",
+                 "requests", "megatron-core", "watchdog"):
+        try:
+            lines.append(f"{dist}: {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{dist}: not installed")
+    for var in ("DELTAFS_CACHE", "DELTAFS_STORAGE_OPTIONS", "DELTAFS_METRICS_DIR", "DELTAFS_LOG_LEVEL"):
+        value = os.environ.get(var)
+        if value is not None:
+            lines.append(f"{var}: {'(set)' if var == 'DELTAFS_STORAGE_OPTIONS' else value}")
+    sys.stdout.write("\n".join(lines) + "\n")
 
 
 def _register() -> None:
@@ -33,6 +95,8 @@ def _register() -> None:
                 raise
             continue
         module.register(app)
+    app.command("version")(version_cmd)
+    app.command("env")(env_cmd)
 
 
 _register()
@@ -64,24 +128,30 @@ def main() -> None:
     _setup_logging()
     try:
         rc = app(standalone_mode=False)
+        if rc == EXIT_INTERRUPTED:  # typer turns Ctrl-C inside a command into this return code
+            sys.stderr.write("deltafs: interrupted\n")
         if isinstance(rc, int) and not isinstance(rc, bool):
             sys.exit(rc)
     except SystemExit:
         raise
     except KeyboardInterrupt:
         sys.stderr.write("deltafs: interrupted\n")
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except BaseException as exc:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
-        import click
+        from typer.exceptions import TyperException
 
-        if isinstance(exc, click.exceptions.Exit):
+        if isinstance(exc, typer.Exit):
             sys.exit(exc.exit_code)
-        if isinstance(exc, click.ClickException):
-            exc.show()
+        if isinstance(exc, TyperException):  # usage errors: typer's own message, with its "did you mean"
+            show = getattr(exc, "show", None)
+            if show is not None:
+                show()
+            else:
+                sys.stderr.write(f"deltafs: error: {exc.format_message()}\n")
             sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.stderr.write("deltafs: aborted\n")
-            sys.exit(1)
+        if isinstance(exc, typer.Abort):  # Ctrl-C while typer was reading input or running a command
+            sys.stderr.write("deltafs: interrupted\n")
+            sys.exit(EXIT_INTERRUPTED)
         if os.environ.get("DELTAFS_DEBUG"):
             traceback.print_exc()
         message, code = error_line(exc)

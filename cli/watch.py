@@ -36,7 +36,12 @@ def watch_cmd(
     once: Annotated[bool, typer.Option("--once", help="One cycle (stage, boundary, switch), then exit: 0 done or current, else the error's code.")] = False,
     quiet: Quiet = False,
 ) -> int:
-    """Keep DEST and the engine at the store's newest verified version, switching at task boundaries."""
+    """Keep DEST and the engine at the store's newest verified version, switching at task boundaries.
+
+    Examples:
+      deltafs watch s3://bucket/run7 /models/run7 --engine sglang --engine-url http://127.0.0.1:30000
+      deltafs watch /mnt/ckpt-store /models/run7 --boundary idle
+    """
     from deltafs.engines import make_engine
     from deltafs.watch.boundary import make_boundary
     from deltafs.watch.subscriber import Subscriber
@@ -71,7 +76,12 @@ def status_cmd(
     stale_after: Annotated[float, typer.Option("--stale-after", help="A host silent for this many seconds is reported stale.")] = 300.0,
     json_out: Json = False,
 ) -> int:
-    """Show the fleet: which host serves which version, lag behind HEAD, failures. Exit 1 if any host has a problem."""
+    """Show the fleet: which host serves which version, lag behind HEAD, failures. Exit 1 if any host has a problem.
+
+    Examples:
+      deltafs status s3://bucket/run7
+      deltafs status /mnt/ckpt-store --json
+    """
     from deltafs.store.repo import Repository
     from deltafs.watch.ledger import fleet_report
 
