@@ -1,0 +1,716 @@
+"""End-to-end weight-sync benchmark: deltafs push / update pull against `cp -r`, slime's own publish/apply code
+and a plain numpy XOR+zstd-1 tool, side by side on the same files in one run, reported as ratios.
+
+    git clone https://github.com/THUDM/slime /opt/slime
+    git -C /opt/slime checkout 624b824a898ab0ec1fcb4d373004c7f3852bf515     # the commit docs/sync_bench.md used
+    python benchmarks/sync_bench.py run --slime-dir /opt/slime --work /tmp/sync-bench --threads 1,2 \
+        --out docs/sync_bench.json
+
+slime's code is never copied into this repository: it is loaded at run time from --slime-dir, which needs only
+    slime/utils/disk_delta.py
+    slime/backends/megatron_utils/update_weight/update_weight_from_disk_delta.py     (the publisher, trainer side)
+    docker/patch/latest/sglang-pull_weights.patch      (the applier: local_checkpoint.py, added by this patch)
+The publisher class is run on one trainer rank: a gloo process group of one process, and stand-in modules for what
+its file imports but the publish path never calls (ray, megatron's mpu, slime's accelerator and the base class's
+NCCL machinery). Its tensors come from the new checkpoint on disk (safetensors, read inside the timed section);
+its previous version is the in-RAM snapshot slime keeps between steps (captured by slime's own `_capture_baseline`,
+untimed). The applier is the file the patch adds, extracted at run time into a temporary module and called as the
+engine calls it: `pull(local_checkpoint_dir, base_dir, source_dir, target_version)`.
+
+Every measured step runs in its own process, so peak RSS (ru_maxrss), CPU seconds and bytes written
+(/proc write_bytes, which counts pages dirtied) are its own. Python workers also time their call alone (`seconds`),
+excluding interpreter start and imports; CLI rows are the whole command's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import glob
+import json
+import os
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+GB = 1e9
+SLIME_COMMIT_DOCUMENTED = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
+SLIME_PUBLISHER = "slime/backends/megatron_utils/update_weight/update_weight_from_disk_delta.py"
+SLIME_DISK_DELTA = "slime/utils/disk_delta.py"
+SLIME_PATCH = "docker/patch/latest/sglang-pull_weights.patch"
+SLIME_APPLIER_IN_PATCH = "python/sglang/srt/weight_sync/local_checkpoint.py"
+
+
+# --- helpers shared by workers and the driver -------------------------------------------------------------
+def write_bytes_so_far() -> int:
+    """Bytes this process (and its reaped children) dirtied or wrote, from /proc/self/io."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
+
+
+def du(path: Path) -> int:
+    """Logical size of the files under path (a file counts once however many links it has)."""
+    seen, total = set(), 0
+    for p in Path(path).rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def safetensors_index(path: str) -> dict[str, tuple[int, int]]:
+    """Tensor name -> (absolute byte offset, nbytes) from a safetensors header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def same_tree(expected: Path, got: Path) -> bool:
+    """Every file of `expected` is byte-identical in `got` (got may hold extra bookkeeping files)."""
+    for p in expected.rglob("*"):
+        if p.is_file():
+            q = got / p.relative_to(expected)
+            if not q.is_file() or not filecmp.cmp(p, q, shallow=False):
+                return False
+    return True
+
+
+def import_deltafs_api() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """push and pull from wherever this version of deltafs exports them."""
+    try:
+        from deltafs import pull, push  # type: ignore[attr-defined]
+    except ImportError:
+        from deltafs.publish import push
+        from deltafs.pull import pull
+    return push, pull
+
+
+def deltafs_cli() -> str:
+    exe = shutil.which("deltafs", path=os.path.dirname(sys.executable)) or shutil.which("deltafs")
+    if exe is None:
+        raise SystemExit("the deltafs console command is not installed (pip install -e .)")
+    return exe
+
+
+# --- data sets ----------------------------------------------------------------------------------------------
+def make_generator_dataset(out: Path, config: str, layers: int, lr: float, shard_mb: int) -> dict[str, Any]:
+    """Two consecutive bf16 exports of deltafs.testing.generator's AdamW simulator: out/base and out/new."""
+
+    from deltafs.testing.generator import CONFIGS, TrainerSim, changed_fraction, write_checkpoint
+
+    model = CONFIGS[config]
+    if layers:
+        model = model.with_layers(layers)
+    sim = TrainerSim(model, seed=0, lr=lr)
+    base = sim.export()
+    shard = shard_mb << 20 if shard_mb else None
+    write_checkpoint(out / "base", base, model, shard_bytes=shard)  # no step metadata: headers stay equal
+    new = sim.step()
+    write_checkpoint(out / "new", new, model, shard_bytes=shard)
+    frac = changed_fraction(base, new)
+    return {"kind": "generator", "config": model.name, "params": model.num_params(), "lr": lr,
+            "changed_fraction": frac}
+
+
+def make_trained_dataset(out: Path, layers: int, d_model: int, warmup: int, lr: float) -> dict[str, Any]:
+    """A small transformer trained with AdamW on a synthetic Markov language; two consecutive steps.
+
+    deltafs.testing.trained (being written on another branch) is used when it exists; until then this stand-in:
+    matrices exported as bf16, every 1-D tensor (LayerNorm weights and biases, linear biases) kept in F32, as
+    mixed-precision checkpoints often are. `warmup` steps at lr 1e-3 give the optimizer a real state; the step
+    between base and new uses `lr`, which sets the changed fraction of the bf16 tensors (F32 ones all change).
+    """
+    try:
+        from deltafs.testing import trained  # type: ignore[attr-defined]
+    except ImportError:
+        trained = None
+    if trained is not None and hasattr(trained, "write_versions"):
+        return {"kind": "deltafs.testing.trained", **trained.write_versions(out / "base", out / "new")}
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    vocab, seq, batch = 4096, 128, 8
+    trans = torch.rand(vocab, vocab).pow_(8)  # a peaky transition matrix: a learnable, non-trivial language
+    trans /= trans.sum(1, keepdim=True)
+
+    def sample() -> torch.Tensor:
+        x = torch.empty(batch, seq + 1, dtype=torch.long)
+        x[:, 0] = torch.randint(vocab, (batch,))
+        for t in range(seq):
+            x[:, t + 1] = torch.multinomial(trans[x[:, t]], 1).squeeze(1)
+        return x
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, d_model)
+            layer = torch.nn.TransformerEncoderLayer(d_model, max(1, d_model // 64), 4 * d_model, dropout=0.0,
+                                                     batch_first=True, norm_first=True)
+            self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.norm = torch.nn.LayerNorm(d_model)
+            self.head = torch.nn.Linear(d_model, vocab)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+            return self.head(self.norm(self.blocks(self.embed(x), mask=mask, is_causal=True)))
+
+    model = LM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def step() -> float:
+        x = sample()
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, vocab), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    losses = [step() for _ in range(warmup)]
+
+    def export() -> dict[str, torch.Tensor]:
+        return {k: (v.detach().clone() if v.dim() == 1 else v.detach().to(torch.bfloat16)).contiguous()
+                for k, v in model.state_dict().items()}
+
+    base = export()
+    for g in opt.param_groups:
+        g["lr"] = lr
+    losses.append(step())
+    new = export()
+    for name, tensors in (("base", base), ("new", new)):
+        (out / name).mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / name / "model.safetensors"), metadata={"format": "pt"})
+        (out / name / "config.json").write_text(json.dumps({"d_model": d_model, "layers": layers, "vocab": vocab}))
+    changed = total = 0
+    f32_tensors = 0
+    for k, a in base.items():
+        b = new[k]
+        bits = torch.int16 if a.element_size() == 2 else torch.int32
+        changed += int((a.view(bits) != b.view(bits)).sum())
+        total += a.numel()
+        f32_tensors += a.dim() == 1
+    return {"kind": "torch-trained stand-in (deltafs.testing.trained not on main yet)", "layers": layers,
+            "d_model": d_model, "params": total, "tensors": len(base), "f32_1d_tensors": f32_tensors,
+            "warmup_steps": warmup, "lr": lr, "loss_first_last": [losses[0], losses[-1]],
+            "changed_fraction": changed / total}
+
+
+# --- slime, loaded from --slime-dir ---------------------------------------------------------------------------
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    mod.__path__ = []  # type: ignore[attr-defined]  # lets submodules be imported from sys.modules
+    sys.modules[name] = mod
+    return mod
+
+
+def _load_file(name: str, path: Path) -> types.ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_slime_publisher(slime_dir: Path) -> types.ModuleType:
+    """slime's update_weight_from_disk_delta module, importable on a machine without Megatron or Ray.
+
+    The stand-ins cover only names the file imports and the publish path (`_capture_baseline`, `_publish`) does
+    not use on a single CPU rank; everything it runs (diff, zstd, checksum, safetensors write) is slime's code.
+    """
+    import torch.distributed as dist
+
+    class UpdateWeightFromDistributed:  # the attributes slime's base __init__ sets; its NCCL parts are not used
+        def __init__(self, args: Any, model: Any, weights_getter: Any, *, model_name: str,
+                     quantization_config: Any) -> None:
+            self.args, self.model, self.model_name = args, model, model_name
+            self.quantization_config = quantization_config
+            self.weight_version = 0
+            self.update_weight_metrics: dict[str, float] = {}
+
+    no_stream = types.SimpleNamespace(synchronize=lambda: None)  # pinned buffers need an accelerator
+    _module("ray", get=lambda refs: list(refs))
+    _module("ray.actor", ActorHandle=object)
+    _module("megatron")
+    _module("megatron.core", mpu=types.SimpleNamespace())
+    accelerator = _module("slime.utils.accelerator", current_stream=lambda: no_stream, current_device=lambda: "cpu")
+    _module("slime", utils=_module("slime.utils", accelerator=accelerator))
+    _load_file("slime.utils.disk_delta", slime_dir / SLIME_DISK_DELTA)
+    _module("slime.utils.distributed_utils", get_gloo_group=lambda: dist.group.WORLD)
+    for pkg in ("slime.backends", "slime.backends.megatron_utils", "slime.backends.megatron_utils.update_weight"):
+        _module(pkg)
+    _module("slime.backends.megatron_utils.update_weight.update_weight_from_distributed",
+            UpdateWeightFromDistributed=UpdateWeightFromDistributed)
+    return _load_file("slime.backends.megatron_utils.update_weight.update_weight_from_disk_delta",
+                      slime_dir / SLIME_PUBLISHER)
+
+
+def extract_added_file(patch_text: str, path: str) -> str:
+    """The content of a file a unified diff creates: its '+' lines."""
+    out: list[str] = []
+    inside = False
+    for line in patch_text.splitlines():
+        if line.startswith("diff --git "):
+            inside = line.endswith(f" b/{path}")
+            continue
+        if inside and line.startswith("+") and not line.startswith("+++"):
+            out.append(line[1:])
+    if not out:
+        raise SystemExit(f"{path} is not added by the patch")
+    return "\n".join(out) + "\n"
+
+
+def load_slime_applier(slime_dir: Path, patch: str, tmp: Path) -> types.ModuleType:
+    source = extract_added_file((slime_dir / patch).read_text(), SLIME_APPLIER_IN_PATCH)
+    path = tmp / "slime_local_checkpoint.py"
+    path.write_text(source)
+    return _load_file("slime_local_checkpoint", path)
+
+
+def iter_checkpoint_tensors(ckpt: Path) -> Iterator[tuple[str, Any]]:
+    from safetensors import safe_open
+
+    for f in sorted(glob.glob(str(ckpt / "*.safetensors"))):
+        with safe_open(f, framework="pt") as fh:
+            for k in fh.keys():
+                yield k, fh.get_tensor(k)
+
+
+# --- workers: one process per measured step ----------------------------------------------------------------
+def _timed(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    w0, t0 = write_bytes_so_far(), time.perf_counter()
+    res = fn()
+    return time.perf_counter() - t0, write_bytes_so_far() - w0, res
+
+
+def worker_slime_publish(a: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    mod = load_slime_publisher(Path(a["slime_dir"]))
+    mod.NUM_WORKERS = a["threads"]  # the pool size slime sizes from os.cpu_count()
+    torch.set_num_threads(a["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{a['tmp']}/pg", rank=0, world_size=1)
+    args = argparse.Namespace(update_weight_disk_dir=a["out"], update_weight_delta_encoding="xor",
+                              update_weight_delta_checksum="xxh3-128", custom_update_weight_post_write_path=None,
+                              hf_checkpoint=a["base"])
+    pub = mod.UpdateWeightFromDiskDelta(args, [], dict, model_name="bench", quantization_config=None)
+    pub.rollout_engines, pub._is_pp_src_rank = [], True
+    current = {"dir": Path(a["base"])}
+    pub._iter_hf_tensors = lambda: iter_checkpoint_tensors(current["dir"])  # stands in for the Megatron gather
+    pub._capture_baseline()  # slime's own: snapshot of the previous version in RAM
+    current["dir"] = Path(a["new"])
+    pub.weight_version = 1
+    seconds, written, _ = _timed(pub._publish)
+    dist.destroy_process_group()
+    return {"seconds": seconds, "io_write_bytes": written, "delta_bytes": du(Path(a["out"]) / "weight_v000001"),
+            "changed_fraction_bytes": pub.changed_bytes / max(pub.total_bytes, 1)}
+
+
+def worker_slime_apply(a: dict[str, Any]) -> dict[str, Any]:
+    mod = load_slime_applier(Path(a["slime_dir"]), a["patch"], Path(a["tmp"]))
+    mod.NUM_WORKERS = a["threads"]
+    mod.pull(a["local"], a["base"], a["source"], 0)  # the engine's base, copied to the host-local dir (untimed)
+    seconds, written, _ = _timed(lambda: mod.pull(a["local"], a["base"], a["source"], 1))
+    return {"seconds": seconds, "io_write_bytes": written}
+
+
+def worker_xz_write(a: dict[str, Any]) -> dict[str, Any]:
+    import numpy, zstandard  # noqa: F401,E401  # imported before the clock starts, as slime's are
+    seconds, written, delta = _timed(lambda: xz_write(Path(a["base"]), Path(a["new"]), Path(a["out"]), a["threads"]))
+    return {"seconds": seconds, "io_write_bytes": written, "delta_bytes": delta}
+
+
+def worker_xz_apply(a: dict[str, Any]) -> dict[str, Any]:
+    import numpy, zstandard  # noqa: F401,E401
+    seconds, written, _ = _timed(lambda: xz_apply(Path(a["base"]), Path(a["delta"]), Path(a["out"]), a["threads"]))
+    return {"seconds": seconds, "io_write_bytes": written}
+
+
+def worker_api_push(a: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    push, _ = import_deltafs_api()
+    import_s = time.perf_counter() - t0
+    seconds, written, res = _timed(lambda: push(a["store"], a["new"], cache_dir=a["cache"], threads=a["threads"]))
+    return {"seconds": seconds, "import_s": import_s, "io_write_bytes": written, "result": res.to_json()}
+
+
+def worker_api_pull(a: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    _, pull = import_deltafs_api()
+    import_s = time.perf_counter() - t0
+    seconds, written, res = _timed(lambda: pull(a["store"], a["dest"], threads=a["threads"]))
+    return {"seconds": seconds, "import_s": import_s, "io_write_bytes": written, "result": res.to_json()}
+
+
+WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "slime_publish": worker_slime_publish, "slime_apply": worker_slime_apply, "xz_write": worker_xz_write,
+    "xz_apply": worker_xz_apply, "api_push": worker_api_push, "api_pull": worker_api_pull,
+}
+
+
+# --- the XOR+zstd-1 anchor: the simplest tool of slime's kind ----------------------------------------------
+def xz_write(base: Path, new: Path, out: Path, threads: int) -> int:
+    """One zstd level-1 frame of (new XOR old) per changed tensor, in one file plus a JSON index; fsynced once.
+
+    Both versions are read from disk (np.memmap); numpy and zstd release the GIL, so a thread pool over tensors
+    uses the cores.
+    """
+    import numpy as np
+    import zstandard
+
+    out.mkdir(parents=True)
+    index: dict[str, Any] = {"tensors": {}, "files": []}
+    with open(out / "delta.bin", "wb") as sink, ThreadPoolExecutor(threads) as pool:
+        for f in sorted(p for p in new.iterdir() if p.is_file()):
+            old_f = base / f.name
+            if f.suffix != ".safetensors":
+                if not (old_f.is_file() and filecmp.cmp(f, old_f, shallow=False)):
+                    shutil.copyfile(f, out / f.name)
+                    index["files"].append(f.name)
+                continue
+            cur, old = np.memmap(f, np.uint8, "r"), np.memmap(old_f, np.uint8, "r")
+            if cur[:8].tobytes() != old[:8].tobytes():
+                raise SystemExit(f"{f.name}: headers differ; the anchor handles same-layout versions only")
+
+            def encode(item: tuple[str, tuple[int, int]]) -> tuple[str, bytes | None]:
+                name, (off, n) = item
+                diff = np.bitwise_xor(cur[off:off + n], old[off:off + n])
+                if not diff.any():
+                    return name, None
+                return name, zstandard.ZstdCompressor(level=1).compress(diff)
+
+            for name, frame in pool.map(encode, safetensors_index(str(f)).items()):
+                if frame is not None:
+                    index["tensors"].setdefault(f.name, {})[name] = [sink.tell(), len(frame)]
+                    sink.write(frame)
+        sink.flush()
+        os.fsync(sink.fileno())
+    (out / "delta.json").write_text(json.dumps(index))
+    return du(out)
+
+
+def xz_apply(base: Path, delta: Path, out: Path, threads: int) -> None:
+    """A complete new checkpoint in `out`: copy the base (copy_file_range), then XOR each changed tensor in place."""
+    import numpy as np
+    import zstandard
+
+    index = json.loads((delta / "delta.json").read_text())
+    out.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, out / f.name)
+    for name in index["files"]:
+        shutil.copyfile(delta / name, out / name)
+    blob = (delta / "delta.bin").read_bytes()
+    for fname, tensors in index["tensors"].items():
+        where = safetensors_index(str(base / fname))
+        fd = os.open(out / fname, os.O_RDWR)
+        try:
+            def apply(item: tuple[str, list[int]]) -> None:
+                name, (start, length) = item
+                off, n = where[name]
+                diff = zstandard.ZstdDecompressor().decompress(blob[start:start + length], max_output_size=n)
+                old = np.frombuffer(os.pread(fd, n, off), np.uint8)
+                os.pwrite(fd, np.bitwise_xor(old, np.frombuffer(diff, np.uint8)), off)
+
+            list(ThreadPoolExecutor(threads).map(apply, tensors.items()))
+        finally:
+            os.close(fd)
+
+
+# --- driver -------------------------------------------------------------------------------------------------
+def measure(cmd: list[str], key: str = "cli") -> dict[str, Any]:
+    """Run cmd to completion: its wall time, CPU seconds, peak RSS and bytes written, plus its last JSON line
+    under `key` ("out" for our workers, whose `seconds` then replaces the process's wall time)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        w0, t0 = write_bytes_so_far(), time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, ru = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        written = write_bytes_so_far() - w0
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    res = {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "max_rss": ru.ru_maxrss * 1024,
+           "process_write_bytes": written}
+    if lines:
+        res[key] = json.loads(lines[-1])
+    return res
+
+
+def run_worker(name: str, **kw: Any) -> dict[str, Any]:
+    return measure([sys.executable, __file__, "worker", name, json.dumps(kw)], key="out")
+
+
+def fresh(path: Path) -> Path:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+    return path
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    subprocess.run(["cp", "-a", str(src), str(fresh(dst))], check=True)
+    return dst
+
+
+def prepare_dataset(args: argparse.Namespace, name: str, work: Path) -> tuple[Path, dict[str, Any]]:
+    if name == "generator":
+        key = f"gen-{args.config}-L{args.layers}-lr{args.lr:g}-s{args.shard_mb}"
+    else:
+        key = f"trained-L{args.trained_layers}-d{args.trained_d}-lr{args.trained_lr:g}"
+    ds = work / key
+    info_path = ds / "info.json"
+    if not info_path.exists():
+        print(f"[sync-bench] making data set {key} ...", file=sys.stderr)
+        fresh(ds).mkdir(parents=True)
+        kw = ({"config": args.config, "layers": args.layers, "lr": args.lr, "shard_mb": args.shard_mb}
+              if name == "generator" else
+              {"layers": args.trained_layers, "d_model": args.trained_d, "warmup": args.trained_warmup,
+               "lr": args.trained_lr})
+        r = run_worker("dataset", kind=name, out=str(ds), **kw)
+        info = {**r["out"], "generate_s": r["wall_s"], "generate_max_rss": r["max_rss"]}
+        info["checkpoint_bytes"] = du(ds / "new")
+        info_path.write_text(json.dumps(info, indent=1))
+    return ds, json.loads(info_path.read_text())
+
+
+def prepare_deltafs(ds: Path) -> None:
+    """tmpl-push/{store,cache}: the base pushed as version 1; tmpl-pull/{store,dest}: the base pulled, new in the
+    store as version 2. Each measured run works on a cp -a of a template (untimed)."""
+    cli = deltafs_cli()
+    push_t = ds / "tmpl-push"
+    if not (push_t / "done").exists():
+        fresh(push_t).mkdir()
+        subprocess.run([cli, "push", str(ds / "base"), str(push_t / "store"), "--cache", str(push_t / "cache"), "-q"],
+                       check=True)
+        (push_t / "done").write_text("")
+    pull_t = ds / "tmpl-pull"
+    if not (pull_t / "done").exists():
+        fresh(pull_t).mkdir()
+        tmp = copy_tree(push_t, ds / "tmpl-tmp")
+        subprocess.run([cli, "push", str(ds / "new"), str(tmp / "store"), "--cache", str(tmp / "cache"), "-q"],
+                       check=True)
+        shutil.move(str(tmp / "store"), str(pull_t / "store"))
+        fresh(tmp)
+        subprocess.run([cli, "pull", str(pull_t / "store"), str(pull_t / "dest"), "--version", "1", "-q"], check=True)
+        (pull_t / "done").write_text("")
+
+
+def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]:
+    ds, info = prepare_dataset(args, name, work)
+    size = info["checkpoint_bytes"]
+    base, new = ds / "base", ds / "new"
+    prepare_deltafs(ds)
+    run_dir = ds / "run"
+    fresh(run_dir).mkdir()
+    cli = deltafs_cli()
+    rows: dict[str, Any] = {}
+
+    def best(key: str, once: Callable[[], dict[str, Any]], check: Callable[[], bool] | None = None) -> None:
+        """Run `once` args.repeat times; keep the fastest (the run least disturbed by other processes)."""
+        runs = []
+        for _ in range(args.repeat):
+            r = once()
+            if check is not None:
+                r["identical"] = check()
+            runs.append(r)
+        r = min(runs, key=lambda x: x.get("out", {}).get("seconds", x["wall_s"]))
+        r["seconds"] = r.get("out", {}).get("seconds", r["wall_s"])
+        rows[key] = r
+        print(f"[sync-bench] {name} {key}: {r['seconds']:.3f} s (process {r['wall_s']:.2f} s, "
+              f"rss {r['max_rss'] / 2**20:.0f} MiB)", file=sys.stderr)
+
+    best("cp -r", lambda: measure(["cp", "-r", str(new), str(fresh(run_dir / "cp"))]))
+    for t in args.threads:
+        def one_slime_publish() -> dict[str, Any]:
+            out, tmp = fresh(run_dir / "slime-out"), fresh(run_dir / "slime-tmp")
+            tmp.mkdir()
+            return run_worker("slime_publish", slime_dir=args.slime_dir, base=str(base), new=str(new), out=str(out),
+                              tmp=str(tmp), threads=t)
+
+        def one_slime_apply() -> dict[str, Any]:
+            local, tmp = fresh(run_dir / "slime-local"), fresh(run_dir / "slime-tmp")
+            tmp.mkdir()
+            return run_worker("slime_apply", slime_dir=args.slime_dir, patch=args.slime_patch, base=str(base),
+                              source=str(run_dir / "slime-out"), local=str(local), tmp=str(tmp), threads=t)
+
+        if args.slime_dir:
+            best(f"slime publish t{t}", one_slime_publish)
+            best(f"slime apply t{t}", one_slime_apply, lambda: same_tree(new, run_dir / "slime-local"))
+        best(f"xor+zstd-1 write t{t}", lambda: run_worker("xz_write", base=str(base), new=str(new),
+                                                            out=str(fresh(run_dir / "xz-delta")), threads=t))
+        best(f"xor+zstd-1 apply t{t}", lambda: run_worker("xz_apply", base=str(base), delta=str(run_dir / "xz-delta"),
+                                                            out=str(fresh(run_dir / "xz-out")), threads=t),
+             lambda: same_tree(new, run_dir / "xz-out"))
+
+        def push_run() -> Path:
+            return copy_tree(ds / "tmpl-push", run_dir / "push")
+
+        def pull_run() -> Path:
+            return copy_tree(ds / "tmpl-pull", run_dir / "pull")
+
+        def one_cli_push() -> dict[str, Any]:
+            p = push_run()
+            return measure([cli, "push", str(new), str(p / "store"), "--cache", str(p / "cache"), "--threads", str(t),
+                            "--json"])
+
+        def one_api_push() -> dict[str, Any]:
+            p = push_run()
+            return run_worker("api_push", store=str(p / "store"), new=str(new), cache=str(p / "cache"), threads=t)
+
+        def one_cli_pull() -> dict[str, Any]:
+            p = pull_run()
+            return measure([cli, "pull", str(p / "store"), str(p / "dest"), "--threads", str(t), "--json"])
+
+        def one_api_pull() -> dict[str, Any]:
+            p = pull_run()
+            return run_worker("api_pull", store=str(p / "store"), dest=str(p / "dest"), threads=t)
+
+        best(f"deltafs push (CLI) t{t}", one_cli_push)
+        best(f"deltafs push (API) t{t}", one_api_push)
+        best(f"deltafs pull (CLI) t{t}", one_cli_pull, lambda: same_tree(new, run_dir / "pull" / "dest"))
+        best(f"deltafs pull (API) t{t}", one_api_pull, lambda: same_tree(new, run_dir / "pull" / "dest"))
+    if not args.keep:
+        fresh(run_dir)
+    return {"dataset": info, "checkpoint_bytes": size, "rows": rows}
+
+
+def machine() -> dict[str, Any]:
+    mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+               if ln.startswith("MemTotal:"))
+    load = os.getloadavg()
+    return {"cpus": os.cpu_count(), "mem_bytes": mem, "python": sys.version.split()[0],
+            "loadavg_at_start": [round(x, 2) for x in load]}
+
+
+def slime_commit(slime_dir: str | None) -> str | None:
+    if not slime_dir:
+        return None
+    r = subprocess.run(["git", "-C", slime_dir, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else "unknown (not a git checkout)"
+
+
+# --- report -------------------------------------------------------------------------------------------------
+def _anchor(rows: dict[str, Any], kind: str, t: str) -> dict[str, Any] | None:
+    return rows.get(f"{kind} t{t}")
+
+
+def table(res: dict[str, Any]) -> str:
+    """Markdown: one row per step; ratios are this row's seconds over the anchor's (lower is faster)."""
+    size = res["checkpoint_bytes"]
+    rows = res["rows"]
+    cp = rows["cp -r"]["seconds"]
+    head = ("| step | threads | seconds | GB/s | stored bytes | written bytes | peak RSS | CPU s | x cp -r | x slime "
+            "| x xor+zstd-1 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    out = [head]
+    for key, r in rows.items():
+        label, _, t = key.rpartition(" t")
+        if not label:
+            label, t = key, "-"
+        writer = any(w in label for w in ("publish", "write", "push"))
+        slime = _anchor(rows, "slime publish" if writer else "slime apply", t)
+        xz = _anchor(rows, "xor+zstd-1 write" if writer else "xor+zstd-1 apply", t)
+        sec = r["seconds"]
+        o = r.get("out", {})
+        stored = o.get("delta_bytes", o.get("result", r.get("cli", {})).get("bytes_written"))
+        written = o.get("io_write_bytes", r["process_write_bytes"])
+        note = "" if r.get("identical", True) else " (OUTPUT DIFFERS)"
+        cells = [f"{label}{note}", t, f"{sec:.2f}", f"{size / sec / GB:.2f}",
+                 "-" if stored is None else f"{stored / 1e6:.1f} MB", f"{written / 1e6:.1f} MB",
+                 f"{r['max_rss'] / 2**20:.0f} MiB", f"{r['cpu_s']:.2f}", f"{sec / cp:.2f}",
+                 "-" if slime is None else f"{sec / slime['seconds']:.2f}",
+                 "-" if xz is None else f"{sec / xz['seconds']:.2f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def report(results: dict[str, Any]) -> str:
+    parts = [f"machine: {results['machine']}", f"slime: {results['slime_commit']}"]
+    for name, res in results["datasets"].items():
+        info = res["dataset"]
+        parts.append(f"\n### {name}: {res['checkpoint_bytes'] / GB:.3f} GB, "
+                     f"{info.get('changed_fraction', 0) * 100:.2f}% of elements changed ({info.get('kind')})\n")
+        parts.append(table(res))
+    return "\n".join(parts)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    args.threads = [int(x) for x in str(args.threads).split(",")]
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"machine": machine(), "slime_commit": slime_commit(args.slime_dir),
+                               "args": {k: v for k, v in vars(args).items() if k != "func"}, "datasets": {}}
+    for name in args.datasets.split(","):
+        results["datasets"][name] = bench_dataset(args, name, work)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(report(results))
+
+
+def cmd_worker(args: argparse.Namespace) -> None:
+    kw = json.loads(args.kwargs)
+    if args.name == "dataset":
+        out = Path(kw.pop("out"))
+        kind = kw.pop("kind")
+        res = make_generator_dataset(out, **kw) if kind == "generator" else make_trained_dataset(out, **kw)
+    else:
+        res = WORKERS[args.name](kw)
+    res["worker_max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(res))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(required=True)
+    r = sub.add_parser("run", help="make the data sets (cached under --work) and measure every step")
+    r.add_argument("--slime-dir", help="a checkout of THUDM/slime (see the module docstring); omit to skip slime")
+    r.add_argument("--slime-patch", default=SLIME_PATCH, help="the pull_weights patch inside --slime-dir")
+    r.add_argument("--work", default="/tmp/deltafs-sync-bench", help="data sets, stores and outputs go here")
+    r.add_argument("--datasets", default="generator,trained", help="comma list: generator, trained")
+    r.add_argument("--threads", default=str(min(os.cpu_count() or 1, 8)), help="comma list, e.g. 1,2,4,8,16")
+    r.add_argument("--repeat", type=int, default=1, help="runs per step; the fastest is kept")
+    r.add_argument("--config", default="llama-1b", help="generator model shapes (tiny, small, llama-1b)")
+    r.add_argument("--layers", type=int, default=4, help="generator decoder layers (llama-1b: 4 -> ~1.0 GB bf16)")
+    r.add_argument("--lr", type=float, default=9e-7, help="generator AdamW lr (llama-1b: 9e-7 -> ~2%% changed)")
+    r.add_argument("--shard-mb", type=int, default=0, help="generator shard size (0: one model.safetensors)")
+    r.add_argument("--trained-layers", type=int, default=24)
+    r.add_argument("--trained-d", type=int, default=256, help="trained stand-in width (24 x 256: ~21M params)")
+    r.add_argument("--trained-warmup", type=int, default=30)
+    r.add_argument("--trained-lr", type=float, default=2e-6, help="lr of the measured step (sets bf16 change)")
+    r.add_argument("--keep", action="store_true", help="keep the last run's outputs under WORK/<data set>/run")
+    r.add_argument("--out", help="write all results as JSON here")
+    r.set_defaults(func=cmd_run)
+    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w.add_argument("name")
+    w.add_argument("kwargs")
+    w.set_defaults(func=cmd_worker)
+    args = ap.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
