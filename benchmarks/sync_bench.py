@@ -292,10 +292,16 @@ def iter_checkpoint_tensors(ckpt: Path) -> Iterator[tuple[str, Any]]:
 
 
 # --- workers: one process per measured step ----------------------------------------------------------------
+_CPU: dict[str, float] = {}
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, int, Any]:
-    w0, t0 = write_bytes_so_far(), time.perf_counter()
+    """Wall seconds and bytes written by fn(); its CPU seconds (all threads) go to _CPU for the result line."""
+    w0, c0, t0 = write_bytes_so_far(), time.process_time(), time.perf_counter()
     res = fn()
-    return time.perf_counter() - t0, write_bytes_so_far() - w0, res
+    seconds = time.perf_counter() - t0
+    _CPU["cpu_s"] = time.process_time() - c0
+    return seconds, write_bytes_so_far() - w0, res
 
 
 def worker_slime_publish(a: dict[str, Any]) -> dict[str, Any]:
@@ -406,32 +412,43 @@ def xz_write(base: Path, new: Path, out: Path, threads: int) -> int:
 
 
 def xz_apply(base: Path, delta: Path, out: Path, threads: int) -> None:
-    """A complete new checkpoint in `out`: copy the base (copy_file_range), then XOR each changed tensor in place."""
+    """A complete new checkpoint in `out`, one pass: each tensor is read from the base, XORed if it changed, and
+    written at its offset (pread/pwrite from a thread pool); files without a changed tensor are copied."""
     import numpy as np
     import zstandard
 
     index = json.loads((delta / "delta.json").read_text())
     out.mkdir(parents=True)
     for f in base.iterdir():
-        if f.is_file():
+        if f.is_file() and f.name not in index["tensors"]:
             shutil.copyfile(f, out / f.name)
     for name in index["files"]:
         shutil.copyfile(delta / name, out / name)
     blob = (delta / "delta.bin").read_bytes()
-    for fname, tensors in index["tensors"].items():
-        where = safetensors_index(str(base / fname))
-        fd = os.open(out / fname, os.O_RDWR)
-        try:
-            def apply(item: tuple[str, list[int]]) -> None:
-                name, (start, length) = item
-                off, n = where[name]
-                diff = zstandard.ZstdDecompressor().decompress(blob[start:start + length], max_output_size=n)
-                old = np.frombuffer(os.pread(fd, n, off), np.uint8)
-                os.pwrite(fd, np.bitwise_xor(old, np.frombuffer(diff, np.uint8)), off)
+    with ThreadPoolExecutor(threads) as pool:
+        for fname, changed in index["tensors"].items():
+            where = safetensors_index(str(base / fname))
+            src = os.open(base / fname, os.O_RDONLY)
+            dst = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(dst, os.fstat(src).st_size)
+                head = min(off for off, _ in where.values())
+                os.pwrite(dst, os.pread(src, head, 0), 0)
 
-            list(ThreadPoolExecutor(threads).map(apply, tensors.items()))
-        finally:
-            os.close(fd)
+                def one(item: tuple[str, tuple[int, int]]) -> None:
+                    name, (off, n) = item
+                    data = os.pread(src, n, off)
+                    if name in changed:
+                        start, length = changed[name]
+                        diff = zstandard.ZstdDecompressor().decompress(blob[start:start + length],
+                                                                         max_output_size=n)
+                        data = np.bitwise_xor(np.frombuffer(data, np.uint8), np.frombuffer(diff, np.uint8))
+                    os.pwrite(dst, data, off)
+
+                list(pool.map(one, where.items()))
+            finally:
+                os.close(src)
+                os.close(dst)
 
 
 # --- driver -------------------------------------------------------------------------------------------------
@@ -522,18 +539,26 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
     size = info["checkpoint_bytes"]
     base, new = ds / "base", ds / "new"
     prepare_deltafs(ds)
-    run_dir = ds / "run"
-    fresh(run_dir).mkdir()
+    run_dir = Path(args.scratch) / ds.name if args.scratch else ds / "run"
+    fresh(run_dir).mkdir(parents=True)
     cli = deltafs_cli()
     rows: dict[str, Any] = {}
 
-    def best(key: str, once: Callable[[], dict[str, Any]], check: Callable[[], bool] | None = None) -> None:
-        """Run `once` args.repeat times; keep the fastest (the run least disturbed by other processes)."""
+    def best(key: str, once: Callable[[], dict[str, Any]], check: Callable[[], bool] | None = None,
+             drop: tuple[str, ...] = ()) -> None:
+        """Run `once` args.repeat times; keep the fastest (the run least disturbed by other processes).
+
+        Each run starts with no dirty pages (sync, untimed), so one step's writeback is not charged to the next;
+        `drop` names outputs removed after the check (keeps a tmpfs scratch small).
+        """
         runs = []
         for _ in range(args.repeat):
+            os.sync()
             r = once()
             if check is not None:
                 r["identical"] = check()
+            for d in drop:
+                fresh(run_dir / d)
             runs.append(r)
         r = min(runs, key=lambda x: x.get("out", {}).get("seconds", x["wall_s"]))
         r["seconds"] = r.get("out", {}).get("seconds", r["wall_s"])
@@ -541,7 +566,7 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
         print(f"[sync-bench] {name} {key}: {r['seconds']:.3f} s (process {r['wall_s']:.2f} s, "
               f"rss {r['max_rss'] / 2**20:.0f} MiB)", file=sys.stderr)
 
-    best("cp -r", lambda: measure(["cp", "-r", str(new), str(fresh(run_dir / "cp"))]))
+    best("cp -r", lambda: measure(["cp", "-r", str(new), str(fresh(run_dir / "cp"))]), drop=("cp",))
     for t in args.threads:
         def one_slime_publish() -> dict[str, Any]:
             out, tmp = fresh(run_dir / "slime-out"), fresh(run_dir / "slime-tmp")
@@ -557,12 +582,13 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
 
         if args.slime_dir:
             best(f"slime publish t{t}", one_slime_publish)
-            best(f"slime apply t{t}", one_slime_apply, lambda: same_tree(new, run_dir / "slime-local"))
+            best(f"slime apply t{t}", one_slime_apply, lambda: same_tree(new, run_dir / "slime-local"),
+                 drop=("slime-local", "slime-out", "slime-tmp"))
         best(f"xor+zstd-1 write t{t}", lambda: run_worker("xz_write", base=str(base), new=str(new),
                                                             out=str(fresh(run_dir / "xz-delta")), threads=t))
         best(f"xor+zstd-1 apply t{t}", lambda: run_worker("xz_apply", base=str(base), delta=str(run_dir / "xz-delta"),
                                                             out=str(fresh(run_dir / "xz-out")), threads=t),
-             lambda: same_tree(new, run_dir / "xz-out"))
+             lambda: same_tree(new, run_dir / "xz-out"), drop=("xz-out", "xz-delta"))
 
         def push_run() -> Path:
             return copy_tree(ds / "tmpl-push", run_dir / "push")
@@ -587,10 +613,10 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
             p = pull_run()
             return run_worker("api_pull", store=str(p / "store"), dest=str(p / "dest"), threads=t)
 
-        best(f"deltafs push (CLI) t{t}", one_cli_push)
-        best(f"deltafs push (API) t{t}", one_api_push)
-        best(f"deltafs pull (CLI) t{t}", one_cli_pull, lambda: same_tree(new, run_dir / "pull" / "dest"))
-        best(f"deltafs pull (API) t{t}", one_api_pull, lambda: same_tree(new, run_dir / "pull" / "dest"))
+        best(f"deltafs push (CLI) t{t}", one_cli_push, drop=("push",))
+        best(f"deltafs push (API) t{t}", one_api_push, drop=("push",))
+        best(f"deltafs pull (CLI) t{t}", one_cli_pull, lambda: same_tree(new, run_dir / "pull" / "dest"), drop=("pull",))
+        best(f"deltafs pull (API) t{t}", one_api_pull, lambda: same_tree(new, run_dir / "pull" / "dest"), drop=("pull",))
     if not args.keep:
         fresh(run_dir)
     return {"dataset": info, "checkpoint_bytes": size, "rows": rows}
@@ -611,18 +637,79 @@ def slime_commit(slime_dir: str | None) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else "unknown (not a git checkout)"
 
 
+# --- py-spy summaries (docs/profile.md) ------------------------------------------------------------------
+def _frames(stack: str) -> list[tuple[str, str]]:
+    """'func (path:line)' frames, outermost first, as (func, path:line)."""
+    out = []
+    for fr in stack.split(";"):
+        func, _, where = fr.rpartition(" (")
+        out.append((func, where.rstrip(")")))
+    return out
+
+
+def _thread_role(frames: list[tuple[str, str]]) -> str:
+    """Name a thread by what it runs: the main thread, or the function a pool worker was handed."""
+    funcs = [f for f, _ in frames]
+    if "_worker" not in funcs or not any("concurrent/futures/thread.py" in w for _, w in frames):
+        return "main"
+    i = max(i for i, (f, w) in enumerate(frames) if f == "run" and "concurrent/futures/thread.py" in w)
+    return "pool: " + (frames[i + 1][0] if i + 1 < len(frames) else "idle")
+
+
+def profile_summary(path: str, rate: int, top: int) -> str:
+    """Per thread role and per deepest frame: samples as seconds (py-spy raw format, --threads)."""
+    from collections import Counter, defaultdict
+
+    roles: Counter[str] = Counter()
+    leaves: dict[str, Counter[str]] = defaultdict(Counter)
+    ours: dict[str, Counter[str]] = defaultdict(Counter)
+    threads: dict[str, set[str]] = defaultdict(set)
+    for line in Path(path).read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        head, _, rest = stack.partition(";")
+        frames = _frames(rest) if rest else []
+        role = _thread_role(frames) if frames else "main"
+        count = int(n)
+        roles[role] += count
+        threads[role].add(head)
+        func, where = frames[-1] if frames else ("?", "?")
+        leaves[role][f"{func} ({where.split('site-packages/')[-1]})"] += count
+        mine = [f"{f} ({w.rsplit('/deltafs/', 1)[-1].rsplit('/cli/', 1)[-1]})" for f, w in frames
+                if "/deltafs/" in w or "/cli/" in w or "benchmarks/" in w]
+        ours[role][mine[-1] if mine else "(outside deltafs: " + func + ")"] += count
+    out = [f"{path}: {sum(roles.values())} samples at {rate}/s per thread"]
+    for role, n in roles.most_common():
+        out.append(f"\n{role}: {n / rate:.2f} s over {len(threads[role])} thread(s)")
+        out.append("  deepest frame:")
+        out += [f"    {c / rate:7.2f} s  {k}" for k, c in leaves[role].most_common(top)]
+        out.append("  deepest deltafs frame:")
+        out += [f"    {c / rate:7.2f} s  {k}" for k, c in ours[role].most_common(top)]
+    return "\n".join(out)
+
+
+def cmd_profile_summary(args: argparse.Namespace) -> None:
+    print(profile_summary(args.raw, args.rate, args.top))
+
+
 # --- report -------------------------------------------------------------------------------------------------
 def _anchor(rows: dict[str, Any], kind: str, t: str) -> dict[str, Any] | None:
     return rows.get(f"{kind} t{t}")
+
+
+def _cpu(r: dict[str, Any]) -> float:
+    """CPU seconds of the measured call (workers) or of the whole process (CLI, cp)."""
+    return float(r.get("out", {}).get("cpu_s", r["cpu_s"]))
 
 
 def table(res: dict[str, Any]) -> str:
     """Markdown: one row per step; ratios are this row's seconds over the anchor's (lower is faster)."""
     size = res["checkpoint_bytes"]
     rows = res["rows"]
-    cp = rows["cp -r"]["seconds"]
+    cp = rows["cp -r"]
     head = ("| step | threads | seconds | GB/s | stored bytes | written bytes | peak RSS | CPU s | x cp -r | x slime "
-            "| x xor+zstd-1 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            "| x xor+zstd-1 | CPU x slime | CPU x xor+zstd-1 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     out = [head]
     for key, r in rows.items():
         label, _, t = key.rpartition(" t")
@@ -631,16 +718,20 @@ def table(res: dict[str, Any]) -> str:
         writer = any(w in label for w in ("publish", "write", "push"))
         slime = _anchor(rows, "slime publish" if writer else "slime apply", t)
         xz = _anchor(rows, "xor+zstd-1 write" if writer else "xor+zstd-1 apply", t)
-        sec = r["seconds"]
+        sec, cpu = r["seconds"], _cpu(r)
         o = r.get("out", {})
         stored = o.get("delta_bytes", o.get("result", r.get("cli", {})).get("bytes_written"))
         written = o.get("io_write_bytes", r["process_write_bytes"])
         note = "" if r.get("identical", True) else " (OUTPUT DIFFERS)"
+
+        def ratio(x: float, anchor: dict[str, Any] | None, of: Callable[[dict[str, Any]], float]) -> str:
+            return "-" if anchor is None else f"{x / of(anchor):.2f}"
+
         cells = [f"{label}{note}", t, f"{sec:.2f}", f"{size / sec / GB:.2f}",
                  "-" if stored is None else f"{stored / 1e6:.1f} MB", f"{written / 1e6:.1f} MB",
-                 f"{r['max_rss'] / 2**20:.0f} MiB", f"{r['cpu_s']:.2f}", f"{sec / cp:.2f}",
-                 "-" if slime is None else f"{sec / slime['seconds']:.2f}",
-                 "-" if xz is None else f"{sec / xz['seconds']:.2f}"]
+                 f"{r['max_rss'] / 2**20:.0f} MiB", f"{cpu:.2f}", f"{sec / cp['seconds']:.2f}",
+                 ratio(sec, slime, lambda a: a["seconds"]), ratio(sec, xz, lambda a: a["seconds"]),
+                 ratio(cpu, slime, _cpu), ratio(cpu, xz, _cpu)]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -671,6 +762,10 @@ def cmd_run(args: argparse.Namespace) -> None:
     print(report(results))
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    print(report(json.loads(Path(args.json).read_text())))
+
+
 def cmd_worker(args: argparse.Namespace) -> None:
     kw = json.loads(args.kwargs)
     if args.name == "dataset":
@@ -679,6 +774,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
         res = make_generator_dataset(out, **kw) if kind == "generator" else make_trained_dataset(out, **kw)
     else:
         res = WORKERS[args.name](kw)
+        res.update(_CPU)
     res["worker_max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(res))
 
@@ -701,9 +797,19 @@ def main() -> None:
     r.add_argument("--trained-d", type=int, default=256, help="trained stand-in width (24 x 256: ~21M params)")
     r.add_argument("--trained-warmup", type=int, default=30)
     r.add_argument("--trained-lr", type=float, default=2e-6, help="lr of the measured step (sets bf16 change)")
-    r.add_argument("--keep", action="store_true", help="keep the last run's outputs under WORK/<data set>/run")
+    r.add_argument("--scratch", help="where measured steps write (stores, caches, outputs), e.g. a tmpfs to "
+                   "measure the pipelines without the disk; default WORK/<data set>/run")
+    r.add_argument("--keep", action="store_true", help="keep the scratch directory at the end")
     r.add_argument("--out", help="write all results as JSON here")
     r.set_defaults(func=cmd_run)
+    t = sub.add_parser("report", help="print the markdown tables of a --out JSON again")
+    t.add_argument("json")
+    t.set_defaults(func=cmd_report)
+    p = sub.add_parser("profile-summary", help="seconds per thread role and frame from `py-spy record --format raw`")
+    p.add_argument("raw")
+    p.add_argument("--rate", type=int, default=100, help="the -r given to py-spy")
+    p.add_argument("--top", type=int, default=12)
+    p.set_defaults(func=cmd_profile_summary)
     w = sub.add_parser("worker", help=argparse.SUPPRESS)
     w.add_argument("name")
     w.add_argument("kwargs")
