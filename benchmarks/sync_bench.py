@@ -50,10 +50,18 @@ SLIME_APPLIER_IN_PATCH = "python/sglang/srt/weight_sync/local_checkpoint.py"
 
 
 # --- helpers shared by workers and the driver -------------------------------------------------------------
-def write_bytes_so_far() -> int:
-    """Bytes this process (and its reaped children) dirtied or wrote, from /proc/self/io."""
+def io_so_far() -> dict[str, int]:
+    """This process's (and its reaped children's) writes from /proc/self/io: `wchar`, the bytes handed to
+    write(2)-like calls on any filesystem (stores through mmap are not counted), and `write_bytes`, the bytes
+    sent to a block device (pages dirtied; 0 on a tmpfs)."""
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
+    return {"wchar": int(fields["wchar"]),
+            "write_bytes": int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])}
+
+
+def io_since(start: dict[str, int]) -> dict[str, int]:
+    now = io_so_far()
+    return {k: now[k] - start[k] for k in now}
 
 
 def du(path: Path) -> int:
@@ -77,14 +85,41 @@ def safetensors_index(path: str) -> dict[str, tuple[int, int]]:
             for k, v in header.items() if k != "__metadata__"}
 
 
-def same_tree(expected: Path, got: Path) -> bool:
-    """Every file of `expected` is byte-identical in `got` (got may hold extra bookkeeping files)."""
-    for p in expected.rglob("*"):
+def same_tree(expected: Path, got: Path) -> bool | str:
+    """True if every file of `expected` is byte-identical in `got` (got may hold extra bookkeeping files).
+
+    When every tensor's bytes match but other bytes do not (slime's deltas carry tensors only: neither a
+    safetensors header's metadata nor config.json follow), a string naming what differs; otherwise False.
+    """
+    differ = []
+    for p in sorted(expected.rglob("*")):
         if p.is_file():
             q = got / p.relative_to(expected)
-            if not q.is_file() or not filecmp.cmp(p, q, shallow=False):
+            if not q.is_file():
                 return False
-    return True
+            if filecmp.cmp(p, q, shallow=False):
+                continue
+            if p.suffix == ".safetensors":
+                if not _same_tensor_bytes(p, q):
+                    return False
+                differ.append(f"{p.name} header")
+            else:
+                differ.append(p.name)
+    if not differ:
+        return True
+    if not any(p.suffix == ".safetensors" for p in expected.rglob("*")):
+        return False
+    return "tensor bytes identical; stale: " + ", ".join(differ)
+
+
+def _same_tensor_bytes(a: Path, b: Path) -> bool:
+    import numpy as np
+
+    ia, ib = safetensors_index(str(a)), safetensors_index(str(b))
+    if ia.keys() != ib.keys() or any(ia[k][1] != ib[k][1] for k in ia):
+        return False
+    ma, mb = np.memmap(a, np.uint8, "r"), np.memmap(b, np.uint8, "r")
+    return all(np.array_equal(ma[o:o + n], mb[ib[k][0]:ib[k][0] + n]) for k, (o, n) in ia.items())
 
 
 def import_deltafs_api() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -124,87 +159,26 @@ def make_generator_dataset(out: Path, config: str, layers: int, lr: float, shard
             "changed_fraction": frac}
 
 
-def make_trained_dataset(out: Path, layers: int, d_model: int, warmup: int, lr: float) -> dict[str, Any]:
-    """A small transformer trained with AdamW on a synthetic Markov language; two consecutive steps.
+def make_trained_dataset(out: Path, trained_py: str | None, params: str, lr: float, seed: int,
+                         warmup: int) -> dict[str, Any]:
+    """Two consecutive versions of deltafs.testing.trained (a small GPT really trained with AdamW: bf16 matrices,
+    many small 1-D F32 tensors), written by its own write_version: out/base and out/new.
 
-    deltafs.testing.trained (being written on another branch) is used when it exists; until then this stand-in:
-    matrices exported as bf16, every 1-D tensor (LayerNorm weights and biases, linear biases) kept in F32, as
-    mixed-precision checkpoints often are. `warmup` steps at lr 1e-3 give the optimizer a real state; the step
-    between base and new uses `lr`, which sets the changed fraction of the bf16 tensors (F32 ones all change).
+    `trained_py` loads that module from a file (e.g. another branch's checkout) when this deltafs lacks it.
     """
-    try:
-        from deltafs.testing import trained  # type: ignore[attr-defined]
-    except ImportError:
-        trained = None
-    if trained is not None and hasattr(trained, "write_versions"):
-        return {"kind": "deltafs.testing.trained", **trained.write_versions(out / "base", out / "new")}
-    import torch
-    from safetensors.torch import save_file
-
-    torch.manual_seed(0)
-    vocab, seq, batch = 4096, 128, 8
-    trans = torch.rand(vocab, vocab).pow_(8)  # a peaky transition matrix: a learnable, non-trivial language
-    trans /= trans.sum(1, keepdim=True)
-
-    def sample() -> torch.Tensor:
-        x = torch.empty(batch, seq + 1, dtype=torch.long)
-        x[:, 0] = torch.randint(vocab, (batch,))
-        for t in range(seq):
-            x[:, t + 1] = torch.multinomial(trans[x[:, t]], 1).squeeze(1)
-        return x
-
-    class LM(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(vocab, d_model)
-            layer = torch.nn.TransformerEncoderLayer(d_model, max(1, d_model // 64), 4 * d_model, dropout=0.0,
-                                                     batch_first=True, norm_first=True)
-            self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-            self.norm = torch.nn.LayerNorm(d_model)
-            self.head = torch.nn.Linear(d_model, vocab)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
-            return self.head(self.norm(self.blocks(self.embed(x), mask=mask, is_causal=True)))
-
-    model = LM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-
-    def step() -> float:
-        x = sample()
-        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, vocab), x[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return float(loss)
-
-    losses = [step() for _ in range(warmup)]
-
-    def export() -> dict[str, torch.Tensor]:
-        return {k: (v.detach().clone() if v.dim() == 1 else v.detach().to(torch.bfloat16)).contiguous()
-                for k, v in model.state_dict().items()}
-
-    base = export()
-    for g in opt.param_groups:
-        g["lr"] = lr
-    losses.append(step())
-    new = export()
-    for name, tensors in (("base", base), ("new", new)):
-        (out / name).mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / name / "model.safetensors"), metadata={"format": "pt"})
-        (out / name / "config.json").write_text(json.dumps({"d_model": d_model, "layers": layers, "vocab": vocab}))
-    changed = total = 0
-    f32_tensors = 0
-    for k, a in base.items():
-        b = new[k]
-        bits = torch.int16 if a.element_size() == 2 else torch.int32
-        changed += int((a.view(bits) != b.view(bits)).sum())
-        total += a.numel()
-        f32_tensors += a.dim() == 1
-    return {"kind": "torch-trained stand-in (deltafs.testing.trained not on main yet)", "layers": layers,
-            "d_model": d_model, "params": total, "tensors": len(base), "f32_1d_tensors": f32_tensors,
-            "warmup_steps": warmup, "lr": lr, "loss_first_last": [losses[0], losses[-1]],
-            "changed_fraction": changed / total}
+    if trained_py:
+        trained = _load_file("deltafs_testing_trained", Path(trained_py))
+    else:
+        from deltafs.testing import trained  # type: ignore[attr-defined,no-redef]
+    cfg = trained.config_for(trained.parse_count(params))
+    run = trained.TrainedRun(cfg, seed=seed, lr=lr, warmup_steps=warmup)
+    base, new = run.versions(2)
+    trained.write_version(out / "base", base, cfg, step=warmup)
+    trained.write_version(out / "new", new, cfg, step=warmup + 1)
+    return {"kind": "deltafs.testing.trained" + (f" from {trained_py}" if trained_py else ""), "params": cfg.num_params(),
+            "layers": cfg.n_layers, "tensors": len(new), "f32_1d_tensors": sum(t.dim() == 1 for t in new.values()),
+            "lr": lr, "seed": seed, "warmup_steps": warmup, "changed": trained.changed_fractions(base, new),
+            "changed_fraction": trained.changed_fractions(base, new)["all"]}
 
 
 # --- slime, loaded from --slime-dir ---------------------------------------------------------------------------
@@ -292,16 +266,17 @@ def iter_checkpoint_tensors(ckpt: Path) -> Iterator[tuple[str, Any]]:
 
 
 # --- workers: one process per measured step ----------------------------------------------------------------
-_CPU: dict[str, float] = {}
+_CPU: dict[str, Any] = {}
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     """Wall seconds and bytes written by fn(); its CPU seconds (all threads) go to _CPU for the result line."""
-    w0, c0, t0 = write_bytes_so_far(), time.process_time(), time.perf_counter()
+    w0, c0, t0 = io_so_far(), time.process_time(), time.perf_counter()
     res = fn()
     seconds = time.perf_counter() - t0
     _CPU["cpu_s"] = time.process_time() - c0
-    return seconds, write_bytes_so_far() - w0, res
+    _CPU["io"] = io_since(w0)  # type: ignore[assignment]
+    return seconds, _CPU["io"]["wchar"], res  # type: ignore[index]
 
 
 def worker_slime_publish(a: dict[str, Any]) -> dict[str, Any]:
@@ -324,7 +299,7 @@ def worker_slime_publish(a: dict[str, Any]) -> dict[str, Any]:
     pub.weight_version = 1
     seconds, written, _ = _timed(pub._publish)
     dist.destroy_process_group()
-    return {"seconds": seconds, "io_write_bytes": written, "delta_bytes": du(Path(a["out"]) / "weight_v000001"),
+    return {"seconds": seconds, "wchar": written, "delta_bytes": du(Path(a["out"]) / "weight_v000001"),
             "changed_fraction_bytes": pub.changed_bytes / max(pub.total_bytes, 1)}
 
 
@@ -333,19 +308,19 @@ def worker_slime_apply(a: dict[str, Any]) -> dict[str, Any]:
     mod.NUM_WORKERS = a["threads"]
     mod.pull(a["local"], a["base"], a["source"], 0)  # the engine's base, copied to the host-local dir (untimed)
     seconds, written, _ = _timed(lambda: mod.pull(a["local"], a["base"], a["source"], 1))
-    return {"seconds": seconds, "io_write_bytes": written}
+    return {"seconds": seconds, "wchar": written}
 
 
 def worker_xz_write(a: dict[str, Any]) -> dict[str, Any]:
     import numpy, zstandard  # noqa: F401,E401  # imported before the clock starts, as slime's are
     seconds, written, delta = _timed(lambda: xz_write(Path(a["base"]), Path(a["new"]), Path(a["out"]), a["threads"]))
-    return {"seconds": seconds, "io_write_bytes": written, "delta_bytes": delta}
+    return {"seconds": seconds, "wchar": written, "delta_bytes": delta}
 
 
 def worker_xz_apply(a: dict[str, Any]) -> dict[str, Any]:
     import numpy, zstandard  # noqa: F401,E401
     seconds, written, _ = _timed(lambda: xz_apply(Path(a["base"]), Path(a["delta"]), Path(a["out"]), a["threads"]))
-    return {"seconds": seconds, "io_write_bytes": written}
+    return {"seconds": seconds, "wchar": written}
 
 
 def worker_api_push(a: dict[str, Any]) -> dict[str, Any]:
@@ -353,7 +328,7 @@ def worker_api_push(a: dict[str, Any]) -> dict[str, Any]:
     push, _ = import_deltafs_api()
     import_s = time.perf_counter() - t0
     seconds, written, res = _timed(lambda: push(a["store"], a["new"], cache_dir=a["cache"], threads=a["threads"]))
-    return {"seconds": seconds, "import_s": import_s, "io_write_bytes": written, "result": res.to_json()}
+    return {"seconds": seconds, "import_s": import_s, "wchar": written, "result": res.to_json()}
 
 
 def worker_api_pull(a: dict[str, Any]) -> dict[str, Any]:
@@ -361,7 +336,7 @@ def worker_api_pull(a: dict[str, Any]) -> dict[str, Any]:
     _, pull = import_deltafs_api()
     import_s = time.perf_counter() - t0
     seconds, written, res = _timed(lambda: pull(a["store"], a["dest"], threads=a["threads"]))
-    return {"seconds": seconds, "import_s": import_s, "io_write_bytes": written, "result": res.to_json()}
+    return {"seconds": seconds, "import_s": import_s, "wchar": written, "result": res.to_json()}
 
 
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -371,8 +346,11 @@ WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 
 # --- the XOR+zstd-1 anchor: the simplest tool of slime's kind ----------------------------------------------
+BLOCK = 4 << 20  # bytes per XOR step inside a tensor (cache-sized, as slime's apply uses 2 MB blocks)
+
 def xz_write(base: Path, new: Path, out: Path, threads: int) -> int:
-    """One zstd level-1 frame of (new XOR old) per changed tensor, in one file plus a JSON index; fsynced once.
+    """One zstd level-1 frame of (new XOR old) per changed tensor, in one file plus a JSON index; fsynced once
+    (as slime's _atomic_write).
 
     Both versions are read from disk (np.memmap); numpy and zstd release the GIL, so a thread pool over tensors
     uses the cores.
@@ -391,17 +369,27 @@ def xz_write(base: Path, new: Path, out: Path, threads: int) -> int:
                     index["files"].append(f.name)
                 continue
             cur, old = np.memmap(f, np.uint8, "r"), np.memmap(old_f, np.uint8, "r")
-            if cur[:8].tobytes() != old[:8].tobytes():
-                raise SystemExit(f"{f.name}: headers differ; the anchor handles same-layout versions only")
+            where = safetensors_index(str(f))
+            if where != safetensors_index(str(old_f)):
+                raise SystemExit(f"{f.name}: tensor layouts differ; the anchor handles same-layout versions only")
+            head = min(off for off, _ in where.values())
+            if cur[:head].tobytes() != old[:head].tobytes():  # same layout, other metadata (e.g. a step number)
+                index.setdefault("headers", {})[f.name] = [sink.tell(), head]
+                sink.write(cur[:head].tobytes())
 
             def encode(item: tuple[str, tuple[int, int]]) -> tuple[str, bytes | None]:
+                # Blocks of BLOCK bytes keep XOR and zstd in cache; the tensor is still one zstd frame.
                 name, (off, n) = item
-                diff = np.bitwise_xor(cur[off:off + n], old[off:off + n])
-                if not diff.any():
-                    return name, None
-                return name, zstandard.ZstdCompressor(level=1).compress(diff)
+                comp = zstandard.ZstdCompressor(level=1).compressobj(size=n)
+                parts, changed = [], False
+                for b in range(off, off + n, BLOCK):
+                    diff = np.bitwise_xor(cur[b:min(b + BLOCK, off + n)], old[b:min(b + BLOCK, off + n)])
+                    changed = changed or bool(diff.any())
+                    parts.append(comp.compress(diff))
+                parts.append(comp.flush())
+                return name, b"".join(parts) if changed else None
 
-            for name, frame in pool.map(encode, safetensors_index(str(f)).items()):
+            for name, frame in pool.map(encode, where.items()):
                 if frame is not None:
                     index["tensors"].setdefault(f.name, {})[name] = [sink.tell(), len(frame)]
                     sink.write(frame)
@@ -412,38 +400,48 @@ def xz_write(base: Path, new: Path, out: Path, threads: int) -> int:
 
 
 def xz_apply(base: Path, delta: Path, out: Path, threads: int) -> None:
-    """A complete new checkpoint in `out`, one pass: each tensor is read from the base, XORed if it changed, and
-    written at its offset (pread/pwrite from a thread pool); files without a changed tensor are copied."""
+    """A complete new checkpoint in `out`, one pass: each tensor is read from the base in blocks, XORed with its
+    streamed zstd frame if it changed, and written at its offset (pread/pwrite, a thread pool over tensors);
+    files without a changed tensor are copied."""
     import numpy as np
     import zstandard
 
     index = json.loads((delta / "delta.json").read_text())
     out.mkdir(parents=True)
     for f in base.iterdir():
-        if f.is_file() and f.name not in index["tensors"]:
+        if f.is_file() and f.name not in index["tensors"] and f.name not in index.get("headers", {}):
             shutil.copyfile(f, out / f.name)
     for name in index["files"]:
         shutil.copyfile(delta / name, out / name)
     blob = (delta / "delta.bin").read_bytes()
     with ThreadPoolExecutor(threads) as pool:
-        for fname, changed in index["tensors"].items():
+        for fname in sorted(set(index["tensors"]) | set(index.get("headers", {}))):
+            changed = index["tensors"].get(fname, {})
             where = safetensors_index(str(base / fname))
             src = os.open(base / fname, os.O_RDONLY)
             dst = os.open(out / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(dst, os.fstat(src).st_size)
                 head = min(off for off, _ in where.values())
-                os.pwrite(dst, os.pread(src, head, 0), 0)
+                if fname in index.get("headers", {}):
+                    start, length = index["headers"][fname]
+                    os.pwrite(dst, blob[start:start + length], 0)
+                else:
+                    os.pwrite(dst, os.pread(src, head, 0), 0)
 
                 def one(item: tuple[str, tuple[int, int]]) -> None:
                     name, (off, n) = item
-                    data = os.pread(src, n, off)
+                    reader = None
                     if name in changed:
                         start, length = changed[name]
-                        diff = zstandard.ZstdDecompressor().decompress(blob[start:start + length],
-                                                                         max_output_size=n)
-                        data = np.bitwise_xor(np.frombuffer(data, np.uint8), np.frombuffer(diff, np.uint8))
-                    os.pwrite(dst, data, off)
+                        reader = zstandard.ZstdDecompressor().stream_reader(blob[start:start + length])
+                    for b in range(off, off + n, BLOCK):
+                        size = min(BLOCK, off + n - b)
+                        data = os.pread(src, size, b)
+                        if reader is not None:
+                            diff = reader.read(size)
+                            data = np.bitwise_xor(np.frombuffer(data, np.uint8), np.frombuffer(diff, np.uint8))
+                        os.pwrite(dst, data, b)
 
                 list(pool.map(one, where.items()))
             finally:
@@ -456,19 +454,19 @@ def measure(cmd: list[str], key: str = "cli") -> dict[str, Any]:
     """Run cmd to completion: its wall time, CPU seconds, peak RSS and bytes written, plus its last JSON line
     under `key` ("out" for our workers, whose `seconds` then replaces the process's wall time)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        w0, t0 = write_bytes_so_far(), time.perf_counter()
+        w0, t0 = io_so_far(), time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
         _, status, ru = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
-        written = write_bytes_so_far() - w0
+        written = io_since(w0)
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{stderr[-3000:]}")
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     res = {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "max_rss": ru.ru_maxrss * 1024,
-           "process_write_bytes": written}
+           "process_io": written}
     if lines:
         res[key] = json.loads(lines[-1])
     return res
@@ -495,7 +493,7 @@ def prepare_dataset(args: argparse.Namespace, name: str, work: Path) -> tuple[Pa
     if name == "generator":
         key = f"gen-{args.config}-L{args.layers}-lr{args.lr:g}-s{args.shard_mb}"
     else:
-        key = f"trained-L{args.trained_layers}-d{args.trained_d}-lr{args.trained_lr:g}"
+        key = f"trained-{args.trained_params}-lr{args.trained_lr:g}-seed{args.trained_seed}"
     ds = work / key
     info_path = ds / "info.json"
     if not info_path.exists():
@@ -503,8 +501,8 @@ def prepare_dataset(args: argparse.Namespace, name: str, work: Path) -> tuple[Pa
         fresh(ds).mkdir(parents=True)
         kw = ({"config": args.config, "layers": args.layers, "lr": args.lr, "shard_mb": args.shard_mb}
               if name == "generator" else
-              {"layers": args.trained_layers, "d_model": args.trained_d, "warmup": args.trained_warmup,
-               "lr": args.trained_lr})
+              {"trained_py": args.trained_py, "params": args.trained_params, "lr": args.trained_lr,
+               "seed": args.trained_seed, "warmup": args.trained_warmup})
         r = run_worker("dataset", kind=name, out=str(ds), **kw)
         info = {**r["out"], "generate_s": r["wall_s"], "generate_max_rss": r["max_rss"]}
         info["checkpoint_bytes"] = du(ds / "new")
@@ -647,13 +645,20 @@ def _frames(stack: str) -> list[tuple[str, str]]:
     return out
 
 
-def _thread_role(frames: list[tuple[str, str]]) -> str:
-    """Name a thread by what it runs: the main thread, or the function a pool worker was handed."""
-    funcs = [f for f, _ in frames]
-    if "_worker" not in funcs or not any("concurrent/futures/thread.py" in w for _, w in frames):
+def _thread_role(head: str, frames: list[tuple[str, str]]) -> str:
+    """Threads of one pool share a role: py-spy's thread name without its number ('deltafs-put_3' ->
+    'deltafs-put') when it reports one, else 'main' or the function a pool worker was running."""
+    import re
+
+    name = head.partition("): ")[2]
+    if name:
+        return re.sub(r"_\d+$", "", name)
+    runs = [i for i, (f, w) in enumerate(frames) if f.endswith("run") and "concurrent/futures/thread.py" in w]
+    if not any("concurrent/futures/thread.py" in w for _, w in frames):
         return "main"
-    i = max(i for i, (f, w) in enumerate(frames) if f == "run" and "concurrent/futures/thread.py" in w)
-    return "pool: " + (frames[i + 1][0] if i + 1 < len(frames) else "idle")
+    if not runs or runs[-1] + 1 >= len(frames):
+        return "pool: idle"
+    return "pool: " + frames[runs[-1] + 1][0]
 
 
 def profile_summary(path: str, rate: int, top: int) -> str:
@@ -670,7 +675,7 @@ def profile_summary(path: str, rate: int, top: int) -> str:
             continue
         head, _, rest = stack.partition(";")
         frames = _frames(rest) if rest else []
-        role = _thread_role(frames) if frames else "main"
+        role = _thread_role(head, frames)
         count = int(n)
         roles[role] += count
         threads[role].add(head)
@@ -721,8 +726,9 @@ def table(res: dict[str, Any]) -> str:
         sec, cpu = r["seconds"], _cpu(r)
         o = r.get("out", {})
         stored = o.get("delta_bytes", o.get("result", r.get("cli", {})).get("bytes_written"))
-        written = o.get("io_write_bytes", r["process_write_bytes"])
-        note = "" if r.get("identical", True) else " (OUTPUT DIFFERS)"
+        written = o.get("io", r.get("process_io", {})).get("wchar", 0)
+        same = r.get("identical", True)
+        note = "" if same is True else f" ({same})" if same else " (OUTPUT DIFFERS)"
 
         def ratio(x: float, anchor: dict[str, Any] | None, of: Callable[[dict[str, Any]], float]) -> str:
             return "-" if anchor is None else f"{x / of(anchor):.2f}"
@@ -793,10 +799,11 @@ def main() -> None:
     r.add_argument("--layers", type=int, default=4, help="generator decoder layers (llama-1b: 4 -> ~1.0 GB bf16)")
     r.add_argument("--lr", type=float, default=9e-7, help="generator AdamW lr (llama-1b: 9e-7 -> ~2%% changed)")
     r.add_argument("--shard-mb", type=int, default=0, help="generator shard size (0: one model.safetensors)")
-    r.add_argument("--trained-layers", type=int, default=24)
-    r.add_argument("--trained-d", type=int, default=256, help="trained stand-in width (24 x 256: ~21M params)")
-    r.add_argument("--trained-warmup", type=int, default=30)
-    r.add_argument("--trained-lr", type=float, default=2e-6, help="lr of the measured step (sets bf16 change)")
+    r.add_argument("--trained-py", help="path of deltafs/testing/trained.py when the installed deltafs lacks it")
+    r.add_argument("--trained-params", default="20M", help="trained data set size (deltafs.testing.trained)")
+    r.add_argument("--trained-lr", type=float, default=1e-6, help="lr of the measured step (~1%% of bf16 changed)")
+    r.add_argument("--trained-seed", type=int, default=0)
+    r.add_argument("--trained-warmup", type=int, default=2)
     r.add_argument("--scratch", help="where measured steps write (stores, caches, outputs), e.g. a tmpfs to "
                    "measure the pipelines without the disk; default WORK/<data set>/run")
     r.add_argument("--keep", action="store_true", help="keep the scratch directory at the end")
