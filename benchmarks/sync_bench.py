@@ -681,8 +681,7 @@ def profile_summary(path: str, rate: int, top: int) -> str:
         threads[role].add(head)
         func, where = frames[-1] if frames else ("?", "?")
         leaves[role][f"{func} ({where.split('site-packages/')[-1]})"] += count
-        mine = [f"{f} ({w.rsplit('/deltafs/', 1)[-1].rsplit('/cli/', 1)[-1]})" for f, w in frames
-                if "/deltafs/" in w or "/cli/" in w or "benchmarks/" in w]
+        mine = [f"{f} ({w})" for f, w in frames if w.startswith(("deltafs/", "cli/")) or "/deltafs/" in w]
         ours[role][mine[-1] if mine else "(outside deltafs: " + func + ")"] += count
     out = [f"{path}: {sum(roles.values())} samples at {rate}/s per thread"]
     for role, n in roles.most_common():
