@@ -542,12 +542,13 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
     cli = deltafs_cli()
     rows: dict[str, Any] = {}
 
-    def best(key: str, once: Callable[[], dict[str, Any]], check: Callable[[], bool] | None = None,
-             drop: tuple[str, ...] = ()) -> None:
+    def best(key: str, once: Callable[[], dict[str, Any]], check: Callable[[], bool | str] | None = None,
+             drop: tuple[str, ...] = (), drop_after: tuple[str, ...] = ()) -> None:
         """Run `once` args.repeat times; keep the fastest (the run least disturbed by other processes).
 
         Each run starts with no dirty pages (sync, untimed), so one step's writeback is not charged to the next;
-        `drop` names outputs removed after the check (keeps a tmpfs scratch small).
+        `drop` names outputs removed after each run's check, `drop_after` inputs removed after the last run
+        (keeps a tmpfs scratch small).
         """
         runs = []
         for _ in range(args.repeat):
@@ -558,6 +559,8 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
             for d in drop:
                 fresh(run_dir / d)
             runs.append(r)
+        for d in drop_after:
+            fresh(run_dir / d)
         r = min(runs, key=lambda x: x.get("out", {}).get("seconds", x["wall_s"]))
         r["seconds"] = r.get("out", {}).get("seconds", r["wall_s"])
         rows[key] = r
@@ -581,12 +584,12 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
         if args.slime_dir:
             best(f"slime publish t{t}", one_slime_publish)
             best(f"slime apply t{t}", one_slime_apply, lambda: same_tree(new, run_dir / "slime-local"),
-                 drop=("slime-local", "slime-out", "slime-tmp"))
+                 drop=("slime-local", "slime-tmp"), drop_after=("slime-out",))
         best(f"xor+zstd-1 write t{t}", lambda: run_worker("xz_write", base=str(base), new=str(new),
                                                             out=str(fresh(run_dir / "xz-delta")), threads=t))
         best(f"xor+zstd-1 apply t{t}", lambda: run_worker("xz_apply", base=str(base), delta=str(run_dir / "xz-delta"),
                                                             out=str(fresh(run_dir / "xz-out")), threads=t),
-             lambda: same_tree(new, run_dir / "xz-out"), drop=("xz-out", "xz-delta"))
+             lambda: same_tree(new, run_dir / "xz-out"), drop=("xz-out",), drop_after=("xz-delta",))
 
         def push_run() -> Path:
             return copy_tree(ds / "tmpl-push", run_dir / "push")
