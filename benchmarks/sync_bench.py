@@ -716,7 +716,8 @@ def table(res: dict[str, Any]) -> str:
     rows = res["rows"]
     cp = rows["cp -r"]
     head = ("| step | threads | seconds | GB/s | stored bytes | written bytes | peak RSS | CPU s | x cp -r | x slime "
-            "| x xor+zstd-1 | CPU x slime | CPU x xor+zstd-1 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| x xor+zstd-1 | CPU x cp -r | CPU x slime | CPU x xor+zstd-1 |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     out = [head]
     for key, r in rows.items():
         label, _, t = key.rpartition(" t")
@@ -739,7 +740,7 @@ def table(res: dict[str, Any]) -> str:
                  "-" if stored is None else f"{stored / 1e6:.1f} MB", f"{written / 1e6:.1f} MB",
                  f"{r['max_rss'] / 2**20:.0f} MiB", f"{cpu:.2f}", f"{sec / cp['seconds']:.2f}",
                  ratio(sec, slime, lambda a: a["seconds"]), ratio(sec, xz, lambda a: a["seconds"]),
-                 ratio(cpu, slime, _cpu), ratio(cpu, xz, _cpu)]
+                 f"{cpu / _cpu(cp):.2f}", ratio(cpu, slime, _cpu), ratio(cpu, xz, _cpu)]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
