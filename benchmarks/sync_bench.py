@@ -635,7 +635,11 @@ def slime_commit(slime_dir: str | None) -> str | None:
     if not slime_dir:
         return None
     r = subprocess.run(["git", "-C", slime_dir, "rev-parse", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else "unknown (not a git checkout)"
+    commit = r.stdout.strip() if r.returncode == 0 else "unknown (not a git checkout)"
+    if commit != SLIME_COMMIT_DOCUMENTED:
+        print(f"[sync-bench] note: slime at {commit}; docs/sync_bench.md used {SLIME_COMMIT_DOCUMENTED}",
+              file=sys.stderr)
+    return commit
 
 
 # --- py-spy summaries (docs/profile.md) ------------------------------------------------------------------
