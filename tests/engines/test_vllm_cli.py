@@ -94,6 +94,18 @@ def test_pull_once_against_a_server_without_dev_mode_says_what_to_do(versions, t
                            "VLLM_SERVER_DEV_MODE=1 (deltafs uses the development routes of vLLM 0.33)\n")
 
 
+def test_watch_once_switches_vllm_to_the_newest_version(versions, engine, tmp_path):
+    store, weights, push = versions
+    push()
+    push()
+    dest = str(tmp_path / "dest")
+    proc = deltafs("watch", store, dest, "--engine", "vllm", "--engine-url", engine.url, "--once", "--host-id", "h1",
+                   "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert engine.weight_version == "2" and same(engine.state_dict(), weights[2]) and not engine.paused
+    assert engine.count("reload") == 1  # the watcher went straight to the newest version
+
+
 # --- third-party engines --------------------------------------------------------------------------
 FILE_ENGINE = '''
 """A third-party engine: "serves" a checkpoint by recording it in a JSON file (url = the file)."""
