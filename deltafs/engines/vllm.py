@@ -36,10 +36,11 @@ RESUME_ROUTE = "/resume"
 RPC_ROUTE = "/collective_rpc"
 SET_VERSION_ROUTE = "/update_weight_version"
 VERSION_ROUTE = "/weight_info"
+CHECKER_ROUTE = "/weight_checker"
 METRICS_ROUTE = "/metrics"
 RELOAD_METHOD = "reload_weights"
 LOADING_PREFIX = "deltafs-loading:"
-DEV_ROUTES = (PAUSE_ROUTE, RESUME_ROUTE, RPC_ROUTE, SET_VERSION_ROUTE, VERSION_ROUTE)
+DEV_ROUTES = (PAUSE_ROUTE, RESUME_ROUTE, RPC_ROUTE, SET_VERSION_ROUTE, VERSION_ROUTE, CHECKER_ROUTE)
 BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -62,6 +63,14 @@ def version_body(version: str) -> dict[str, Any]:
     return {"new_version": version}
 
 
+def checksum_body() -> dict[str, Any]:
+    return {"action": "checksum"}
+
+
+def compare_body(baseline: dict[str, str]) -> dict[str, Any]:
+    return {"action": "compare", "baseline": baseline}
+
+
 def loading_label(version: str) -> str:
     """The label while weights are in flux: names no version, so nothing mistakes it for one."""
     return LOADING_PREFIX + version
@@ -81,7 +90,12 @@ class VLLMEngine:
         load_timeout: float = 900.0,
         api_key: str | None = None,
         resume_attempts: int = 4,
+        verify_rollback: bool = False,
     ) -> None:
+        """verify_rollback: before each load, record vLLM's per-tensor sha256 of the served weights
+        (POST /weight_checker), and count a rollback as done only if they match again afterwards.
+        It costs a copy of every weight to the host and a sha256 of it, inside the pause.
+        """
         mode = PAUSE_ALIASES.get(pause_mode, pause_mode)
         if mode not in PAUSE_MODES:
             raise UsageError(f"unknown pause mode {pause_mode!r} for vLLM; use one of {', '.join(PAUSE_MODES)}")
@@ -95,6 +109,7 @@ class VLLMEngine:
         self.timeout = timeout
         self.load_timeout = load_timeout
         self.resume_attempts = resume_attempts
+        self.verify_rollback = verify_rollback
         self._session = requests.Session()
         if api_key:  # only /v1/... checks it, but a proxy in front may check every route
             self._session.headers["Authorization"] = f"Bearer {api_key}"
@@ -186,6 +201,8 @@ class VLLMEngine:
             except EngineUnreachableError:
                 reached = False
                 raise
+            # Taken before anything changes, so a failure here leaves the weights untouched.
+            baseline = self._checksums() if self.verify_rollback and previous is not None else None
             t_load = time.monotonic()
             attempted = True
             try:
@@ -196,7 +213,7 @@ class VLLMEngine:
                 failure = exc
                 log.error("loading version %s into %s failed: %s", target.version, self.url, exc)
                 if previous is not None:
-                    rolled_back = self._rollback(previous)
+                    rolled_back = self._rollback(previous, baseline)
         except EngineError as exc:  # the pause failed; unless unreachable, it may have arrived
             failure = exc
         finally:
@@ -233,14 +250,37 @@ class VLLMEngine:
         if reported != target.version:
             raise EngineError(f"engine reports weight_version {reported!r} after loading {target.version!r}")
 
-    def _rollback(self, previous: Target) -> bool:
+    def _rollback(self, previous: Target, baseline: dict[str, str] | None) -> bool:
         try:
             self._load(previous)
+            if baseline is not None:
+                self._same_as(baseline)
         except EngineError as exc:
             log.critical("rollback to version %s on %s failed: %s", previous.version, self.url, exc)
+            try:  # the label must not claim a version the weights may not be
+                self._set_label(loading_label(previous.version))
+            except EngineError:
+                pass
             return False
-        log.warning("rolled %s back to version %s", self.url, previous.version)
+        log.warning("rolled %s back to version %s%s", self.url, previous.version,
+                    " (every tensor's sha256 as before)" if baseline is not None else "")
         return True
+
+    def _checksums(self) -> dict[str, str]:
+        """vLLM's sha256 of every weight on every worker, keyed "dp0:pp0:pcp0:tp0:<name>"."""
+        data = self._call("POST", CHECKER_ROUTE, checksum_body(), self.load_timeout)
+        sums = data.get("checksums") if isinstance(data, dict) else None
+        if not isinstance(sums, dict) or not sums:
+            raise EngineError(f"POST {CHECKER_ROUTE} answered no checksums")
+        return {str(k): str(v) for k, v in sums.items()}
+
+    def _same_as(self, baseline: dict[str, str]) -> None:
+        data = self._call("POST", CHECKER_ROUTE, compare_body(baseline), self.load_timeout)
+        if not isinstance(data, dict) or data.get("match") is not True:
+            differ = data.get("mismatches") if isinstance(data, dict) else None
+            names = [str(n) for n in differ] if isinstance(differ, list) else []
+            example = f" (e.g. {names[0]})" if names else ""
+            raise EngineError(f"{len(names)} tensors differ from before the switch{example}")
 
 
 def busy_from_metrics(text: str) -> int | None:

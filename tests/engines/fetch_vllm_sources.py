@@ -35,6 +35,7 @@ MEMBERS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "vllm/entrypoints/launchers/api_server/routers.py": ("launchers_routers.py.txt", None),
     "vllm/entrypoints/serve/middleware/authenticate.py": ("middleware_authenticate.py.txt", None),
     "vllm/model_executor/model_loader/reload/inplace.py": ("reload_inplace.py.txt", None),
+    "vllm/model_executor/model_loader/weight_checksum.py": ("weight_checksum.py.txt", None),
     "vllm/v1/engine/__init__.py": ("v1_engine_init.py.txt", ("PauseMode",)),
     "vllm/v1/worker/gpu_worker.py": ("gpu_worker.py.txt", ("Worker.reload_weights",)),
     "vllm/v1/worker/gpu_model_runner.py": ("gpu_model_runner.py.txt", ("GPUModelRunner.reload_weights",)),

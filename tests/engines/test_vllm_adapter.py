@@ -123,6 +123,36 @@ def test_failed_rollback_says_the_previous_version_is_not_confirmed(server, ckpt
     assert not server.paused
 
 
+def test_verified_rollback_compares_vllms_checksums_with_those_before_the_switch(server, ckpts):
+    v1, w1, v2, _ = ckpts
+    engine = VLLMEngine(server.url, verify_rollback=True)
+    engine.switch(v2, v1)  # a switch that works takes one baseline and nothing more
+    assert server.count("checksums") == 1
+    server.inject("midway")
+    with pytest.raises(SwitchError, match="serving version 2 again") as info:
+        engine.switch(v1, v2)
+    assert info.value.rolled_back and server.count("checksums") == 3  # baseline, then the compare
+    assert engine.served_version() == "2" and not server.paused
+
+
+def test_verified_rollback_catches_tensors_vllm_silently_kept(server, ckpts, tmp_path):
+    v1, w1, v2, w2 = ckpts
+    # vLLM's reload keeps the old value of a tensor the directory lacks (it only logs a warning):
+    # a previous directory that lost lm_head.weight reloads "successfully" but not to version 1.
+    partial = {k: v for k, v in w1.items() if k != "lm_head.weight"}
+    bad_v1 = Target(write_checkpoint(str(tmp_path / "v1-partial"), partial, CONFIG), "1")
+    engine = VLLMEngine(server.url, verify_rollback=True)
+    server.inject("midway")  # sorted names: lm_head.weight is among the first half, so it changes
+    with pytest.raises(SwitchError) as info:
+        engine.switch(v2, bad_v1)
+    message = str(info.value)
+    assert not info.value.rolled_back and info.value.serving is None
+    assert message.endswith("could not confirm the previous version is back")
+    assert not torch.equal(server.state_dict()["lm_head.weight"], w1["lm_head.weight"])
+    assert engine.served_version() == LOADING_PREFIX + "1"  # the label claims nothing
+    assert not server.paused
+
+
 def test_hanging_reload_times_out_and_rolls_back(server, ckpts):
     v1, w1, v2, _ = ckpts
     # The hung reload times out after 1 s; vLLM runs utility calls one at a time, so the rollback's
@@ -246,11 +276,34 @@ def test_resume_unpauses_an_engine_left_paused(server):
     assert not server.paused
 
 
-def test_resume_refused_by_the_engine_says_it_may_still_be_paused(server):
+def test_resume_is_retried_then_says_the_engine_may_still_be_paused(server):
+    requests.post(server.url + "/pause", params={"mode": "keep"})
+    server.resume_failures = 1
+    VLLMEngine(server.url, resume_attempts=2).resume()  # the second attempt works
+    assert not server.paused
+    requests.post(server.url + "/pause", params={"mode": "keep"})
+    server.resume_failures = 2
+    with pytest.raises(EngineError, match=r"may still be paused: POST /resume answered HTTP 500: .*injected resume"):
+        VLLMEngine(server.url, resume_attempts=2).resume()
+    assert server.paused
+
+
+def test_switch_whose_resume_fails_reports_the_loaded_version_and_the_pause(server, ckpts):
+    v1, _, v2, w2 = ckpts
     engine = VLLMEngine(server.url, resume_attempts=2)
-    engine.url = server.url + "/no-such-prefix"  # every call answers 404
-    with pytest.raises(EngineError, match="may still be paused"):
-        engine.resume()
+    server.resume_failures = 2
+    with pytest.raises(SwitchError, match="it holds the new version but may still be paused") as info:
+        engine.switch(v2, v1)
+    assert info.value.serving == v2 and not info.value.rolled_back
+    assert same(server.state_dict(), w2) and server.paused
+    engine.resume()  # what the watcher does on its next start or retry
+    assert not server.paused
+
+
+def test_a_server_without_dev_routes_is_not_retried_as_paused(ckpts):
+    with StandinVLLM(ckpts[0].path, dev_mode=False) as srv:
+        with pytest.raises(EngineError, match="has no /resume route"):
+            VLLMEngine(srv.url, resume_attempts=4).resume()
 
 
 def test_reload_engine_is_idempotent(server, ckpts):

@@ -68,7 +68,7 @@ def body_keys_read(func: ast.AST) -> set[str]:
 
 def test_every_route_the_adapter_calls_exists() -> None:
     used = {("POST", vllm.PAUSE_ROUTE), ("POST", vllm.RESUME_ROUTE), ("POST", vllm.RPC_ROUTE),
-            ("POST", vllm.SET_VERSION_ROUTE), ("GET", vllm.VERSION_ROUTE)}
+            ("POST", vllm.SET_VERSION_ROUTE), ("GET", vllm.VERSION_ROUTE), ("POST", vllm.CHECKER_ROUTE)}
     assert set(vllm.DEV_ROUTES) == {path for _, path in used}
     declared = set(all_routes())
     assert used <= declared, f"missing in vllm 0.33.0: {sorted(used - declared)}"
@@ -91,6 +91,18 @@ def test_weight_version_is_set_by_a_json_field_and_read_back() -> None:
     reader = found[("GET", vllm.VERSION_ROUTE)]
     keys = {k.value for n in ast.walk(reader) if isinstance(n, ast.Dict) for k in n.keys if isinstance(k, ast.Constant)}
     assert "weight_version" in keys
+
+
+def test_weight_checker_fields_and_answers() -> None:
+    handler = all_routes()[("POST", vllm.CHECKER_ROUTE)]
+    kinds = param_kinds(handler)
+    for body in (vllm.checksum_body(), vllm.compare_body({"dp0:pp0:pcp0:tp0:w": "00"})):
+        assert all(kinds.get(name) == "Body" for name in body), (body, kinds)
+    action = next(a.annotation for a in handler.args.args if a.arg == "action")
+    literal = ast.unparse(action.slice.elts[0])  # type: ignore[attr-defined]
+    assert "'checksum'" in literal and "'compare'" in literal
+    keys = {k.value for n in ast.walk(handler) if isinstance(n, ast.Dict) for k in n.keys if isinstance(k, ast.Constant)}
+    assert {"checksums", "match", "mismatches"} <= keys
 
 
 def test_collective_rpc_body_names_a_worker_method_with_those_keyword_arguments() -> None:

@@ -3,7 +3,8 @@
 vLLM needs a GPU and its wheel is ~336 MB, which CI lacks. The route handlers deltafs talks to are
 vLLM's real code: the source text of vllm/entrypoints/rl/online/api_router.py (/pause, /resume,
 /is_paused, /update_weight_version, /weight_info, ...), vllm/entrypoints/serve/dev/rpc/api_router.py
-(/collective_rpc) and vllm/entrypoints/serve/middleware/authenticate.py (--api-key), committed under
+(/collective_rpc), vllm/entrypoints/serve/middleware/authenticate.py (--api-key) and
+vllm/model_executor/model_loader/weight_checksum.py (the digests /weight_checker returns), committed under
 tests/engines/data/vllm-0.33.0/, is parsed and executed here on real FastAPI, with its `vllm.*`
 imports replaced by the stand-ins below. Mounted as vLLM mounts them: the development routes only
 with dev_mode=True (VLLM_SERVER_DEV_MODE=1).
@@ -14,7 +15,7 @@ the tensors into a tiny torch model in place, like vLLM's in-place reload, so a 
 leaves a mix), GET /metrics (the two scheduler gauges, in Prometheus text), POST /v1/completions
 (greedy tokens; waits while paused in "keep" mode, 503 in "abort"/"wait" mode) and the error handler
 (vLLM's {"error": {"message", "type", "code"}} shape). Faults for the next reloads are injected with
-inject(): error, midway, hang, slow.
+inject(): error, midway, hang, slow; failing /resume calls with resume_failures.
 """
 
 from __future__ import annotations
@@ -111,6 +112,15 @@ def _substitutes() -> dict[str, Any]:
     }
 
 
+class _SharedWeightParameter:  # vLLM's class for weights shared by layers; the tiny model has none
+    partitions: dict[int, torch.Tensor] = {}
+
+
+def _weight_checksum() -> dict[str, Any]:
+    """vLLM's per-parameter sha256 code (model_loader/weight_checksum.py)."""
+    return exec_vllm_module("weight_checksum.py.txt", {"SharedWeightParameter": _SharedWeightParameter})
+
+
 # --- the stand-in engine ----------------------------------------------------------------------------
 @dataclass
 class _Fault:
@@ -180,6 +190,9 @@ class StandinEngineClient:
     async def resume_generation(self) -> None:
         srv = self.server
         with srv.lock:
+            if srv.resume_failures > 0:  # vLLM's handler turns this into HTTP 500 {"error": ...}
+                srv.resume_failures -= 1
+                raise RuntimeError("injected resume failure")
             srv.paused, srv.pause_mode = False, None
         srv.record("resume")
 
@@ -192,6 +205,14 @@ class StandinEngineClient:
             self.server.record("rpc", method=method, kwargs=dict(kwargs or {}))
             func = getattr(self.worker, method)  # like vLLM's run_method: an unknown name raises
             return [await asyncio.to_thread(func, *args, **(kwargs or {}))]
+
+    async def compute_weight_checksums(self) -> list[dict[str, str]]:
+        """One dict per worker, as vLLM's Worker.compute_weight_checksums: its real digest code, prefixed."""
+        async with self._utility:
+            self.server.record("checksums")
+            digests = _weight_checksum()["compute_tensor_digests"]
+            with self.server.lock:
+                return [{"dp0:pp0:pcp0:tp0:" + k: v for k, v in digests(self.server.model).items()}]
 
     async def update_weight_version(self, new_version: str) -> None:
         async with self._utility:
@@ -214,6 +235,7 @@ class StandinVLLM:
         self.weight_version = "default"
         self.paused = False
         self.pause_mode: str | None = None
+        self.resume_failures = 0  # the next this many /resume calls fail
         self.running = 0
         self.waiting = 0
         self.token_delay = token_delay
