@@ -77,7 +77,13 @@ def loading_label(version: str) -> str:
 
 
 class VLLMEngine:
-    """One vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1, reached at url (http://127.0.0.1:8000)."""
+    """One vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1, reached at url (http://127.0.0.1:8000).
+
+    verify_rollback=True records vLLM's sha256 of every weight (POST /weight_checker) before each
+    load and counts a rollback as done only if they match again afterwards; it costs a copy of every
+    weight to the host and a sha256 of it, inside the pause. Without it a rollback is trusted when
+    the reload succeeds and the label reads back.
+    """
 
     kind = "vllm"
 
@@ -92,10 +98,6 @@ class VLLMEngine:
         resume_attempts: int = 4,
         verify_rollback: bool = False,
     ) -> None:
-        """verify_rollback: before each load, record vLLM's per-tensor sha256 of the served weights
-        (POST /weight_checker), and count a rollback as done only if they match again afterwards.
-        It costs a copy of every weight to the host and a sha256 of it, inside the pause.
-        """
         mode = PAUSE_ALIASES.get(pause_mode, pause_mode)
         if mode not in PAUSE_MODES:
             raise UsageError(f"unknown pause mode {pause_mode!r} for vLLM; use one of {', '.join(PAUSE_MODES)}")
