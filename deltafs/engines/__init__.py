@@ -24,6 +24,7 @@ __all__ = [
     "SwitchError",
     "SwitchResult",
     "Target",
+    "engine_kinds",
     "find_version_dir",
     "make_engine",
     "reload_engine",
@@ -43,6 +44,12 @@ BUILTIN_ENGINES = {
 ENTRY_POINT_GROUP = "deltafs.engines"
 
 
+def engine_kinds() -> list[str]:
+    """Every --engine name usable here: the built-in ones, those installed packages register, "none"."""
+    plugins = {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return [*BUILTIN_ENGINES, *sorted(plugins - set(BUILTIN_ENGINES)), "none"]
+
+
 def make_engine(kind: str, url: str | None = None, **options: Any) -> Engine | None:
     """An engine adapter by name: a built-in one, else one registered under the deltafs.engines entry points.
 
@@ -58,8 +65,7 @@ def make_engine(kind: str, url: str | None = None, **options: Any) -> Engine | N
         return engine
     plugins = {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
     if kind not in plugins:
-        kinds = [*BUILTIN_ENGINES, *sorted(set(plugins) - set(BUILTIN_ENGINES)), "none"]
-        raise UsageError(f"unknown engine {kind!r}; use one of {', '.join(kinds)}")
+        raise UsageError(f"unknown engine {kind!r}; use one of {', '.join(engine_kinds())}")
     try:
         factory = plugins[kind].load()
     except Exception as exc:  # a broken third-party package: say which one, in one line

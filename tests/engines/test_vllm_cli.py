@@ -17,7 +17,7 @@ import torch
 from sglang_standin import random_weights, tiny_config, write_checkpoint
 from vllm_standin import StandinVLLM
 
-from deltafs.engines import make_engine, reload_engine
+from deltafs.engines import engine_kinds, make_engine, reload_engine
 from deltafs.publish import push as push_checkpoint
 from deltafs.errors import UsageError
 
@@ -176,6 +176,7 @@ def test_pull_once_switches_an_engine_registered_by_another_package(versions, pl
 
 
 def test_entry_point_errors_are_one_line_usage_errors(plugin_path):
+    assert engine_kinds() == ["sglang", "vllm", "fileengine", "missing", "notanengine", "none"]
     with pytest.raises(UsageError, match=r"unknown engine 'nope'; use one of sglang, vllm, fileengine, missing, notanengine, none"):
         make_engine("nope", "x")
     with pytest.raises(UsageError, match=r"engine 'missing' \(deltafs_no_such_module:Engine\) cannot be loaded: No module named"):
