@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from importlib import import_module, metadata
 from typing import Any
 
@@ -61,8 +62,8 @@ def make_engine(kind: str, url: str | None = None, **options: Any) -> Engine | N
         module, name, example = BUILTIN_ENGINES[kind]
         if not url:
             raise UsageError(f"--engine {kind} needs --engine-url (e.g. {example})")
-        engine: Any = getattr(import_module(module), name)(url, **options)
-        return engine
+        adapter: Callable[..., Engine] = getattr(import_module(module), name)
+        return adapter(url, **options)
     plugins = {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
     if kind not in plugins:
         raise UsageError(f"unknown engine {kind!r}; use one of {', '.join(engine_kinds())}")
