@@ -122,7 +122,7 @@ def pull_cmd(
     storage_options: StorageOptions = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a DEST that holds another store's checkpoint or foreign files (moved aside, not deleted).")] = False,
     once: Annotated[bool, typer.Option("--once", help="Cron mode: never wait for another pull's lock; exit 0 updated, 100 already current, 101 busy.")] = False,
-    engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine: sglang or none (see `deltafs watch --help`).")] = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine: sglang, vllm, one an installed package registers, or none (see `deltafs watch --help`).")] = None,
     engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Download/decode threads.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be read and from where; change nothing.")] = False,

@@ -20,9 +20,9 @@ EXIT_FLEET_PROBLEM = 1
 def watch_cmd(
     store: Annotated[str, typer.Argument(help="Store URL: a path, file://, s3://bucket/prefix …")],
     dest: Annotated[str, typer.Argument(help="Local checkpoint path the engine loads from (a symlink deltafs manages).")],
-    engine: Annotated[Optional[str], typer.Option("--engine", help="sglang or none (default: sglang when --engine-url is given, else none).")] = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="sglang, vllm, one an installed package registers, or none (default: sglang when --engine-url is given, else none).")] = None,
     engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
-    pause_mode: Annotated[str, typer.Option("--pause-mode", help="How SGLang pauses for the switch: abort, retract or in_place.")] = "retract",
+    pause_mode: Annotated[str, typer.Option("--pause-mode", help="How the engine pauses for the switch: SGLang abort, retract or in_place; vLLM abort, wait or keep (retract means keep).")] = "retract",
     boundary: Annotated[str, typer.Option("--boundary", help="When to switch: immediate, idle (no running requests) or signal.")] = "immediate",
     max_wait: Annotated[float, typer.Option("--max-wait", help="idle: switch anyway after this many seconds.")] = 300.0,
     boundary_file: Annotated[Optional[str], typer.Option("--boundary-file", help="signal: touching this file says 'switch now'.")] = None,

@@ -1,6 +1,8 @@
 """Inference-engine adapters behind one small Protocol (base.Engine); the core never imports them.
 
     make_engine("sglang", "http://127.0.0.1:30000")   -> SGLangEngine (needs the [sglang] extra)
+    make_engine("vllm", "http://127.0.0.1:8000")      -> VLLMEngine (needs the [vllm] extra)
+    make_engine("other", url)                         -> a third party's engine, by entry point
     make_engine("none")                               -> None: pull only, no engine to switch
     reload_engine(...)                                -> one switch, for cron mode (deltafs pull --once)
     TorchModuleEngine(module)                         -> in-process, in place (deltafs.engines.torch_module)
@@ -9,6 +11,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from importlib import import_module, metadata
 from typing import Any
 
 from deltafs.engines.base import Engine, SwitchError, SwitchResult, Target
@@ -21,6 +25,7 @@ __all__ = [
     "SwitchError",
     "SwitchResult",
     "Target",
+    "engine_kinds",
     "find_version_dir",
     "make_engine",
     "reload_engine",
@@ -29,20 +34,48 @@ __all__ = [
 
 log = logging.getLogger("deltafs.engines")
 
-ENGINE_KINDS = ("sglang", "none")
+ENGINE_KINDS = ("sglang", "vllm", "none")
+# Built-in adapters: kind -> (module, class, example URL). Imported only when asked for.
+BUILTIN_ENGINES = {
+    "sglang": ("deltafs.engines.sglang", "SGLangEngine", "http://127.0.0.1:30000"),
+    "vllm": ("deltafs.engines.vllm", "VLLMEngine", "http://127.0.0.1:8000"),
+}
+# Third-party adapters register a factory, called as factory(url, **options) -> Engine, e.g.
+#   [project.entry-points."deltafs.engines"]  myengine = "mypkg.deltafs_engine:MyEngine"
+ENTRY_POINT_GROUP = "deltafs.engines"
+
+
+def engine_kinds() -> list[str]:
+    """Every --engine name usable here: the built-in ones, those installed packages register, "none"."""
+    plugins = {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return [*BUILTIN_ENGINES, *sorted(plugins - set(BUILTIN_ENGINES)), "none"]
 
 
 def make_engine(kind: str, url: str | None = None, **options: Any) -> Engine | None:
-    """An engine adapter by name; options go to its constructor (pause_mode, timeout, ...)."""
+    """An engine adapter by name: a built-in one, else one registered under the deltafs.engines entry points.
+
+    options go to its constructor (pause_mode, load_timeout, api_key, ...).
+    """
     if kind == "none":
         return None
-    if kind == "sglang":
+    if kind in BUILTIN_ENGINES:
+        module, name, example = BUILTIN_ENGINES[kind]
         if not url:
-            raise UsageError("--engine sglang needs --engine-url (e.g. http://127.0.0.1:30000)")
-        from deltafs.engines.sglang import SGLangEngine
-
-        return SGLangEngine(url, **options)
-    raise UsageError(f"unknown engine {kind!r}; use one of {', '.join(ENGINE_KINDS)}")
+            raise UsageError(f"--engine {kind} needs --engine-url (e.g. {example})")
+        adapter: Callable[..., Engine] = getattr(import_module(module), name)
+        return adapter(url, **options)
+    plugins = {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    if kind not in plugins:
+        raise UsageError(f"unknown engine {kind!r}; use one of {', '.join(engine_kinds())}")
+    try:
+        factory = plugins[kind].load()
+    except Exception as exc:  # a broken third-party package: say which one, in one line
+        raise UsageError(f"engine {kind!r} ({plugins[kind].value}) cannot be loaded: {exc}") from None
+    engine = factory(url, **options)
+    if not isinstance(engine, Engine):
+        raise UsageError(f"engine {kind!r} ({plugins[kind].value}) did not return an Engine "
+                         "(kind, served_version, busy_requests, resume, switch)")
+    return engine
 
 
 def reload_engine(kind: str, url: str | None, path: str | None = None, version: int | None = None, *,
