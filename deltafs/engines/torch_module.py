@@ -1,9 +1,18 @@
-"""Apply a pulled version in place into a live torch.nn.Module, by HF tensor name.
+"""Apply a pulled version in place into a live torch.nn.Module, by HF tensor name; the pause scales with the delta.
 
-Only tensors whose bytes differ from what the module holds are read and copied, on whatever device
-the module lives (CUDA, ROCm, XPU, CPU: copy_ does the transfer). After the copy each touched tensor
-is read back and hashed against the manifest's digest, so the module never keeps weights that do
-not match a verified version; on any failure the previous version is applied back.
+A switch has two halves. Staging runs while the module keeps serving: each tensor whose manifest digest differs from
+what the module holds is read from the new version's file and checked against that digest, then compared with the
+same tensor in the version file the module was loaded from (checked against its digest too) to find the positions
+that changed; the positions and new values are moved to the tensor's device. Staging also checks, with a checksum
+computed on the device, that the module still holds the bytes the engine believes it holds.
+
+The pause is then only: scatter the changed values in place (`index_copy_` on a flat integer view, so NaN payloads and
+signed zeros stay bit-exact), copy whole the few tensors where most elements changed or no previous file is known,
+and verify. Changed positions are read back on the device and compared with the staged values; whole copies are
+checked by the device checksum against the checksum of the verified file bytes. Only a few integers per tensor come
+back to the host. If anything fails, the previous version is put back (see TorchModuleEngine.switch).
+
+Works wherever the tensors live (CUDA, ROCm, XPU, CPU): everything on the device is plain torch ops.
 """
 
 from __future__ import annotations
@@ -13,26 +22,119 @@ import os
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
-from safetensors import SafetensorError, safe_open
 
 from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.engines.versions import read_version_manifest
 from deltafs.errors import DeltafsError, EngineError, IntegrityError
-from deltafs.format.manifest import Manifest, Segment
+from deltafs.format.manifest import FileEntry, Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
 
+_MASK = (1 << 64) - 1
+_ROW = 1024  # 64-bit words per row of the 2-D view a checksum reduces
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT_OF_SIZE = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_DIFF_BLOCK = 1 << 24  # elements compared at once: bounds the temporaries of a diff
+
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """xxh3-128 of the tensor's raw bytes, as safetensors stores them (the manifest's segment digest)."""
+    """xxh3-128 of the tensor's raw bytes, as safetensors stores them (the manifest's segment digest).
+
+    Copies the tensor to the host; the engine itself uses device_checksums instead.
+    """
     flat = t.detach().contiguous().reshape(-1).cpu()
     raw: Any = flat.view(torch.uint8).numpy() if flat.numel() else b""
     return "xxh3-128:" + xxhash.xxh3_128_hexdigest(raw)
+
+
+# --- checksum -------------------------------------------------------------------------------------------------------
+# C(bytes) = sum over the 64-bit little-endian words y_i of (2i+1)*y_i, plus, for the last bytes that do not fill a
+# word, (2(W+j)+1)*z_j over their elements z_j read as unsigned integers, all modulo 2**64. Integer sums modulo 2**64
+# do not depend on the order of the additions, so every device and numpy agree exactly. The weights are odd, hence
+# invertible modulo 2**64: a change of any single word (or tail element) always changes C. Viewing the words as a
+# [R, 1024] matrix, C = 2*1024*sum_r(r*rowsum_r) + sum_c((2c+1)*colsum_c): two plain sums over the data, no
+# temporaries the size of the tensor.
+
+def host_checksum(data: np.ndarray, itemsize: int) -> int:
+    """The checksum of a tensor's raw bytes (a 1-D uint8 array), computed with numpy on the host."""
+    n = data.size
+    words_n = n // 8
+    words = data[: words_n * 8].view("<u8")
+    rows = words_n // _ROW
+    acc = 0
+    if rows:
+        mat = words[: rows * _ROW].reshape(rows, _ROW)
+        row_sums = mat.sum(axis=1, dtype=np.uint64)
+        col_sums = mat.sum(axis=0, dtype=np.uint64)
+        acc += 2 * _ROW * int((np.arange(rows, dtype=np.uint64) * row_sums).sum(dtype=np.uint64))
+        acc += int((np.arange(1, 2 * _ROW, 2, dtype=np.uint64) * col_sums).sum(dtype=np.uint64))
+    rest = words[rows * _ROW:]
+    if rest.size:
+        weights = np.arange(2 * rows * _ROW + 1, 2 * words_n + 1, 2, dtype=np.uint64)
+        acc += int((weights * rest).sum(dtype=np.uint64))
+    tail = data[words_n * 8:]
+    if tail.size:
+        values = tail.view(f"<u{itemsize}").astype(np.uint64)
+        weights = np.arange(2 * words_n + 1, 2 * (words_n + values.size) + 1, 2, dtype=np.uint64)
+        acc += int((weights * values).sum(dtype=np.uint64))
+    return acc & _MASK
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as same-size integers, flat; a view of the same memory when t is contiguous."""
+    flat = t.detach().reshape(-1)  # a copy only when t is not contiguous
+    return flat.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _checksum_on_device(t: torch.Tensor) -> torch.Tensor:
+    """The checksum of t's bytes as a 0-d int64 tensor on t's device (the same function as host_checksum)."""
+    u = _int_view(t)
+    dev = u.device
+    per_word = 8 // t.element_size()
+    words_n = u.numel() // per_word
+    acc = torch.zeros((), dtype=torch.int64, device=dev)
+    if words_n:
+        body = u[: words_n * per_word]
+        try:
+            words = body.view(torch.int64)
+        except RuntimeError:  # storage offset not 8-byte aligned (a view into a flat buffer): realign by a copy
+            words = body.clone().view(torch.int64)
+        rows = words_n // _ROW
+        if rows:
+            mat = words[: rows * _ROW].view(rows, _ROW)
+            row_w = torch.arange(rows, dtype=torch.int64, device=dev)
+            col_w = torch.arange(1, 2 * _ROW, 2, dtype=torch.int64, device=dev)
+            # int64 products and sums wrap modulo 2**64 on every backend, like numpy's uint64
+            acc = acc + (row_w * mat.sum(1)).sum() * (2 * _ROW) + (col_w * mat.sum(0)).sum()
+        if words_n > rows * _ROW:
+            weights = torch.arange(2 * rows * _ROW + 1, 2 * words_n + 1, 2, dtype=torch.int64, device=dev)
+            acc = acc + (weights * words[rows * _ROW:]).sum()
+    tail = u[words_n * per_word:]
+    if tail.numel():
+        values = tail.to(torch.int64) & ((1 << (8 * t.element_size())) - 1)
+        weights = torch.arange(2 * words_n + 1, 2 * (words_n + tail.numel()) + 1, 2, dtype=torch.int64, device=dev)
+        acc = acc + (weights * values).sum()
+    return acc
+
+
+def device_checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """host_checksum of each tensor's bytes, computed where the tensor lives; one transfer of the results per device."""
+    out: list[int] = [0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    with torch.no_grad():
+        for positions in by_device.values():
+            sums = torch.stack([_checksum_on_device(tensors[i]) for i in positions]).tolist()
+            for i, s in zip(positions, sums):
+                out[i] = int(s) & _MASK
+    return out
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -46,31 +148,113 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# --- staging and applying -------------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class ApplyReport:
     version: int
-    changed: int  # tensors copied into the module
+    changed: int  # tensors written into the module (sparse + whole)
     unchanged: int  # tensors already bit-equal
     skipped: tuple[str, ...]  # checkpoint tensors the module does not have (strict=False)
+    seconds: float  # the apply itself (the pause, without waiting for the lock)
+    sparse: int = 0  # tensors updated by scattering their changed elements
+    whole: int = 0  # tensors copied whole (most elements changed, or no previous bytes to diff against)
+    elements: int = 0  # elements written by the sparse updates
+    repaired: tuple[str, ...] = ()  # tensors the module held with other bytes than the engine had applied
+    stage_seconds: float = 0.0  # reading, checking and diffing before the pause
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What one module tensor is known to hold, and where those bytes are on disk to diff the next version against."""
+
+    digest: str  # the manifest's xxh3-128 of the bytes
+    checksum: int  # host_checksum of the bytes
+    path: str  # a verified version file holding the bytes
+    offset: int  # where they start in that file
+
+
+@dataclass
+class _SparseGroup:
+    """The scattered tensors of one device and element size; values (and indices) in one buffer each."""
+
+    device: torch.device
+    names: list[str] = field(default_factory=list)
+    flats: list[torch.Tensor] = field(default_factory=list)  # int views of the module tensors
+    idx: list[np.ndarray] = field(default_factory=list)
+    vals: list[np.ndarray] = field(default_factory=list)
+    old: list[np.ndarray] = field(default_factory=list)  # the previous values, to undo a failed apply
+    idx_dev: list[torch.Tensor] = field(default_factory=list)
+    vals_dev: list[torch.Tensor] = field(default_factory=list)
+    vals_all: torch.Tensor | None = None
+
+
+@dataclass
+class _Whole:
+    name: str
+    target: torch.Tensor
+    source: torch.Tensor  # the verified new bytes, on the host (pinned for an accelerator)
+
+
+@dataclass
+class StagedVersion:
+    """A version read, checked and diffed against what the module holds; commit() makes it live."""
+
+    version: int
+    groups: list[_SparseGroup]
+    whole: list[_Whole]
+    held: dict[str, _Held]  # what each written tensor holds after a successful commit
+    unchanged: int
+    skipped: tuple[str, ...]
+    repaired: tuple[str, ...]
     seconds: float
+    committed: bool = False
+
+    @property
+    def touched(self) -> list[str]:
+        return [n for g in self.groups for n in g.names] + [w.name for w in self.whole]
 
 
 class ModuleApplier:
-    """Keeps the digests of what a module holds so the next apply copies only what changed."""
+    """Keeps what each module tensor holds (digest, checksum, source file) so the next apply scatters only the delta.
 
-    def __init__(self, module: torch.nn.Module, *, strict: bool = True) -> None:
+    `whole_above`: a tensor with more than this fraction of its elements changed is copied whole instead.
+    `check_module`: before each apply, checksum every module tensor on its device against what was applied last, and
+    repair any that differ by a whole copy (costs reading the module once, outside the pause).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, strict: bool = True, whole_above: float = 0.5,
+                 check_module: bool = True) -> None:
         self.module = module
         self.strict = strict
-        self._digests: dict[str, str] = {}  # name -> digest known to be in the module now
+        self.whole_above = whole_above
+        self.check_module = check_module
+        self._held: dict[str, _Held] = {}
 
     def apply(self, version_dir: str, manifest: Manifest | None = None) -> ApplyReport:
-        """Copy the tensors of a pulled version that differ from the module's, then verify them."""
+        """Stage and commit in one go (no lock): make the module hold the version, verified."""
+        staged = self.stage(version_dir, manifest)
+        try:
+            return self.commit(staged)
+        except BaseException:
+            self.undo(staged)
+            raise
+
+    def verify(self) -> list[str]:
+        """Names of module tensors whose device checksum differs from what was last applied (or that were never)."""
+        live = module_tensors(self.module)
+        names = [n for n in live if n in self._held]
+        sums = device_checksums([live[n] for n in names])
+        bad = [n for n, s in zip(names, sums) if s != self._held[n].checksum]
+        return sorted(bad + [n for n in live if n not in self._held])
+
+    def stage(self, version_dir: str, manifest: Manifest | None = None) -> StagedVersion:
+        """Everything before the pause: read and check the new bytes, diff them, move the delta to the devices."""
         t0 = time.monotonic()
         man = manifest or read_version_manifest(version_dir)
         live = module_tensors(self.module)
-        plan: dict[str, list[tuple[str, Segment]]] = {}  # file -> tensors to copy from it
+        todo: list[tuple[FileEntry, Segment, torch.Tensor]] = []
         skipped: list[str] = []
-        unchanged = 0
         for f in man.files:
             if f.format != "safetensors":
                 continue
@@ -83,30 +267,222 @@ class ModuleApplier:
                     skipped.append(name)
                     continue
                 _check_compatible(name, target, seg)
-                have = self._digests.get(name)
-                if have is None:
-                    have = tensor_digest(target)  # first apply: learn what the module holds
-                    self._digests[name] = have
-                if have == seg.digest:
-                    unchanged += 1
-                else:
-                    plan.setdefault(f.path, []).append((name, seg))
+                todo.append((f, seg, target))
         if skipped and self.strict:
             raise EngineError(f"the module has no tensor(s) {', '.join(sorted(skipped)[:5])} of version {man.version}")
-        changed = 0
-        for rel, items in plan.items():
-            with safe_open(os.path.join(version_dir, rel), framework="pt", device="cpu") as fh:
-                for name, seg in items:
-                    target = live[name]
-                    self._digests.pop(name, None)  # unknown until verified below
-                    with torch.no_grad():
-                        target.copy_(fh.get_tensor(name))
-                    got = tensor_digest(target)
-                    if got != seg.digest:
-                        raise IntegrityError(f"tensor {name} after apply of version {man.version}", expected=seg.digest, actual=got)
-                    self._digests[name] = got
-                    changed += 1
-        return ApplyReport(man.version, changed, unchanged, tuple(sorted(skipped)), time.monotonic() - t0)
+        known = self._module_matches(todo)
+        repaired = tuple(sorted(n for n, ok in known.items() if ok is False))
+        for name in repaired:
+            log.warning("module tensor %s does not hold the bytes applied last; copying it whole", name)
+        groups: dict[tuple[torch.device, int], _SparseGroup] = {}
+        whole: list[_Whole] = []
+        held: dict[str, _Held] = {}
+        unchanged = 0
+        files: dict[str, _VersionFile] = {}
+        try:
+            unknown = [(f, seg, t) for f, seg, t in todo if known.get(seg.tensor_name or "") is None]
+            unchanged += self._learn_unknown(version_dir, unknown, files, whole, held)
+            for f, seg, target in todo:
+                name = seg.tensor_name or ""
+                if known.get(name) is None:
+                    continue
+                have = self._held[name]
+                if known[name] and have.digest == seg.digest:
+                    unchanged += 1
+                    continue
+                new = _file(files, version_dir, f).read_verified(seg, name)
+                new_held = _Held(seg.digest, host_checksum(new, seg.itemsize), _file(files, version_dir, f).path, seg.offset)
+                held[name] = new_held
+                old = self._read_base(have, seg, name) if known[name] else None
+                diff = _diff(old, new, seg.itemsize, self.whole_above) if old is not None else None
+                if diff is None or not target.is_contiguous():
+                    whole.append(_Whole(name, target, _host_source(new, target)))
+                    continue
+                idx, vals, old_vals = diff
+                g = groups.setdefault((target.device, seg.itemsize), _SparseGroup(target.device))
+                g.names.append(name)
+                g.flats.append(_int_view(target))
+                g.idx.append(idx)
+                g.vals.append(vals)
+                g.old.append(old_vals)
+        finally:
+            for vf in files.values():
+                vf.close()
+        for g in groups.values():
+            _to_device(g)
+        return StagedVersion(man.version, list(groups.values()), whole, held, unchanged, tuple(sorted(skipped)),
+                             repaired, time.monotonic() - t0)
+
+    def commit(self, staged: StagedVersion) -> ApplyReport:
+        """The pause: scatter, copy, verify on the device. Raises IntegrityError if the module does not hold the version."""
+        t0 = time.monotonic()
+        for name in staged.touched:
+            self._held.pop(name, None)  # unknown until verified below
+        staged.committed = True
+        bad: list[str] = []
+        with torch.no_grad():
+            for g in staged.groups:
+                for flat, idx, vals in zip(g.flats, g.idx_dev, g.vals_dev):
+                    flat.index_copy_(0, idx, vals)
+            for w in staged.whole:
+                w.target.copy_(w.source, non_blocking=True)
+            for g in staged.groups:
+                back = torch.cat([flat.index_select(0, idx) for flat, idx in zip(g.flats, g.idx_dev)])
+                if not torch.equal(back, g.vals_all):
+                    bad += [n for n, flat, idx, vals in zip(g.names, g.flats, g.idx_dev, g.vals_dev)
+                            if not torch.equal(flat.index_select(0, idx), vals)]
+            sums = device_checksums([w.target for w in staged.whole])
+        bad += [w.name for w, s in zip(staged.whole, sums) if s != staged.held[w.name].checksum]
+        if bad:
+            raise IntegrityError(f"module tensor(s) {', '.join(sorted(bad)[:5])} do not hold version {staged.version} "
+                                 "after the apply")
+        self._held.update(staged.held)
+        elements = sum(int(i.size) for g in staged.groups for i in g.idx)
+        sparse = sum(len(g.names) for g in staged.groups)
+        return ApplyReport(staged.version, sparse + len(staged.whole), staged.unchanged, staged.skipped,
+                           time.monotonic() - t0, sparse=sparse, whole=len(staged.whole), elements=elements,
+                           repaired=staged.repaired, stage_seconds=staged.seconds)
+
+    def undo(self, staged: StagedVersion) -> None:
+        """After a failed commit: put the previous values back where they were scattered; whole copies stay unknown."""
+        if not staged.committed:
+            return
+        with torch.no_grad():
+            for g in staged.groups:
+                for flat, idx, old in zip(g.flats, g.idx_dev, g.old):
+                    flat.index_copy_(0, idx, torch.from_numpy(old).to(g.device))
+
+    # -- helpers of stage() --
+
+    def _module_matches(self, todo: list[tuple[FileEntry, Segment, torch.Tensor]]) -> dict[str, bool | None]:
+        """Per tensor: True if the module holds what was applied last, False if not, None if nothing is known."""
+        out: dict[str, bool | None] = {}
+        names = [seg.tensor_name or "" for _, seg, _ in todo]
+        check = [(n, t) for n, (_, _, t) in zip(names, todo) if n in self._held]
+        for n in names:
+            out[n] = True if n in self._held else None
+        if self.check_module and check:
+            sums = device_checksums([t for _, t in check])
+            for (n, _), s in zip(check, sums):
+                out[n] = s == self._held[n].checksum
+        return out
+
+    def _learn_unknown(self, version_dir: str, unknown: list[tuple[FileEntry, Segment, torch.Tensor]],
+                       files: dict[str, _VersionFile], whole: list[_Whole], held: dict[str, _Held]) -> int:
+        """Tensors the engine knows nothing about (first apply, after a failure): copy whole those that differ."""
+        if not unknown:
+            return 0
+        sums = device_checksums([t for _, _, t in unknown])
+        same = 0
+        for (f, seg, target), have in zip(unknown, sums):
+            name = seg.tensor_name or ""
+            vf = _file(files, version_dir, f)
+            new = vf.read_verified(seg, name)
+            info = _Held(seg.digest, host_checksum(new, seg.itemsize), vf.path, seg.offset)
+            if info.checksum == have:
+                self._held[name] = info
+                same += 1
+            else:
+                held[name] = info
+                whole.append(_Whole(name, target, _host_source(new, target)))
+        return same
+
+    def _read_base(self, have: _Held, seg: Segment, name: str) -> np.ndarray | None:
+        """The bytes the module holds, from the file they were applied from, if it still has them."""
+        try:
+            with open(have.path, "rb") as fh:
+                data = _read_at(fh, have.offset, seg.size)
+        except OSError:
+            return None
+        if data is None or "xxh3-128:" + xxhash.xxh3_128_hexdigest(data) != have.digest:
+            log.info("previous bytes of %s are gone from %s; copying it whole", name, have.path)
+            return None
+        return data
+
+
+class _VersionFile:
+    """One safetensors file of the version being staged, checked against the manifest's size before any read."""
+
+    def __init__(self, version_dir: str, entry: FileEntry) -> None:
+        self.path = os.path.join(version_dir, entry.path)
+        self.entry = entry
+        self._fh = open(self.path, "rb")
+        size = os.fstat(self._fh.fileno()).st_size
+        if size != entry.size:
+            self._fh.close()
+            raise IntegrityError(f"{self.path} changed since it was pulled", expected=f"{entry.size} bytes",
+                                 actual=f"{size} bytes")
+
+    def read_verified(self, seg: Segment, name: str) -> np.ndarray:
+        data = _read_at(self._fh, seg.offset, seg.size)
+        got = "xxh3-128:" + xxhash.xxh3_128_hexdigest(data) if data is not None else "a short read"
+        if got != seg.digest:
+            raise IntegrityError(f"tensor {name} in {self.path} changed since it was pulled", expected=seg.digest,
+                                 actual=got)
+        assert data is not None
+        return data
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _file(files: dict[str, _VersionFile], version_dir: str, entry: FileEntry) -> _VersionFile:
+    vf = files.get(entry.path)
+    if vf is None:
+        vf = files[entry.path] = _VersionFile(version_dir, entry)
+    return vf
+
+
+def _read_at(fh: Any, offset: int, size: int) -> np.ndarray | None:
+    """size bytes at offset into a fresh buffer we own (never a mapping: a file cut short cannot crash us)."""
+    buf = np.empty(size, dtype=np.uint8)
+    fh.seek(offset)
+    got = fh.readinto(memoryview(buf)) if size else 0
+    return buf if got == size else None
+
+
+def _diff(old: np.ndarray, new: np.ndarray, itemsize: int, whole_above: float
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Changed element positions, new values and old values; None when more than whole_above of them changed."""
+    dt = _NP_INT_OF_SIZE[itemsize]
+    a, b = old.view(dt), new.view(dt)
+    limit = whole_above * a.size
+    parts: list[np.ndarray] = []
+    count = 0
+    for start in range(0, a.size, _DIFF_BLOCK):  # vectorized per block; blocks bound the boolean temporary
+        stop = min(start + _DIFF_BLOCK, a.size)
+        pos = np.flatnonzero(a[start:stop] != b[start:stop])
+        if start:
+            pos += start
+        parts.append(pos)
+        count += pos.size
+        if count > limit:
+            return None
+    idx = np.concatenate(parts) if len(parts) != 1 else parts[0]
+    return idx.astype(np.int64, copy=False), b[idx], a[idx]
+
+
+def _to_device(g: _SparseGroup) -> None:
+    """One host-to-device transfer of the group's indices and one of its values; per-tensor views into them."""
+    sizes = [int(i.size) for i in g.idx]
+    idx_all = torch.from_numpy(np.concatenate(g.idx) if g.idx else np.empty(0, np.int64))
+    vals_all = torch.from_numpy(np.concatenate(g.vals))
+    if g.device.type != "cpu":
+        idx_all, vals_all = idx_all.to(g.device), vals_all.to(g.device)
+    g.idx_dev = list(torch.split(idx_all, sizes))
+    g.vals_dev = list(torch.split(vals_all, sizes))
+    g.vals_all = vals_all
+
+
+def _host_source(data: np.ndarray, target: torch.Tensor) -> torch.Tensor:
+    """The verified bytes as a host tensor shaped like target; pinned when target lives on an accelerator."""
+    src = torch.from_numpy(data).view(target.dtype).reshape(target.shape)
+    if target.device.type != "cpu":
+        try:
+            src = src.pin_memory()
+        except RuntimeError:  # no pinned memory on this backend: a pageable copy still works
+            pass
+    return src
 
 
 def _check_compatible(name: str, target: torch.Tensor, seg: Segment) -> None:
@@ -129,17 +505,19 @@ _SAFETENSORS_DTYPES = {
 class TorchModuleEngine:
     """An in-process engine: a torch.nn.Module updated in place, under an optional lock.
 
-    The lock is the "pause": hold it in your inference loop around each forward pass and the
-    switch waits for the current step, then blocks the next one only while tensors are copied.
+    The lock is the "pause": hold it in your inference loop around each forward pass. A switch stages the version
+    (reads, checks and diffs it) while you keep running, then waits for the current step and blocks the next one
+    only while the changed elements are scattered and verified on the device.
     """
 
     kind = "torch"
 
     def __init__(self, module: torch.nn.Module, *, lock: threading.Lock | threading.RLock | None = None,
-                 strict: bool = True) -> None:
-        self.applier = ModuleApplier(module, strict=strict)
+                 strict: bool = True, whole_above: float = 0.5, check_module: bool = True) -> None:
+        self.applier = ModuleApplier(module, strict=strict, whole_above=whole_above, check_module=check_module)
         self.lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
         self._version: str | None = None
+        self.last_report: ApplyReport | None = None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -155,30 +533,45 @@ class TorchModuleEngine:
         return None
 
     def switch(self, target: Target, previous: Target | None) -> SwitchResult:
-        man = read_version_manifest(target.path)  # outside the pause: parse and validate first
+        try:  # outside the pause: parse, read, check and diff; the module is not touched yet
+            staged = self.applier.stage(target.path, read_version_manifest(target.path))
+        except Exception as exc:
+            rolled_back = self._version is not None and previous is not None and self._version == previous.version
+            if not rolled_back:
+                rolled_back = self._rollback(None, previous)
+            raise SwitchError(f"in-place apply of version {target.version} failed: {exc}",
+                              rolled_back=rolled_back, previous=previous) from exc
         started = time.monotonic()
         with self.lock:
+            locked = time.monotonic()
             try:
-                report = self.applier.apply(target.path, man)
+                report = self.applier.commit(staged)
             except BaseException as exc:  # KeyboardInterrupt too: never keep a half-applied module
-                rolled_back = self._rollback(previous)
+                rolled_back = self._rollback(staged, previous)
                 if not isinstance(exc, Exception):
                     raise
                 raise SwitchError(f"in-place apply of version {target.version} failed: {exc}",
                                   rolled_back=rolled_back, previous=previous) from exc
             self._version = target.version
         pause = time.monotonic() - started
+        self.last_report = report
+        log.debug("version %s: staged in %.3fs, pause %.4fs (%d scattered, %d whole, %d unchanged)", target.version,
+                  report.stage_seconds, time.monotonic() - locked, report.sparse, report.whole, report.unchanged)
         return SwitchResult(version=target.version, pause_seconds=pause, load_seconds=report.seconds,
                             tensors_changed=report.changed)
 
-    def _rollback(self, previous: Target | None) -> bool:
-        if previous is None:
-            self._version = None  # partly applied: what the module holds is no known version
-            return False
+    def _rollback(self, staged: StagedVersion | None, previous: Target | None) -> bool:
+        """Put the module back on previous: undo the scatter, then re-apply previous where checksums disagree."""
         try:
+            if staged is not None:
+                self.applier.undo(staged)
+            if previous is None:
+                self._version = None  # partly applied: what the module holds is no known version
+                return False
             self.applier.apply(previous.path)
-        except (DeltafsError, OSError, RuntimeError, SafetensorError) as exc:
-            log.critical("rollback of the module to version %s failed: %s", previous.version, exc)
+        except (DeltafsError, OSError, RuntimeError, ValueError) as exc:
+            log.critical("rollback of the module to version %s failed: %s",
+                         previous.version if previous else "?", exc)
             self._version = None
             return False
         self._version = previous.version
