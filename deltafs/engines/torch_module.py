@@ -270,6 +270,7 @@ class ModuleApplier:
                 todo.append((f, seg, target))
         if skipped and self.strict:
             raise EngineError(f"the module has no tensor(s) {', '.join(sorted(skipped)[:5])} of version {man.version}")
+        _check_tied(todo, man.version)
         known = self._module_matches(todo)
         repaired = tuple(sorted(n for n, ok in known.items() if ok is False))
         for name in repaired:
@@ -483,6 +484,18 @@ def _host_source(data: np.ndarray, target: torch.Tensor) -> torch.Tensor:
         except RuntimeError:  # no pinned memory on this backend: a pageable copy still works
             pass
     return src
+
+
+def _check_tied(todo: list[tuple[FileEntry, Segment, torch.Tensor]], version: int) -> None:
+    """Names that share memory in the module (tied weights) must have equal bytes in the checkpoint."""
+    seen: dict[tuple[torch.device, int], Segment] = {}
+    for _, seg, t in todo:
+        if t.numel() == 0:
+            continue
+        first = seen.setdefault((t.device, t.data_ptr()), seg)
+        if first.digest != seg.digest:
+            raise EngineError(f"tensors {first.tensor_name} and {seg.tensor_name} are one tensor in the module "
+                              f"(tied) but differ in version {version}")
 
 
 def _check_compatible(name: str, target: torch.Tensor, seg: Segment) -> None:
