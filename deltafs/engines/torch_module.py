@@ -187,6 +187,8 @@ class _SparseGroup:
     idx_dev: list[torch.Tensor] = field(default_factory=list)
     vals_dev: list[torch.Tensor] = field(default_factory=list)
     vals_all: torch.Tensor | None = None
+    back_all: torch.Tensor | None = None  # the changed positions read back after the scatter
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -323,13 +325,13 @@ class ModuleApplier:
         bad: list[str] = []
         with torch.no_grad():
             for g in staged.groups:
-                for flat, idx, vals in zip(g.flats, g.idx_dev, g.vals_dev):
-                    flat.index_copy_(0, idx, vals)
+                for flat, idx, vals, back in g.blocks:  # each block is read back while its cache lines are hot
+                    flat.scatter_(0, idx, vals)
+                    torch.index_select(flat, 0, idx, out=back)
             for w in staged.whole:
                 w.target.copy_(w.source, non_blocking=True)
             for g in staged.groups:
-                back = torch.cat([flat.index_select(0, idx) for flat, idx in zip(g.flats, g.idx_dev)])
-                if not torch.equal(back, g.vals_all):
+                if not torch.equal(g.back_all, g.vals_all):
                     bad += [n for n, flat, idx, vals in zip(g.names, g.flats, g.idx_dev, g.vals_dev)
                             if not torch.equal(flat.index_select(0, idx), vals)]
             sums = device_checksums([w.target for w in staged.whole])
@@ -463,16 +465,31 @@ def _diff(old: np.ndarray, new: np.ndarray, itemsize: int, whole_above: float
     return idx.astype(np.int64, copy=False), b[idx], a[idx]
 
 
+_CPU_SPAN = 1 << 18  # on the CPU, scatter and read back per 256Ki-element span, so the read-back hits the cache
+
+
 def _to_device(g: _SparseGroup) -> None:
-    """One host-to-device transfer of the group's indices and one of its values; per-tensor views into them."""
+    """One host-to-device transfer of the group's indices and one of its values; per-tensor and per-block views."""
     sizes = [int(i.size) for i in g.idx]
     idx_all = torch.from_numpy(np.concatenate(g.idx) if g.idx else np.empty(0, np.int64))
     vals_all = torch.from_numpy(np.concatenate(g.vals))
     if g.device.type != "cpu":
         idx_all, vals_all = idx_all.to(g.device), vals_all.to(g.device)
+    back_all = torch.empty_like(vals_all)
     g.idx_dev = list(torch.split(idx_all, sizes))
     g.vals_dev = list(torch.split(vals_all, sizes))
-    g.vals_all = vals_all
+    g.vals_all, g.back_all = vals_all, back_all
+    g.blocks = []
+    start = 0
+    for flat, idx in zip(g.flats, g.idx):
+        cuts = [0, int(idx.size)]
+        if g.device.type == "cpu" and flat.numel() > _CPU_SPAN:  # accelerators: one launch per tensor is cheaper
+            cuts[1:1] = np.searchsorted(idx, np.arange(_CPU_SPAN, flat.numel(), _CPU_SPAN)).tolist()
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if b > a:
+                g.blocks.append((flat, idx_all[start + a:start + b], vals_all[start + a:start + b],
+                                 back_all[start + a:start + b]))
+        start += int(idx.size)
 
 
 def _host_source(data: np.ndarray, target: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,7 @@ def mixed_tensors(seed: int) -> dict[str, torch.Tensor]:
         if dtype == torch.bool:
             raw = raw & 1
         out[f"layers.{i}.w"] = raw.view(dtype).reshape(shape).clone()
+    out["big.w"] = torch.randn(600_000, generator=gen).to(torch.bfloat16)  # scattered in several blocks on the CPU
     out["layers.0.w"].view(torch.int16)[:2] = torch.tensor([0x7FC1, -0x8000], dtype=torch.int16)  # NaN, -0.0
     return out
 
