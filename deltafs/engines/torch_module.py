@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,6 +192,17 @@ class _SparseGroup:
     blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """One tensor's staging result: copy `new` whole, scatter `diff` (positions, new values, old values), or neither
+    (the module, of unknown contents before, turned out to hold the bytes already)."""
+
+    name: str
+    held: _Held
+    new: np.ndarray | None = None
+    diff: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
 @dataclass
 class _Whole:
     name: str
@@ -210,6 +222,7 @@ class StagedVersion:
     skipped: tuple[str, ...]
     repaired: tuple[str, ...]
     seconds: float
+    names: tuple[str, ...]  # every tensor of the version the module has
     committed: bool = False
 
     @property
@@ -223,15 +236,18 @@ class ModuleApplier:
     `whole_above`: a tensor with more than this fraction of its elements changed is copied whole instead.
     `check_module`: before each apply, checksum every module tensor on its device against what was applied last, and
     repair any that differ by a whole copy (costs reading the module once, outside the pause).
+    `threads`: staging reads, hashes and diffs this many tensors at once (default: the CPU count, at most 8).
     """
 
     def __init__(self, module: torch.nn.Module, *, strict: bool = True, whole_above: float = 0.5,
-                 check_module: bool = True) -> None:
+                 check_module: bool = True, threads: int | None = None) -> None:
         self.module = module
+        self.threads = threads or min(8, os.cpu_count() or 1)
         self.strict = strict
         self.whole_above = whole_above
         self.check_module = check_module
         self._held: dict[str, _Held] = {}
+        self._expected: set[str] = set()  # the tensors of the version applied last
 
     def apply(self, version_dir: str, manifest: Manifest | None = None) -> ApplyReport:
         """Stage and commit in one go (no lock): make the module hold the version, verified."""
@@ -243,12 +259,15 @@ class ModuleApplier:
             raise
 
     def verify(self) -> list[str]:
-        """Names of module tensors whose device checksum differs from what was last applied (or that were never)."""
+        """Tensors of the version applied last that the module does not hold (by device checksum), or holds unknown bytes.
+
+        An empty list means the module holds that version bit for bit (up to the checksum's collisions).
+        """
         live = module_tensors(self.module)
-        names = [n for n in live if n in self._held]
+        names = sorted(n for n in self._expected if n in self._held and n in live)
         sums = device_checksums([live[n] for n in names])
         bad = [n for n, s in zip(names, sums) if s != self._held[n].checksum]
-        return sorted(bad + [n for n in live if n not in self._held])
+        return sorted(bad + [n for n in self._expected if n not in self._held or n not in live])
 
     def stage(self, version_dir: str, manifest: Manifest | None = None) -> StagedVersion:
         """Everything before the pause: read and check the new bytes, diff them, move the delta to the devices."""
@@ -273,48 +292,42 @@ class ModuleApplier:
         if skipped and self.strict:
             raise EngineError(f"the module has no tensor(s) {', '.join(sorted(skipped)[:5])} of version {man.version}")
         _check_tied(todo, man.version)
-        known = self._module_matches(todo)
+        known, module_sums = self._module_matches(todo)
         repaired = tuple(sorted(n for n, ok in known.items() if ok is False))
         for name in repaired:
             log.warning("module tensor %s does not hold the bytes applied last; copying it whole", name)
+        files = {f.path: _VersionFile(version_dir, f) for f in man.files if f.format == "safetensors"}
+
+        def plan(item: tuple[FileEntry, Segment, torch.Tensor]) -> _Plan | None:
+            return self._plan(files[item[0].path], item[1], item[2], known, module_sums)
+
+        with ThreadPoolExecutor(self.threads) as pool:  # reading, hashing and diffing release the GIL
+            plans = list(pool.map(plan, todo))
         groups: dict[tuple[torch.device, int], _SparseGroup] = {}
         whole: list[_Whole] = []
         held: dict[str, _Held] = {}
         unchanged = 0
-        files: dict[str, _VersionFile] = {}
-        try:
-            unknown = [(f, seg, t) for f, seg, t in todo if known.get(seg.tensor_name or "") is None]
-            unchanged += self._learn_unknown(version_dir, unknown, files, whole, held)
-            for f, seg, target in todo:
-                name = seg.tensor_name or ""
-                if known.get(name) is None:
-                    continue
-                have = self._held[name]
-                if known[name] and have.digest == seg.digest:
-                    unchanged += 1
-                    continue
-                new = _file(files, version_dir, f).read_verified(seg, name)
-                new_held = _Held(seg.digest, host_checksum(new, seg.itemsize), _file(files, version_dir, f).path, seg.offset)
-                held[name] = new_held
-                old = self._read_base(have, seg, name) if known[name] else None
-                diff = _diff(old, new, seg.itemsize, self.whole_above) if old is not None else None
-                if diff is None or not target.is_contiguous():
-                    whole.append(_Whole(name, target, _host_source(new, target)))
-                    continue
-                idx, vals, old_vals = diff
+        for (_, seg, target), p in zip(todo, plans):
+            if p is None:
+                unchanged += 1
+            elif p.new is None and p.diff is None:  # unknown before, and the module turned out to hold it
+                self._held[p.name] = p.held
+                unchanged += 1
+            elif p.diff is None:
+                held[p.name] = p.held
+                whole.append(_Whole(p.name, target, _host_source(p.new, target)))
+            else:
+                held[p.name] = p.held
                 g = groups.setdefault((target.device, seg.itemsize), _SparseGroup(target.device))
-                g.names.append(name)
+                g.names.append(p.name)
                 g.flats.append(_int_view(target))
-                g.idx.append(idx)
-                g.vals.append(vals)
-                g.old.append(old_vals)
-        finally:
-            for vf in files.values():
-                vf.close()
+                g.idx.append(p.diff[0])
+                g.vals.append(p.diff[1])
+                g.old.append(p.diff[2])
         for g in groups.values():
             _to_device(g)
         return StagedVersion(man.version, list(groups.values()), whole, held, unchanged, tuple(sorted(skipped)),
-                             repaired, time.monotonic() - t0)
+                             repaired, time.monotonic() - t0, tuple(seg.tensor_name or "" for _, seg, _ in todo))
 
     def commit(self, staged: StagedVersion) -> ApplyReport:
         """The pause: scatter, copy, verify on the device. Raises IntegrityError if the module does not hold the version."""
@@ -340,6 +353,7 @@ class ModuleApplier:
             raise IntegrityError(f"module tensor(s) {', '.join(sorted(bad)[:5])} do not hold version {staged.version} "
                                  "after the apply")
         self._held.update(staged.held)
+        self._expected = set(staged.names)
         elements = sum(int(i.size) for g in staged.groups for i in g.idx)
         sparse = sum(len(g.names) for g in staged.groups)
         return ApplyReport(staged.version, sparse + len(staged.whole), staged.unchanged, staged.skipped,
@@ -357,46 +371,48 @@ class ModuleApplier:
 
     # -- helpers of stage() --
 
-    def _module_matches(self, todo: list[tuple[FileEntry, Segment, torch.Tensor]]) -> dict[str, bool | None]:
-        """Per tensor: True if the module holds what was applied last, False if not, None if nothing is known."""
-        out: dict[str, bool | None] = {}
-        names = [seg.tensor_name or "" for _, seg, _ in todo]
-        check = [(n, t) for n, (_, _, t) in zip(names, todo) if n in self._held]
-        for n in names:
-            out[n] = True if n in self._held else None
-        if self.check_module and check:
-            sums = device_checksums([t for _, t in check])
-            for (n, _), s in zip(check, sums):
-                out[n] = s == self._held[n].checksum
-        return out
+    def _module_matches(self, todo: list[tuple[FileEntry, Segment, torch.Tensor]]
+                        ) -> tuple[dict[str, bool | None], dict[str, int]]:
+        """Per tensor: True if the module holds what was applied last, False if not, None if nothing is known.
 
-    def _learn_unknown(self, version_dir: str, unknown: list[tuple[FileEntry, Segment, torch.Tensor]],
-                       files: dict[str, _VersionFile], whole: list[_Whole], held: dict[str, _Held]) -> int:
-        """Tensors the engine knows nothing about (first apply, after a failure): copy whole those that differ."""
-        if not unknown:
-            return 0
-        sums = device_checksums([t for _, _, t in unknown])
-        same = 0
-        for (f, seg, target), have in zip(unknown, sums):
-            name = seg.tensor_name or ""
-            vf = _file(files, version_dir, f)
-            new = vf.read_verified(seg, name)
-            info = _Held(seg.digest, host_checksum(new, seg.itemsize), vf.path, seg.offset)
-            if info.checksum == have:
-                self._held[name] = info
-                same += 1
-            else:
-                held[name] = info
-                whole.append(_Whole(name, target, _host_source(new, target)))
-        return same
+        Also the device checksums computed: of every tensor with check_module, else of the unknown ones only.
+        """
+        names = [seg.tensor_name or "" for _, seg, _ in todo]
+        known: dict[str, bool | None] = {n: (True if n in self._held else None) for n in names}
+        wanted = [(n, t) for n, (_, _, t) in zip(names, todo) if self.check_module or known[n] is None]
+        sums = dict(zip([n for n, _ in wanted], device_checksums([t for _, t in wanted])))
+        for n, s in sums.items():
+            if known[n] is not None:
+                known[n] = s == self._held[n].checksum
+        return known, sums
+
+    def _plan(self, vf: _VersionFile, seg: Segment, target: torch.Tensor, known: dict[str, bool | None],
+              module_sums: dict[str, int]) -> _Plan | None:
+        """What one tensor needs (runs on a staging thread): None if the module already holds it."""
+        name = seg.tensor_name or ""
+        state = known[name]
+        if state is True and self._held[name].digest == seg.digest:
+            return None
+        new = vf.read_verified(seg, name)
+        info = _Held(seg.digest, host_checksum(new, seg.itemsize), vf.path, seg.offset)
+        if state is None:  # first apply, or after a failure: compare what the module holds by checksum
+            return _Plan(name, info) if info.checksum == module_sums[name] else _Plan(name, info, new=new)
+        old = self._read_base(self._held[name], seg, name) if state and target.is_contiguous() else None
+        diff = _diff(old, new, seg.itemsize, self.whole_above) if old is not None else None
+        return _Plan(name, info, new=new) if diff is None else _Plan(name, info, diff=diff)
 
     def _read_base(self, have: _Held, seg: Segment, name: str) -> np.ndarray | None:
         """The bytes the module holds, from the file they were applied from, if it still has them."""
         try:
-            with open(have.path, "rb") as fh:
-                data = _read_at(fh, have.offset, seg.size)
+            fd = os.open(have.path, os.O_RDONLY)
         except OSError:
             return None
+        try:
+            data = _read_at(fd, have.offset, seg.size)
+        except OSError:
+            data = None
+        finally:
+            os.close(fd)
         if data is None or "xxh3-128:" + xxhash.xxh3_128_hexdigest(data) != have.digest:
             log.info("previous bytes of %s are gone from %s; copying it whole", name, have.path)
             return None
@@ -408,40 +424,36 @@ class _VersionFile:
 
     def __init__(self, version_dir: str, entry: FileEntry) -> None:
         self.path = os.path.join(version_dir, entry.path)
-        self.entry = entry
-        self._fh = open(self.path, "rb")
-        size = os.fstat(self._fh.fileno()).st_size
+        with open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
         if size != entry.size:
-            self._fh.close()
             raise IntegrityError(f"{self.path} changed since it was pulled", expected=f"{entry.size} bytes",
                                  actual=f"{size} bytes")
 
     def read_verified(self, seg: Segment, name: str) -> np.ndarray:
-        data = _read_at(self._fh, seg.offset, seg.size)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = _read_at(fd, seg.offset, seg.size)
+        finally:
+            os.close(fd)
         got = "xxh3-128:" + xxhash.xxh3_128_hexdigest(data) if data is not None else "a short read"
-        if got != seg.digest:
+        if data is None or got != seg.digest:
             raise IntegrityError(f"tensor {name} in {self.path} changed since it was pulled", expected=seg.digest,
                                  actual=got)
-        assert data is not None
         return data
 
-    def close(self) -> None:
-        self._fh.close()
 
-
-def _file(files: dict[str, _VersionFile], version_dir: str, entry: FileEntry) -> _VersionFile:
-    vf = files.get(entry.path)
-    if vf is None:
-        vf = files[entry.path] = _VersionFile(version_dir, entry)
-    return vf
-
-
-def _read_at(fh: Any, offset: int, size: int) -> np.ndarray | None:
+def _read_at(fd: int, offset: int, size: int) -> np.ndarray | None:
     """size bytes at offset into a fresh buffer we own (never a mapping: a file cut short cannot crash us)."""
     buf = np.empty(size, dtype=np.uint8)
-    fh.seek(offset)
-    got = fh.readinto(memoryview(buf)) if size else 0
-    return buf if got == size else None
+    view = memoryview(buf)
+    done = 0
+    while done < size:  # pread returns at most ~2 GiB per call
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            return None
+        done += got
+    return buf
 
 
 def _diff(old: np.ndarray, new: np.ndarray, itemsize: int, whole_above: float
@@ -543,8 +555,10 @@ class TorchModuleEngine:
     kind = "torch"
 
     def __init__(self, module: torch.nn.Module, *, lock: threading.Lock | threading.RLock | None = None,
-                 strict: bool = True, whole_above: float = 0.5, check_module: bool = True) -> None:
-        self.applier = ModuleApplier(module, strict=strict, whole_above=whole_above, check_module=check_module)
+                 strict: bool = True, whole_above: float = 0.5, check_module: bool = True,
+                 threads: int | None = None) -> None:
+        self.applier = ModuleApplier(module, strict=strict, whole_above=whole_above, check_module=check_module,
+                                     threads=threads)
         self.lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
         self._version: str | None = None
         self.last_report: ApplyReport | None = None
@@ -565,9 +579,12 @@ class TorchModuleEngine:
     def switch(self, target: Target, previous: Target | None) -> SwitchResult:
         try:  # outside the pause: parse, read, check and diff; the module is not touched yet
             staged = self.applier.stage(target.path, read_version_manifest(target.path))
-        except Exception as exc:
-            rolled_back = self._version is not None and previous is not None and self._version == previous.version
-            if not rolled_back:
+        except Exception as exc:  # the module was not touched
+            if previous is None:
+                rolled_back = False
+            elif self._version == previous.version:
+                rolled_back = True  # still on previous
+            else:
                 rolled_back = self._rollback(None, previous)
             raise SwitchError(f"in-place apply of version {target.version} failed: {exc}",
                               rolled_back=rolled_back, previous=previous) from exc

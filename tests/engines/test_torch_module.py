@@ -354,3 +354,21 @@ def test_engine_stays_exact_over_a_run_of_versions(publish):
         assert_module_holds(module, versions[n])
         previous = target
     assert engine.applier.verify() == []
+
+
+def test_a_version_that_fails_before_the_pause_leaves_the_module_untouched(versions):
+    paths, weights = versions
+    module = build_model(CONFIG)
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(paths[1], "1"), None)
+    path = f"{paths[2]}/model.safetensors"
+    data = bytearray(open(path, "rb").read())
+    header_len = 8 + int.from_bytes(data[:8], "little")
+    data[header_len + json.loads(data[8:header_len])["lm_head.weight"]["data_offsets"][1] - 1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(SwitchError, match="changed since it was pulled") as info:
+        engine.switch(Target(paths[2], "2"), None)
+    assert not info.value.rolled_back  # no previous named, and none needed: the module was never touched
+    assert engine.served_version() == "1"
+    assert_module_holds(module, weights[1])
+    assert engine.applier.verify() == []
