@@ -8,8 +8,9 @@ with their manifests); the second changes `--fraction` of the elements of every 
 mantissa bit flipped, i.e. +-1 ulp, as small optimizer steps do). A module holding the data set's tensors lives on
 `--device`. Each round then measures, in turn:
 
-  engine v1->v2, engine v2->v1   TorchModuleEngine.switch: pause = time under the lock (scatter + verify on the
-                                 device); staging (read, check, diff, move to device) happens before, reported apart
+  engine v1->v2, engine v2->v1   what TorchModuleEngine.switch does: applier.stage() while the module serves (read,
+                                 check, diff, move to the device; reported apart), then applier.commit(), which
+                                 switch runs under the lock: the pause (scatter, read back, verify on the device)
   full reload                    safetensors.torch.load_file(every shard, device=...) + module.load_state_dict, the
                                  naive reload of the same pulled directory (all of it is pause)
   load_state_dict only           module.load_state_dict from host tensors already loaded (the copy alone; a floor
@@ -20,7 +21,8 @@ Data sets:
               2 layers, vocab 32000, untied: 253M parameters, 505 MB), 21 tensors
   small-f32   48 layers x 32 modules x (weight, bias), 1-D F32 of 64-8191 elements: 3,072 tensors, 51 MB
 
-Medians over --rounds. Pauses are wall time; on an accelerator every measurement ends with a device synchronize.
+Medians over --rounds, as wall time and as CPU seconds of the process (all threads; on a shared host the CPU
+seconds are the steadier measure). On an accelerator every measurement ends with a device synchronize.
 Never a test: timings depend on the machine and its load.
 """
 
@@ -34,6 +36,7 @@ import resource
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -102,22 +105,19 @@ def sync(device: str) -> None:
         torch.xpu.synchronize()
 
 
-def full_reload(module: torch.nn.Module, path: str, device: str) -> float:
-    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    t0 = time.perf_counter()
+def timed(fn: Callable[[], Any], device: str) -> tuple[Any, tuple[float, float]]:
+    """fn's result and (wall seconds, CPU seconds of this process, all threads); ends with a device synchronize."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    sync(device)
+    return out, (time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def full_reload(module: torch.nn.Module, path: str, device: str) -> None:
     state: dict[str, torch.Tensor] = {}
-    for shard in shards:
+    for shard in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
         state.update(load_file(os.path.join(path, shard), device=device))
     module.load_state_dict(state)
-    sync(device)
-    return time.perf_counter() - t0
-
-
-def state_dict_only(module: torch.nn.Module, state: dict[str, torch.Tensor], device: str) -> float:
-    t0 = time.perf_counter()
-    module.load_state_dict(state)
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def run_dataset(name: str, tensors: dict[str, torch.Tensor], args: argparse.Namespace,
@@ -142,24 +142,27 @@ def run_dataset(name: str, tensors: dict[str, torch.Tensor], args: argparse.Name
     engine.switch(Target(paths[0], "1"), None)  # the first apply loads everything; not measured
     pauses, stages, reloads, copies = [], [], [], []
     for _ in range(args.rounds):
-        for a, b in ((0, 1), (1, 0)):
-            result = engine.switch(Target(paths[b], str(b + 1)), Target(paths[a], str(a + 1)))
-            report = engine.last_report
-            assert report is not None and report.whole == 0, report
-            pauses.append(result.pause_seconds)
+        for b in (1, 0):
+            # what switch() does: stage while serving, then commit under the lock (the pause)
+            staged = engine.applier.stage(paths[b])
+            report, pause = timed(lambda: engine.applier.commit(staged), args.device)
+            assert report.whole == 0, report  # every changed tensor scattered, none copied whole
+            pauses.append(pause)
             stages.append(report.stage_seconds)
         # the engine is back on version 1: reloading version 1's directory keeps what it believes true
-        reloads.append(full_reload(module, paths[0], args.device))
-        copies.append(state_dict_only(module, host_state, args.device))
+        reloads.append(timed(lambda: full_reload(module, paths[0], args.device), args.device)[1])
+        copies.append(timed(lambda: module.load_state_dict(host_state), args.device)[1])
     assert engine.applier.verify() == []
-    row = {
+    row: dict[str, Any] = {
         "data": name, "device": args.device, "tensors": len(host_state), "MB": round(nbytes / 1e6, 1),
-        "changed_pct": round(100 * changed / elements, 2),
-        "full_reload_s": statistics.median(reloads), "load_state_dict_only_s": statistics.median(copies),
-        "engine_pause_s": statistics.median(pauses), "engine_stage_s": statistics.median(stages),
+        "changed_pct": round(100 * changed / elements, 2), "engine_stage_s": statistics.median(stages),
     }
-    row["pause_vs_full_reload"] = row["engine_pause_s"] / row["full_reload_s"]
-    row["pause_vs_load_state_dict_only"] = row["engine_pause_s"] / row["load_state_dict_only_s"]
+    for key, samples in (("full_reload", reloads), ("load_state_dict_only", copies), ("engine_pause", pauses)):
+        row[f"{key}_s"] = statistics.median(s[0] for s in samples)
+        row[f"{key}_cpu_s"] = statistics.median(s[1] for s in samples)
+    for unit in ("s", "cpu_s"):
+        row[f"pause_vs_full_reload_{unit}"] = row[f"engine_pause_{unit}"] / row[f"full_reload_{unit}"]
+        row[f"pause_vs_load_state_dict_only_{unit}"] = row[f"engine_pause_{unit}"] / row[f"load_state_dict_only_{unit}"]
     shutil.rmtree(work, ignore_errors=True)
     return row
 
@@ -187,13 +190,19 @@ def main() -> None:
            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
            "fraction": args.fraction, "rounds": args.rounds}
     print("\n| data | device | tensors | MB | changed | full reload | load_state_dict only | engine pause | pause / "
-          "full reload | pause / load_state_dict | staging |")
+          "full reload | pause / load_state_dict only | staging |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in rows:  # wall (CPU seconds of the process in brackets)
+        def ms(key: str) -> str:
+            return f"{r[key + '_s'] * 1e3:.0f} ms ({r[key + '_cpu_s'] * 1e3:.0f})"
+
+        def ratio(key: str) -> str:
+            return f"{r[key + '_s']:.2f}x ({r[key + '_cpu_s']:.2f}x)"
+
         print(f"| {r['data']} | {r['device']} | {r['tensors']} | {r['MB']} | {r['changed_pct']}% | "
-              f"{r['full_reload_s'] * 1e3:.1f} ms | {r['load_state_dict_only_s'] * 1e3:.1f} ms | "
-              f"{r['engine_pause_s'] * 1e3:.1f} ms | {r['pause_vs_full_reload']:.3f}x | "
-              f"{r['pause_vs_load_state_dict_only']:.3f}x | {r['engine_stage_s'] * 1e3:.0f} ms |")
+              f"{ms('full_reload')} | {ms('load_state_dict_only')} | {ms('engine_pause')} | "
+              f"{ratio('pause_vs_full_reload')} | {ratio('pause_vs_load_state_dict_only')} | "
+              f"{r['engine_stage_s']:.2f} s |")
     print(json.dumps(env))
     if args.json:
         with open(args.json, "w") as fh:

@@ -248,6 +248,7 @@ class ModuleApplier:
         self.check_module = check_module
         self._held: dict[str, _Held] = {}
         self._expected: set[str] = set()  # the tensors of the version applied last
+        self._pool: ThreadPoolExecutor | None = None  # scatter threads, started at the first CPU pause that uses them
 
     def apply(self, version_dir: str, manifest: Manifest | None = None) -> ApplyReport:
         """Stage and commit in one go (no lock): make the module hold the version, verified."""
@@ -337,10 +338,7 @@ class ModuleApplier:
         staged.committed = True
         bad: list[str] = []
         with torch.no_grad():
-            for g in staged.groups:
-                for flat, idx, vals, back in g.blocks:  # each block is read back while its cache lines are hot
-                    flat.scatter_(0, idx, vals)
-                    torch.index_select(flat, 0, idx, out=back)
+            self._scatter([b for g in staged.groups for b in g.blocks])
             for w in staged.whole:
                 w.target.copy_(w.source, non_blocking=True)
             for g in staged.groups:
@@ -359,6 +357,19 @@ class ModuleApplier:
         return ApplyReport(staged.version, sparse + len(staged.whole), staged.unchanged, staged.skipped,
                            time.monotonic() - t0, sparse=sparse, whole=len(staged.whole), elements=elements,
                            repaired=staged.repaired, stage_seconds=staged.seconds)
+
+    def _scatter(self, blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Write each block's values and read them back. On the CPU, torch runs one scatter on one core while its
+        copy_ uses them all: spread the blocks over torch's intra-op thread count (the ops release the GIL)."""
+        workers = torch.get_num_threads()
+        cpu = [b for b in blocks if b[0].device.type == "cpu"]
+        if workers > 1 and len(cpu) >= 2 * workers:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="deltafs-scatter")
+            step = -(-len(cpu) // workers)
+            list(self._pool.map(_scatter_blocks, [cpu[i:i + step] for i in range(0, len(cpu), step)]))
+            blocks = [b for b in blocks if b[0].device.type != "cpu"]
+        _scatter_blocks(blocks)
 
     def undo(self, staged: StagedVersion) -> None:
         """After a failed commit: put the previous values back where they were scattered; whole copies stay unknown."""
@@ -454,6 +465,13 @@ def _read_at(fd: int, offset: int, size: int) -> np.ndarray | None:
             return None
         done += got
     return buf
+
+
+def _scatter_blocks(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for flat, idx, vals, back in blocks:  # each block is read back while its cache lines are hot
+            flat.scatter_(0, idx, vals)
+            torch.index_select(flat, 0, idx, out=back)
 
 
 def _diff(old: np.ndarray, new: np.ndarray, itemsize: int, whole_above: float
