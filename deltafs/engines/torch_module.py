@@ -212,7 +212,8 @@ class _Whole:
 
 @dataclass
 class StagedVersion:
-    """A version read, checked and diffed against what the module holds; commit() makes it live."""
+    """A version read, checked and diffed against what the module holds; commit() makes it live (once, and only if
+    nothing was committed since it was staged)."""
 
     version: int
     groups: list[_SparseGroup]
@@ -223,6 +224,7 @@ class StagedVersion:
     repaired: tuple[str, ...]
     seconds: float
     names: tuple[str, ...]  # every tensor of the version the module has
+    generation: int  # the applier's commit count when staged: a diff is only valid against that state
     committed: bool = False
 
     @property
@@ -248,6 +250,7 @@ class ModuleApplier:
         self.check_module = check_module
         self._held: dict[str, _Held] = {}
         self._expected: set[str] = set()  # the tensors of the version applied last
+        self._generation = 0  # commits so far (see StagedVersion.generation)
         self._pool: ThreadPoolExecutor | None = None  # scatter threads, started at the first CPU pause that uses them
 
     def apply(self, version_dir: str, manifest: Manifest | None = None) -> ApplyReport:
@@ -328,11 +331,16 @@ class ModuleApplier:
         for g in groups.values():
             _to_device(g)
         return StagedVersion(man.version, list(groups.values()), whole, held, unchanged, tuple(sorted(skipped)),
-                             repaired, time.monotonic() - t0, tuple(seg.tensor_name or "" for _, seg, _ in todo))
+                             repaired, time.monotonic() - t0, tuple(seg.tensor_name or "" for _, seg, _ in todo),
+                             self._generation)
 
     def commit(self, staged: StagedVersion) -> ApplyReport:
         """The pause: scatter, copy, verify on the device. Raises IntegrityError if the module does not hold the version."""
         t0 = time.monotonic()
+        if staged.generation != self._generation or staged.committed:
+            raise EngineError(f"version {staged.version} was staged against what the module held before another "
+                              "apply; stage it again")
+        self._generation += 1
         for name in staged.touched:
             self._held.pop(name, None)  # unknown until verified below
         staged.committed = True

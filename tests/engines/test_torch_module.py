@@ -372,3 +372,17 @@ def test_a_version_that_fails_before_the_pause_leaves_the_module_untouched(versi
     assert engine.served_version() == "1"
     assert_module_holds(module, weights[1])
     assert engine.applier.verify() == []
+
+
+def test_a_version_staged_before_another_apply_is_refused(versions):
+    paths, weights = versions
+    module = build_model(CONFIG)
+    applier = ModuleApplier(module)
+    applier.apply(paths[1])
+    stale = applier.stage(paths[3])  # diffed against version 1
+    applier.apply(paths[2])
+    with pytest.raises(EngineError, match="stage it again"):
+        applier.commit(stale)
+    assert_module_holds(module, weights[2])
+    applier.commit(applier.stage(paths[3]))
+    assert_module_holds(module, weights[3])
