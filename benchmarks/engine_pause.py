@@ -127,7 +127,7 @@ def run_dataset(name: str, tensors: dict[str, torch.Tensor], args: argparse.Name
     store, dest = os.path.join(work, "store"), os.path.join(work, "dest")
     v2 = perturb(tensors, args.fraction, rng)
     changed = sum(int((a.view(-1).view(torch.uint8) != b.view(-1).view(torch.uint8)).sum()) for a, b in
-                  zip(tensors.values(), v2.values()))  # bytes that differ; one per changed element here
+                  zip(tensors.values(), v2.values(), strict=True))  # bytes that differ; one per changed element here
     elements = sum(t.numel() for t in tensors.values())
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     paths = []
@@ -145,7 +145,7 @@ def run_dataset(name: str, tensors: dict[str, torch.Tensor], args: argparse.Name
         for b in (1, 0):
             # what switch() does: stage while serving, then commit under the lock (the pause)
             staged = engine.applier.stage(paths[b])
-            report, pause = timed(lambda: engine.applier.commit(staged), args.device)
+            report, pause = timed(lambda staged=staged: engine.applier.commit(staged), args.device)
             assert report.whole == 0, report  # every changed tensor scattered, none copied whole
             pauses.append(pause)
             stages.append(report.stage_seconds)
@@ -192,16 +192,16 @@ def main() -> None:
     print("\n| data | device | tensors | MB | changed | full reload | load_state_dict only | engine pause | pause / "
           "full reload | pause / load_state_dict only | staging |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    def ms(r: dict[str, Any], key: str) -> str:
+        return f"{r[key + '_s'] * 1e3:.0f} ms ({r[key + '_cpu_s'] * 1e3:.0f})"
+
+    def ratio(r: dict[str, Any], key: str) -> str:
+        return f"{r[key + '_s']:.2f}x ({r[key + '_cpu_s']:.2f}x)"
+
     for r in rows:  # wall (CPU seconds of the process in brackets)
-        def ms(key: str) -> str:
-            return f"{r[key + '_s'] * 1e3:.0f} ms ({r[key + '_cpu_s'] * 1e3:.0f})"
-
-        def ratio(key: str) -> str:
-            return f"{r[key + '_s']:.2f}x ({r[key + '_cpu_s']:.2f}x)"
-
         print(f"| {r['data']} | {r['device']} | {r['tensors']} | {r['MB']} | {r['changed_pct']}% | "
-              f"{ms('full_reload')} | {ms('load_state_dict_only')} | {ms('engine_pause')} | "
-              f"{ratio('pause_vs_full_reload')} | {ratio('pause_vs_load_state_dict_only')} | "
+              f"{ms(r, 'full_reload')} | {ms(r, 'load_state_dict_only')} | {ms(r, 'engine_pause')} | "
+              f"{ratio(r, 'pause_vs_full_reload')} | {ratio(r, 'pause_vs_load_state_dict_only')} | "
               f"{r['engine_stage_s']:.2f} s |")
     print(json.dumps(env))
     if args.json:

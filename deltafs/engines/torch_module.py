@@ -40,7 +40,7 @@ log = logging.getLogger("deltafs.engines.torch")
 _MASK = (1 << 64) - 1
 _ROW = 1024  # 64-bit words per row of the 2-D view a checksum reduces
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_INT_OF_SIZE = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_NP_INT_OF_SIZE: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 _DIFF_BLOCK = 1 << 24  # elements compared at once: bounds the temporaries of a diff
 
 
@@ -133,7 +133,7 @@ def device_checksums(tensors: list[torch.Tensor]) -> list[int]:
     with torch.no_grad():
         for positions in by_device.values():
             sums = torch.stack([_checksum_on_device(tensors[i]) for i in positions]).tolist()
-            for i, s in zip(positions, sums):
+            for i, s in zip(positions, sums, strict=True):
                 out[i] = int(s) & _MASK
     return out
 
@@ -156,7 +156,7 @@ class ApplyReport:
     version: int
     changed: int  # tensors written into the module (sparse + whole)
     unchanged: int  # tensors already bit-equal
-    skipped: tuple[str, ...]  # checkpoint tensors the module does not have (strict=False)
+    skipped: tuple[str, ...]  # checkpoint tensors the module does not have (strict=True)
     seconds: float  # the apply itself (the pause, without waiting for the lock)
     sparse: int = 0  # tensors updated by scattering their changed elements
     whole: int = 0  # tensors copied whole (most elements changed, or no previous bytes to diff against)
@@ -187,8 +187,8 @@ class _SparseGroup:
     old: list[np.ndarray] = field(default_factory=list)  # the previous values, to undo a failed apply
     idx_dev: list[torch.Tensor] = field(default_factory=list)
     vals_dev: list[torch.Tensor] = field(default_factory=list)
-    vals_all: torch.Tensor | None = None
-    back_all: torch.Tensor | None = None  # the changed positions read back after the scatter
+    vals_all: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    back_all: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # the changed positions, read back
     blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
@@ -270,7 +270,7 @@ class ModuleApplier:
         live = module_tensors(self.module)
         names = sorted(n for n in self._expected if n in self._held and n in live)
         sums = device_checksums([live[n] for n in names])
-        bad = [n for n, s in zip(names, sums) if s != self._held[n].checksum]
+        bad = [n for n, s in zip(names, sums, strict=True) if s != self._held[n].checksum]
         return sorted(bad + [n for n in self._expected if n not in self._held or n not in live])
 
     def stage(self, version_dir: str, manifest: Manifest | None = None) -> StagedVersion:
@@ -311,15 +311,15 @@ class ModuleApplier:
         whole: list[_Whole] = []
         held: dict[str, _Held] = {}
         unchanged = 0
-        for (_, seg, target), p in zip(todo, plans):
+        for (_, seg, target), p in zip(todo, plans, strict=True):
             if p is None:
                 unchanged += 1
-            elif p.new is None and p.diff is None:  # unknown before, and the module turned out to hold it
-                self._held[p.name] = p.held
-                unchanged += 1
-            elif p.diff is None:
+            elif p.new is not None:
                 held[p.name] = p.held
                 whole.append(_Whole(p.name, target, _host_source(p.new, target)))
+            elif p.diff is None:  # unknown before, and the module turned out to hold it
+                self._held[p.name] = p.held
+                unchanged += 1
             else:
                 held[p.name] = p.held
                 g = groups.setdefault((target.device, seg.itemsize), _SparseGroup(target.device))
@@ -351,10 +351,10 @@ class ModuleApplier:
                 w.target.copy_(w.source, non_blocking=True)
             for g in staged.groups:
                 if not torch.equal(g.back_all, g.vals_all):
-                    bad += [n for n, flat, idx, vals in zip(g.names, g.flats, g.idx_dev, g.vals_dev)
+                    bad += [n for n, flat, idx, vals in zip(g.names, g.flats, g.idx_dev, g.vals_dev, strict=True)
                             if not torch.equal(flat.index_select(0, idx), vals)]
             sums = device_checksums([w.target for w in staged.whole])
-        bad += [w.name for w, s in zip(staged.whole, sums) if s != staged.held[w.name].checksum]
+        bad += [w.name for w, s in zip(staged.whole, sums, strict=True) if s != staged.held[w.name].checksum]
         if bad:
             raise IntegrityError(f"module tensor(s) {', '.join(sorted(bad)[:5])} do not hold version {staged.version} "
                                  "after the apply")
@@ -385,7 +385,7 @@ class ModuleApplier:
             return
         with torch.no_grad():
             for g in staged.groups:
-                for flat, idx, old in zip(g.flats, g.idx_dev, g.old):
+                for flat, idx, old in zip(g.flats, g.idx_dev, g.old, strict=True):
                     flat.index_copy_(0, idx, torch.from_numpy(old).to(g.device))
 
     # -- helpers of stage() --
@@ -398,8 +398,8 @@ class ModuleApplier:
         """
         names = [seg.tensor_name or "" for _, seg, _ in todo]
         known: dict[str, bool | None] = {n: (True if n in self._held else None) for n in names}
-        wanted = [(n, t) for n, (_, _, t) in zip(names, todo) if self.check_module or known[n] is None]
-        sums = dict(zip([n for n, _ in wanted], device_checksums([t for _, t in wanted])))
+        wanted = [(n, t) for n, (_, _, t) in zip(names, todo, strict=True) if self.check_module or known[n] is None]
+        sums = dict(zip([n for n, _ in wanted], device_checksums([t for _, t in wanted]), strict=True))
         for n, s in sums.items():
             if known[n] is not None:
                 known[n] = s == self._held[n].checksum
@@ -432,7 +432,7 @@ class ModuleApplier:
             data = None
         finally:
             os.close(fd)
-        if data is None or "xxh3-128:" + xxhash.xxh3_128_hexdigest(data) != have.digest:
+        if data is None or "xxh3-128:" + xxhash.xxh3_128_hexdigest(data.data) != have.digest:
             log.info("previous bytes of %s are gone from %s; copying it whole", name, have.path)
             return None
         return data
@@ -455,7 +455,7 @@ class _VersionFile:
             data = _read_at(fd, seg.offset, seg.size)
         finally:
             os.close(fd)
-        got = "xxh3-128:" + xxhash.xxh3_128_hexdigest(data) if data is not None else "a short read"
+        got = "xxh3-128:" + xxhash.xxh3_128_hexdigest(data.data) if data is not None else "a short read"
         if data is None or got != seg.digest:
             raise IntegrityError(f"tensor {name} in {self.path} changed since it was pulled", expected=seg.digest,
                                  actual=got)
@@ -465,7 +465,7 @@ class _VersionFile:
 def _read_at(fd: int, offset: int, size: int) -> np.ndarray | None:
     """size bytes at offset into a fresh buffer we own (never a mapping: a file cut short cannot crash us)."""
     buf = np.empty(size, dtype=np.uint8)
-    view = memoryview(buf)
+    view = buf.data
     done = 0
     while done < size:  # pread returns at most ~2 GiB per call
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -519,11 +519,11 @@ def _to_device(g: _SparseGroup) -> None:
     g.vals_all, g.back_all = vals_all, back_all
     g.blocks = []
     start = 0
-    for flat, idx in zip(g.flats, g.idx):
+    for flat, idx in zip(g.flats, g.idx, strict=True):
         cuts = [0, int(idx.size)]
         if g.device.type == "cpu" and flat.numel() > _CPU_SPAN:  # accelerators: one launch per tensor is cheaper
             cuts[1:1] = np.searchsorted(idx, np.arange(_CPU_SPAN, flat.numel(), _CPU_SPAN)).tolist()
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             if b > a:
                 g.blocks.append((flat, idx_all[start + a:start + b], vals_all[start + a:start + b],
                                  back_all[start + a:start + b]))
