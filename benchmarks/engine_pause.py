@@ -46,7 +46,7 @@ from safetensors.torch import load_file
 from deltafs.engines.base import Target
 from deltafs.engines.torch_module import TorchModuleEngine
 from deltafs.publish import push_tensors
-from deltafs.pull import pull
+from deltafs.read.pull import pull
 from deltafs.testing.generator import ModelConfig
 
 

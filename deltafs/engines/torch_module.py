@@ -156,7 +156,7 @@ class ApplyReport:
     version: int
     changed: int  # tensors written into the module (sparse + whole)
     unchanged: int  # tensors already bit-equal
-    skipped: tuple[str, ...]  # checkpoint tensors the module does not have (strict=True)
+    skipped: tuple[str, ...]  # checkpoint tensors the module does not have (strict=False)
     seconds: float  # the apply itself (the pause, without waiting for the lock)
     sparse: int = 0  # tensors updated by scattering their changed elements
     whole: int = 0  # tensors copied whole (most elements changed, or no previous bytes to diff against)

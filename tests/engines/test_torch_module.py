@@ -112,7 +112,7 @@ def test_missing_tensor_in_module_is_an_error_when_strict(versions):
     del module.logit_bias
     with pytest.raises(EngineError, match="logit_bias"):
         ModuleApplier(module).apply(paths[1])
-    report = ModuleApplier(module, strict=True).apply(paths[1])
+    report = ModuleApplier(module, strict=False).apply(paths[1])
     assert report.skipped == ("logit_bias",)
 
 
