@@ -1,9 +1,18 @@
-"""Apply a pulled version in place into a live torch.nn.Module, by HF tensor name.
+"""Apply a pulled version in place into a live torch.nn.Module, by HF tensor name; the pause scales with the delta.
 
-Only tensors whose bytes differ from what the module holds are read and copied, on whatever device
-the module lives (CUDA, ROCm, XPU, CPU: copy_ does the transfer). After the copy each touched tensor
-is read back and hashed against the manifest's digest, so the module never keeps weights that do
-not match a verified version; on any failure the previous version is applied back.
+A switch has two halves. Staging runs while the module keeps serving: each tensor whose manifest digest differs from
+what the module holds is read from the new version's file and checked against that digest, then compared with the
+same tensor in the version file the module was loaded from (checked against its digest too) to find the positions
+that changed; the positions and new values are moved to the tensor's device. Staging also checks, with a checksum
+computed on the device, that the module still holds the bytes the engine believes it holds.
+
+The pause is then only: scatter the changed values in place (`index_copy_` on a flat integer view, so NaN payloads and
+signed zeros stay bit-exact), copy whole the few tensors where most elements changed or no previous file is known,
+and verify. Changed positions are read back on the device and compared with the staged values; whole copies are
+checked by the device checksum against the checksum of the verified file bytes. Only a few integers per tensor come
+back to the host. If anything fails, the previous version is put back (see TorchModuleEngine.switch).
+
+Works wherever the tensors live (CUDA, ROCm, XPU, CPU): everything on the device is plain torch ops.
 """
 
 from __future__ import annotations
@@ -12,27 +21,121 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
-from safetensors import SafetensorError, safe_open
 
 from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.engines.versions import read_version_manifest
 from deltafs.errors import DeltafsError, EngineError, IntegrityError
-from deltafs.format.manifest import Manifest, Segment
+from deltafs.format.manifest import FileEntry, Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
 
+_MASK = (1 << 64) - 1
+_ROW = 1024  # 64-bit words per row of the 2-D view a checksum reduces
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT_OF_SIZE: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_DIFF_BLOCK = 1 << 24  # elements compared at once: bounds the temporaries of a diff
+
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """xxh3-128 of the tensor's raw bytes, as safetensors stores them (the manifest's segment digest)."""
+    """xxh3-128 of the tensor's raw bytes, as safetensors stores them (the manifest's segment digest).
+
+    Copies the tensor to the host; the engine itself uses device_checksums instead.
+    """
     flat = t.detach().contiguous().reshape(-1).cpu()
     raw: Any = flat.view(torch.uint8).numpy() if flat.numel() else b""
     return "xxh3-128:" + xxhash.xxh3_128_hexdigest(raw)
+
+
+# --- checksum -------------------------------------------------------------------------------------------------------
+# C(bytes) = sum over the 64-bit little-endian words y_i of (2i+1)*y_i, plus, for the last bytes that do not fill a
+# word, (2(W+j)+1)*z_j over their elements z_j read as unsigned integers, all modulo 2**64. Integer sums modulo 2**64
+# do not depend on the order of the additions, so every device and numpy agree exactly. The weights are odd, hence
+# invertible modulo 2**64: a change of any single word (or tail element) always changes C. Viewing the words as a
+# [R, 1024] matrix, C = 2*1024*sum_r(r*rowsum_r) + sum_c((2c+1)*colsum_c): two plain sums over the data, no
+# temporaries the size of the tensor.
+
+def host_checksum(data: np.ndarray, itemsize: int) -> int:
+    """The checksum of a tensor's raw bytes (a 1-D uint8 array), computed with numpy on the host."""
+    n = data.size
+    words_n = n // 8
+    words = data[: words_n * 8].view("<u8")
+    rows = words_n // _ROW
+    acc = 0
+    if rows:
+        mat = words[: rows * _ROW].reshape(rows, _ROW)
+        row_sums = mat.sum(axis=1, dtype=np.uint64)
+        col_sums = mat.sum(axis=0, dtype=np.uint64)
+        acc += 2 * _ROW * int((np.arange(rows, dtype=np.uint64) * row_sums).sum(dtype=np.uint64))
+        acc += int((np.arange(1, 2 * _ROW, 2, dtype=np.uint64) * col_sums).sum(dtype=np.uint64))
+    rest = words[rows * _ROW:]
+    if rest.size:
+        weights = np.arange(2 * rows * _ROW + 1, 2 * words_n + 1, 2, dtype=np.uint64)
+        acc += int((weights * rest).sum(dtype=np.uint64))
+    tail = data[words_n * 8:]
+    if tail.size:
+        values = tail.view(f"<u{itemsize}").astype(np.uint64)
+        weights = np.arange(2 * words_n + 1, 2 * (words_n + values.size) + 1, 2, dtype=np.uint64)
+        acc += int((weights * values).sum(dtype=np.uint64))
+    return acc & _MASK
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as same-size integers, flat; a view of the same memory when t is contiguous."""
+    flat = t.detach().reshape(-1)  # a copy only when t is not contiguous
+    return flat.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _checksum_on_device(t: torch.Tensor) -> torch.Tensor:
+    """The checksum of t's bytes as a 0-d int64 tensor on t's device (the same function as host_checksum)."""
+    u = _int_view(t)
+    dev = u.device
+    per_word = 8 // t.element_size()
+    words_n = u.numel() // per_word
+    acc = torch.zeros((), dtype=torch.int64, device=dev)
+    if words_n:
+        body = u[: words_n * per_word]
+        try:
+            words = body.view(torch.int64)
+        except RuntimeError:  # storage offset not 8-byte aligned (a view into a flat buffer): realign by a copy
+            words = body.clone().view(torch.int64)
+        rows = words_n // _ROW
+        if rows:
+            mat = words[: rows * _ROW].view(rows, _ROW)
+            row_w = torch.arange(rows, dtype=torch.int64, device=dev)
+            col_w = torch.arange(1, 2 * _ROW, 2, dtype=torch.int64, device=dev)
+            # int64 products and sums wrap modulo 2**64 on every backend, like numpy's uint64
+            acc = acc + (row_w * mat.sum(1)).sum() * (2 * _ROW) + (col_w * mat.sum(0)).sum()
+        if words_n > rows * _ROW:
+            weights = torch.arange(2 * rows * _ROW + 1, 2 * words_n + 1, 2, dtype=torch.int64, device=dev)
+            acc = acc + (weights * words[rows * _ROW:]).sum()
+    tail = u[words_n * per_word:]
+    if tail.numel():
+        values = tail.to(torch.int64) & ((1 << (8 * t.element_size())) - 1)
+        weights = torch.arange(2 * words_n + 1, 2 * (words_n + tail.numel()) + 1, 2, dtype=torch.int64, device=dev)
+        acc = acc + (weights * values).sum()
+    return acc
+
+
+def device_checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """host_checksum of each tensor's bytes, computed where the tensor lives; one transfer of the results per device."""
+    out: list[int] = [0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    with torch.no_grad():
+        for positions in by_device.values():
+            sums = torch.stack([_checksum_on_device(tensors[i]) for i in positions]).tolist()
+            for i, s in zip(positions, sums, strict=True):
+                out[i] = int(s) & _MASK
+    return out
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -46,31 +149,137 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# --- staging and applying -------------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class ApplyReport:
     version: int
-    changed: int  # tensors copied into the module
+    changed: int  # tensors written into the module (sparse + whole)
     unchanged: int  # tensors already bit-equal
     skipped: tuple[str, ...]  # checkpoint tensors the module does not have (strict=False)
+    seconds: float  # the apply itself (the pause, without waiting for the lock)
+    sparse: int = 0  # tensors updated by scattering their changed elements
+    whole: int = 0  # tensors copied whole (most elements changed, or no previous bytes to diff against)
+    elements: int = 0  # elements written by the sparse updates
+    repaired: tuple[str, ...] = ()  # tensors the module held with other bytes than the engine had applied
+    stage_seconds: float = 0.0  # reading, checking and diffing before the pause
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What one module tensor is known to hold, and where those bytes are on disk to diff the next version against."""
+
+    digest: str  # the manifest's xxh3-128 of the bytes
+    checksum: int  # host_checksum of the bytes
+    path: str  # a verified version file holding the bytes
+    offset: int  # where they start in that file
+
+
+@dataclass
+class _SparseGroup:
+    """The scattered tensors of one device and element size; values (and indices) in one buffer each."""
+
+    device: torch.device
+    names: list[str] = field(default_factory=list)
+    flats: list[torch.Tensor] = field(default_factory=list)  # int views of the module tensors
+    idx: list[np.ndarray] = field(default_factory=list)
+    vals: list[np.ndarray] = field(default_factory=list)
+    old: list[np.ndarray] = field(default_factory=list)  # the previous values, to undo a failed apply
+    idx_dev: list[torch.Tensor] = field(default_factory=list)
+    vals_dev: list[torch.Tensor] = field(default_factory=list)
+    vals_all: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    back_all: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # the changed positions, read back
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One tensor's staging result: copy `new` whole, scatter `diff` (positions, new values, old values), or neither
+    (the module, of unknown contents before, turned out to hold the bytes already)."""
+
+    name: str
+    held: _Held
+    new: np.ndarray | None = None
+    diff: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+@dataclass
+class _Whole:
+    name: str
+    target: torch.Tensor
+    source: torch.Tensor  # the verified new bytes, on the host (pinned for an accelerator)
+
+
+@dataclass
+class StagedVersion:
+    """A version read, checked and diffed against what the module holds; commit() makes it live (once, and only if
+    nothing was committed since it was staged)."""
+
+    version: int
+    groups: list[_SparseGroup]
+    whole: list[_Whole]
+    held: dict[str, _Held]  # what each written tensor holds after a successful commit
+    unchanged: int
+    skipped: tuple[str, ...]
+    repaired: tuple[str, ...]
     seconds: float
+    names: tuple[str, ...]  # every tensor of the version the module has
+    generation: int  # the applier's commit count when staged: a diff is only valid against that state
+    committed: bool = False
+
+    @property
+    def touched(self) -> list[str]:
+        return [n for g in self.groups for n in g.names] + [w.name for w in self.whole]
 
 
 class ModuleApplier:
-    """Keeps the digests of what a module holds so the next apply copies only what changed."""
+    """Keeps what each module tensor holds (digest, checksum, source file) so the next apply scatters only the delta.
 
-    def __init__(self, module: torch.nn.Module, *, strict: bool = True) -> None:
+    `whole_above`: a tensor with more than this fraction of its elements changed is copied whole instead.
+    `check_module`: before each apply, checksum every module tensor on its device against what was applied last, and
+    repair any that differ by a whole copy (costs reading the module once, outside the pause).
+    `threads`: staging reads, hashes and diffs this many tensors at once (default: the CPU count, at most 8).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, strict: bool = True, whole_above: float = 0.5,
+                 check_module: bool = True, threads: int | None = None) -> None:
         self.module = module
+        self.threads = threads or min(8, os.cpu_count() or 1)
         self.strict = strict
-        self._digests: dict[str, str] = {}  # name -> digest known to be in the module now
+        self.whole_above = whole_above
+        self.check_module = check_module
+        self._held: dict[str, _Held] = {}
+        self._expected: set[str] = set()  # the tensors of the version applied last
+        self._generation = 0  # commits so far (see StagedVersion.generation)
+        self._pool: ThreadPoolExecutor | None = None  # scatter threads, started at the first CPU pause that uses them
 
     def apply(self, version_dir: str, manifest: Manifest | None = None) -> ApplyReport:
-        """Copy the tensors of a pulled version that differ from the module's, then verify them."""
+        """Stage and commit in one go (no lock): make the module hold the version, verified."""
+        staged = self.stage(version_dir, manifest)
+        try:
+            return self.commit(staged)
+        except BaseException:
+            self.undo(staged)
+            raise
+
+    def verify(self) -> list[str]:
+        """Tensors of the version applied last that the module does not hold (by device checksum), or holds unknown bytes.
+
+        An empty list means the module holds that version bit for bit (up to the checksum's collisions).
+        """
+        live = module_tensors(self.module)
+        names = sorted(n for n in self._expected if n in self._held and n in live)
+        sums = device_checksums([live[n] for n in names])
+        bad = [n for n, s in zip(names, sums, strict=True) if s != self._held[n].checksum]
+        return sorted(bad + [n for n in self._expected if n not in self._held or n not in live])
+
+    def stage(self, version_dir: str, manifest: Manifest | None = None) -> StagedVersion:
+        """Everything before the pause: read and check the new bytes, diff them, move the delta to the devices."""
         t0 = time.monotonic()
         man = manifest or read_version_manifest(version_dir)
         live = module_tensors(self.module)
-        plan: dict[str, list[tuple[str, Segment]]] = {}  # file -> tensors to copy from it
+        todo: list[tuple[FileEntry, Segment, torch.Tensor]] = []
         skipped: list[str] = []
-        unchanged = 0
         for f in man.files:
             if f.format != "safetensors":
                 continue
@@ -83,30 +292,265 @@ class ModuleApplier:
                     skipped.append(name)
                     continue
                 _check_compatible(name, target, seg)
-                have = self._digests.get(name)
-                if have is None:
-                    have = tensor_digest(target)  # first apply: learn what the module holds
-                    self._digests[name] = have
-                if have == seg.digest:
-                    unchanged += 1
-                else:
-                    plan.setdefault(f.path, []).append((name, seg))
+                todo.append((f, seg, target))
         if skipped and self.strict:
             raise EngineError(f"the module has no tensor(s) {', '.join(sorted(skipped)[:5])} of version {man.version}")
-        changed = 0
-        for rel, items in plan.items():
-            with safe_open(os.path.join(version_dir, rel), framework="pt", device="cpu") as fh:
-                for name, seg in items:
-                    target = live[name]
-                    self._digests.pop(name, None)  # unknown until verified below
-                    with torch.no_grad():
-                        target.copy_(fh.get_tensor(name))
-                    got = tensor_digest(target)
-                    if got != seg.digest:
-                        raise IntegrityError(f"tensor {name} after apply of version {man.version}", expected=seg.digest, actual=got)
-                    self._digests[name] = got
-                    changed += 1
-        return ApplyReport(man.version, changed, unchanged, tuple(sorted(skipped)), time.monotonic() - t0)
+        _check_tied(todo, man.version)
+        known, module_sums = self._module_matches(todo)
+        repaired = tuple(sorted(n for n, ok in known.items() if ok is False))
+        for name in repaired:
+            log.warning("module tensor %s does not hold the bytes applied last; copying it whole", name)
+        files = {f.path: _VersionFile(version_dir, f) for f in man.files if f.format == "safetensors"}
+
+        def plan(item: tuple[FileEntry, Segment, torch.Tensor]) -> _Plan | None:
+            return self._plan(files[item[0].path], item[1], item[2], known, module_sums)
+
+        with ThreadPoolExecutor(self.threads) as pool:  # reading, hashing and diffing release the GIL
+            plans = list(pool.map(plan, todo))
+        groups: dict[tuple[torch.device, int], _SparseGroup] = {}
+        whole: list[_Whole] = []
+        held: dict[str, _Held] = {}
+        unchanged = 0
+        for (_, seg, target), p in zip(todo, plans, strict=True):
+            if p is None:
+                unchanged += 1
+            elif p.new is not None:
+                held[p.name] = p.held
+                whole.append(_Whole(p.name, target, _host_source(p.new, target)))
+            elif p.diff is None:  # unknown before, and the module turned out to hold it
+                self._held[p.name] = p.held
+                unchanged += 1
+            else:
+                held[p.name] = p.held
+                g = groups.setdefault((target.device, seg.itemsize), _SparseGroup(target.device))
+                g.names.append(p.name)
+                g.flats.append(_int_view(target))
+                g.idx.append(p.diff[0])
+                g.vals.append(p.diff[1])
+                g.old.append(p.diff[2])
+        for g in groups.values():
+            _to_device(g)
+        return StagedVersion(man.version, list(groups.values()), whole, held, unchanged, tuple(sorted(skipped)),
+                             repaired, time.monotonic() - t0, tuple(seg.tensor_name or "" for _, seg, _ in todo),
+                             self._generation)
+
+    def commit(self, staged: StagedVersion) -> ApplyReport:
+        """The pause: scatter, copy, verify on the device. Raises IntegrityError if the module does not hold the version."""
+        t0 = time.monotonic()
+        if staged.generation != self._generation or staged.committed:
+            raise EngineError(f"version {staged.version} was staged against what the module held before another "
+                              "apply; stage it again")
+        self._generation += 1
+        for name in staged.touched:
+            self._held.pop(name, None)  # unknown until verified below
+        staged.committed = True
+        bad: list[str] = []
+        with torch.no_grad():
+            self._scatter([b for g in staged.groups for b in g.blocks])
+            for w in staged.whole:
+                w.target.copy_(w.source, non_blocking=True)
+            for g in staged.groups:
+                if not torch.equal(g.back_all, g.vals_all):
+                    bad += [n for n, flat, idx, vals in zip(g.names, g.flats, g.idx_dev, g.vals_dev, strict=True)
+                            if not torch.equal(flat.index_select(0, idx), vals)]
+            sums = device_checksums([w.target for w in staged.whole])
+        bad += [w.name for w, s in zip(staged.whole, sums, strict=True) if s != staged.held[w.name].checksum]
+        if bad:
+            raise IntegrityError(f"module tensor(s) {', '.join(sorted(bad)[:5])} do not hold version {staged.version} "
+                                 "after the apply")
+        self._held.update(staged.held)
+        self._expected = set(staged.names)
+        elements = sum(int(i.size) for g in staged.groups for i in g.idx)
+        sparse = sum(len(g.names) for g in staged.groups)
+        return ApplyReport(staged.version, sparse + len(staged.whole), staged.unchanged, staged.skipped,
+                           time.monotonic() - t0, sparse=sparse, whole=len(staged.whole), elements=elements,
+                           repaired=staged.repaired, stage_seconds=staged.seconds)
+
+    def _scatter(self, blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Write each block's values and read them back. On the CPU, torch runs one scatter on one core while its
+        copy_ uses them all: spread the blocks over torch's intra-op thread count (the ops release the GIL)."""
+        workers = torch.get_num_threads()
+        cpu = [b for b in blocks if b[0].device.type == "cpu"]
+        if workers > 1 and len(cpu) >= 2 * workers:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="deltafs-scatter")
+            step = -(-len(cpu) // workers)
+            list(self._pool.map(_scatter_blocks, [cpu[i:i + step] for i in range(0, len(cpu), step)]))
+            blocks = [b for b in blocks if b[0].device.type != "cpu"]
+        _scatter_blocks(blocks)
+
+    def undo(self, staged: StagedVersion) -> None:
+        """After a failed commit: put the previous values back where they were scattered; whole copies stay unknown."""
+        if not staged.committed:
+            return
+        with torch.no_grad():
+            for g in staged.groups:
+                for flat, idx, old in zip(g.flats, g.idx_dev, g.old, strict=True):
+                    flat.index_copy_(0, idx, torch.from_numpy(old).to(g.device))
+
+    # -- helpers of stage() --
+
+    def _module_matches(self, todo: list[tuple[FileEntry, Segment, torch.Tensor]]
+                        ) -> tuple[dict[str, bool | None], dict[str, int]]:
+        """Per tensor: True if the module holds what was applied last, False if not, None if nothing is known.
+
+        Also the device checksums computed: of every tensor with check_module, else of the unknown ones only.
+        """
+        names = [seg.tensor_name or "" for _, seg, _ in todo]
+        known: dict[str, bool | None] = {n: (True if n in self._held else None) for n in names}
+        wanted = [(n, t) for n, (_, _, t) in zip(names, todo, strict=True) if self.check_module or known[n] is None]
+        sums = dict(zip([n for n, _ in wanted], device_checksums([t for _, t in wanted]), strict=True))
+        for n, s in sums.items():
+            if known[n] is not None:
+                known[n] = s == self._held[n].checksum
+        return known, sums
+
+    def _plan(self, vf: _VersionFile, seg: Segment, target: torch.Tensor, known: dict[str, bool | None],
+              module_sums: dict[str, int]) -> _Plan | None:
+        """What one tensor needs (runs on a staging thread): None if the module already holds it."""
+        name = seg.tensor_name or ""
+        state = known[name]
+        if state is True and self._held[name].digest == seg.digest:
+            return None
+        new = vf.read_verified(seg, name)
+        info = _Held(seg.digest, host_checksum(new, seg.itemsize), vf.path, seg.offset)
+        if state is None:  # first apply, or after a failure: compare what the module holds by checksum
+            return _Plan(name, info) if info.checksum == module_sums[name] else _Plan(name, info, new=new)
+        old = self._read_base(self._held[name], seg, name) if state and target.is_contiguous() else None
+        diff = _diff(old, new, seg.itemsize, self.whole_above) if old is not None else None
+        return _Plan(name, info, new=new) if diff is None else _Plan(name, info, diff=diff)
+
+    def _read_base(self, have: _Held, seg: Segment, name: str) -> np.ndarray | None:
+        """The bytes the module holds, from the file they were applied from, if it still has them."""
+        try:
+            fd = os.open(have.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            data = _read_at(fd, have.offset, seg.size)
+        except OSError:
+            data = None
+        finally:
+            os.close(fd)
+        if data is None or "xxh3-128:" + xxhash.xxh3_128_hexdigest(data.data) != have.digest:
+            log.info("previous bytes of %s are gone from %s; copying it whole", name, have.path)
+            return None
+        return data
+
+
+class _VersionFile:
+    """One safetensors file of the version being staged, checked against the manifest's size before any read."""
+
+    def __init__(self, version_dir: str, entry: FileEntry) -> None:
+        self.path = os.path.join(version_dir, entry.path)
+        with open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+        if size != entry.size:
+            raise IntegrityError(f"{self.path} changed since it was pulled", expected=f"{entry.size} bytes",
+                                 actual=f"{size} bytes")
+
+    def read_verified(self, seg: Segment, name: str) -> np.ndarray:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = _read_at(fd, seg.offset, seg.size)
+        finally:
+            os.close(fd)
+        got = "xxh3-128:" + xxhash.xxh3_128_hexdigest(data.data) if data is not None else "a short read"
+        if data is None or got != seg.digest:
+            raise IntegrityError(f"tensor {name} in {self.path} changed since it was pulled", expected=seg.digest,
+                                 actual=got)
+        return data
+
+
+def _read_at(fd: int, offset: int, size: int) -> np.ndarray | None:
+    """size bytes at offset into a fresh buffer we own (never a mapping: a file cut short cannot crash us)."""
+    buf = np.empty(size, dtype=np.uint8)
+    view = buf.data
+    done = 0
+    while done < size:  # pread returns at most ~2 GiB per call
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            return None
+        done += got
+    return buf
+
+
+def _scatter_blocks(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for flat, idx, vals, back in blocks:  # each block is read back while its cache lines are hot
+            flat.scatter_(0, idx, vals)
+            torch.index_select(flat, 0, idx, out=back)
+
+
+def _diff(old: np.ndarray, new: np.ndarray, itemsize: int, whole_above: float
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Changed element positions, new values and old values; None when more than whole_above of them changed."""
+    dt = _NP_INT_OF_SIZE[itemsize]
+    a, b = old.view(dt), new.view(dt)
+    limit = whole_above * a.size
+    parts: list[np.ndarray] = []
+    count = 0
+    for start in range(0, a.size, _DIFF_BLOCK):  # vectorized per block; blocks bound the boolean temporary
+        stop = min(start + _DIFF_BLOCK, a.size)
+        pos = np.flatnonzero(a[start:stop] != b[start:stop])
+        if start:
+            pos += start
+        parts.append(pos)
+        count += pos.size
+        if count > limit:
+            return None
+    idx = np.concatenate(parts) if len(parts) != 1 else parts[0]
+    return idx.astype(np.int64, copy=False), b[idx], a[idx]
+
+
+_CPU_SPAN = 1 << 18  # on the CPU, scatter and read back per 256Ki-element span, so the read-back hits the cache
+
+
+def _to_device(g: _SparseGroup) -> None:
+    """One host-to-device transfer of the group's indices and one of its values; per-tensor and per-block views."""
+    sizes = [int(i.size) for i in g.idx]
+    idx_all = torch.from_numpy(np.concatenate(g.idx) if g.idx else np.empty(0, np.int64))
+    vals_all = torch.from_numpy(np.concatenate(g.vals))
+    if g.device.type != "cpu":
+        idx_all, vals_all = idx_all.to(g.device), vals_all.to(g.device)
+    back_all = torch.empty_like(vals_all)
+    g.idx_dev = list(torch.split(idx_all, sizes))
+    g.vals_dev = list(torch.split(vals_all, sizes))
+    g.vals_all, g.back_all = vals_all, back_all
+    g.blocks = []
+    start = 0
+    for flat, idx in zip(g.flats, g.idx, strict=True):
+        cuts = [0, int(idx.size)]
+        if g.device.type == "cpu" and flat.numel() > _CPU_SPAN:  # accelerators: one launch per tensor is cheaper
+            cuts[1:1] = np.searchsorted(idx, np.arange(_CPU_SPAN, flat.numel(), _CPU_SPAN)).tolist()
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            if b > a:
+                g.blocks.append((flat, idx_all[start + a:start + b], vals_all[start + a:start + b],
+                                 back_all[start + a:start + b]))
+        start += int(idx.size)
+
+
+def _host_source(data: np.ndarray, target: torch.Tensor) -> torch.Tensor:
+    """The verified bytes as a host tensor shaped like target; pinned when target lives on an accelerator."""
+    src = torch.from_numpy(data).view(target.dtype).reshape(target.shape)
+    if target.device.type != "cpu":
+        try:
+            src = src.pin_memory()
+        except RuntimeError:  # no pinned memory on this backend: a pageable copy still works
+            pass
+    return src
+
+
+def _check_tied(todo: list[tuple[FileEntry, Segment, torch.Tensor]], version: int) -> None:
+    """Names that share memory in the module (tied weights) must have equal bytes in the checkpoint."""
+    seen: dict[tuple[torch.device, int], Segment] = {}
+    for _, seg, t in todo:
+        if t.numel() == 0:
+            continue
+        first = seen.setdefault((t.device, t.data_ptr()), seg)
+        if first.digest != seg.digest:
+            raise EngineError(f"tensors {first.tensor_name} and {seg.tensor_name} are one tensor in the module "
+                              f"(tied) but differ in version {version}")
 
 
 def _check_compatible(name: str, target: torch.Tensor, seg: Segment) -> None:
@@ -129,17 +573,21 @@ _SAFETENSORS_DTYPES = {
 class TorchModuleEngine:
     """An in-process engine: a torch.nn.Module updated in place, under an optional lock.
 
-    The lock is the "pause": hold it in your inference loop around each forward pass and the
-    switch waits for the current step, then blocks the next one only while tensors are copied.
+    The lock is the "pause": hold it in your inference loop around each forward pass. A switch stages the version
+    (reads, checks and diffs it) while you keep running, then waits for the current step and blocks the next one
+    only while the changed elements are scattered and verified on the device.
     """
 
     kind = "torch"
 
     def __init__(self, module: torch.nn.Module, *, lock: threading.Lock | threading.RLock | None = None,
-                 strict: bool = True) -> None:
-        self.applier = ModuleApplier(module, strict=strict)
+                 strict: bool = True, whole_above: float = 0.5, check_module: bool = True,
+                 threads: int | None = None) -> None:
+        self.applier = ModuleApplier(module, strict=strict, whole_above=whole_above, check_module=check_module,
+                                     threads=threads)
         self.lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
         self._version: str | None = None
+        self.last_report: ApplyReport | None = None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -155,30 +603,48 @@ class TorchModuleEngine:
         return None
 
     def switch(self, target: Target, previous: Target | None) -> SwitchResult:
-        man = read_version_manifest(target.path)  # outside the pause: parse and validate first
+        try:  # outside the pause: parse, read, check and diff; the module is not touched yet
+            staged = self.applier.stage(target.path, read_version_manifest(target.path))
+        except Exception as exc:  # the module was not touched
+            if previous is None:
+                rolled_back = False
+            elif self._version == previous.version:
+                rolled_back = True  # still on previous
+            else:
+                rolled_back = self._rollback(None, previous)
+            raise SwitchError(f"in-place apply of version {target.version} failed: {exc}",
+                              rolled_back=rolled_back, previous=previous) from exc
         started = time.monotonic()
         with self.lock:
+            locked = time.monotonic()
             try:
-                report = self.applier.apply(target.path, man)
+                report = self.applier.commit(staged)
             except BaseException as exc:  # KeyboardInterrupt too: never keep a half-applied module
-                rolled_back = self._rollback(previous)
+                rolled_back = self._rollback(staged, previous)
                 if not isinstance(exc, Exception):
                     raise
                 raise SwitchError(f"in-place apply of version {target.version} failed: {exc}",
                                   rolled_back=rolled_back, previous=previous) from exc
             self._version = target.version
         pause = time.monotonic() - started
+        self.last_report = report
+        log.debug("version %s: staged in %.3fs, pause %.4fs (%d scattered, %d whole, %d unchanged)", target.version,
+                  report.stage_seconds, time.monotonic() - locked, report.sparse, report.whole, report.unchanged)
         return SwitchResult(version=target.version, pause_seconds=pause, load_seconds=report.seconds,
                             tensors_changed=report.changed)
 
-    def _rollback(self, previous: Target | None) -> bool:
-        if previous is None:
-            self._version = None  # partly applied: what the module holds is no known version
-            return False
+    def _rollback(self, staged: StagedVersion | None, previous: Target | None) -> bool:
+        """Put the module back on previous: undo the scatter, then re-apply previous where checksums disagree."""
         try:
+            if staged is not None:
+                self.applier.undo(staged)
+            if previous is None:
+                self._version = None  # partly applied: what the module holds is no known version
+                return False
             self.applier.apply(previous.path)
-        except (DeltafsError, OSError, RuntimeError, SafetensorError) as exc:
-            log.critical("rollback of the module to version %s failed: %s", previous.version, exc)
+        except (DeltafsError, OSError, RuntimeError, ValueError) as exc:
+            log.critical("rollback of the module to version %s failed: %s",
+                         previous.version if previous else "?", exc)
             self._version = None
             return False
         self._version = previous.version

@@ -22,7 +22,7 @@ CONFIG = tiny_config()
 def assert_module_holds(module: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
     live = module.state_dict()
     for name, t in expected.items():
-        assert torch.equal(live[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
+        assert torch.equal(live[name].cpu().contiguous().view(torch.uint8), t.view(torch.uint8)), name
 
 
 @pytest.fixture()
@@ -144,3 +144,245 @@ def test_truncated_file_is_rolled_back(versions):
         engine.switch(Target(paths[2], "2"), Target(paths[1], "1"))
     assert info.value.rolled_back
     assert_module_holds(module, weights[1])
+
+
+# --- sparse apply: bit-exact over dtypes, whole-copy fallback, device checksums, rollback ---------------------------
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.float64, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool]
+
+
+def mixed_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """layers.<i>.w: one tensor per dtype (DTYPES[i]) at awkward sizes (odd, under and over 1024 words), floats with NaN payloads and -0.0."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, dtype in enumerate(DTYPES):
+        shape = (37, 301) if i % 2 else (3 * 1024 + 5,)
+        raw = torch.randint(0, 256, (torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size(),),
+                            dtype=torch.uint8, generator=gen)
+        if dtype == torch.bool:
+            raw = raw & 1
+        out[f"layers.{i}.w"] = raw.view(dtype).reshape(shape).clone()
+    out["big.w"] = torch.randn(600_000, generator=gen).to(torch.bfloat16)  # scattered in several blocks on the CPU
+    out["layers.0.w"].view(torch.int16)[:2] = torch.tensor([0x7FC1, -0x8000], dtype=torch.int16)  # NaN, -0.0
+    return out
+
+
+def changed(tensors: dict[str, torch.Tensor], fraction: float, seed: int, only: str | None = None
+            ) -> dict[str, torch.Tensor]:
+    """A copy with `fraction` of each tensor's elements (or only tensor `only`'s) given new random bit patterns."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in tensors.items():
+        t = t.clone()
+        if only in (None, name):
+            raw = t.view(-1).view(torch.uint8 if t.dtype == torch.bool else t.dtype)
+            pos = torch.randperm(raw.numel(), generator=gen)[: max(1, int(raw.numel() * fraction))]
+            if t.dtype == torch.bool:
+                raw[pos] ^= 1
+            else:
+                as_int = raw.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+                as_int[pos] = as_int[pos] ^ 0x5
+        out[name] = t
+    return out
+
+
+def module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module holding a zeroed buffer under each dotted name (buffers, so integer dtypes are allowed)."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_buffer(leaf, torch.zeros_like(t))
+    return root
+
+
+@pytest.fixture()
+def publish(tmp_path):
+    """push + pull one version of a state dict; returns its verified version directory."""
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    made = []
+
+    def _publish(tensors: dict[str, torch.Tensor]) -> str:
+        push_tensors(store, tensors, cache_dir=str(tmp_path / "cache"))
+        made.append(pull(store, dest, keep=20).path)
+        return made[-1]
+
+    return _publish
+
+
+def test_device_checksum_equals_the_checksum_of_the_file_bytes():
+    from deltafs.engines.torch_module import device_checksums, host_checksum
+
+    tensors = list(mixed_tensors(3).values())
+    for n in (0, 1, 3, 7, 1023 * 4 + 3):  # empty, under one word, tails of every length
+        tensors += [torch.arange(n, dtype=torch.int16) * 977, torch.full((n,), -1, dtype=torch.int8)]
+    tensors.append(torch.full((5000,), -(2**63), dtype=torch.int64))  # sums wrap modulo 2**64
+    for t, got in zip(tensors, device_checksums(tensors), strict=True):
+        assert got == host_checksum(t.contiguous().view(-1).view(torch.uint8).numpy(), t.element_size())
+
+
+def test_checksum_changes_when_any_single_element_changes():
+    from deltafs.engines.torch_module import device_checksums
+
+    base = torch.randn(3 * 8192 + 3).to(torch.bfloat16)
+    edits = []
+    for pos in (0, 1, 3, 4, 8191, 8192, 20000, base.numel() - 1):  # first/last of words, rows and the tail
+        t = base.clone()
+        t.view(torch.int16)[pos] ^= 1 << (pos % 16)
+        edits.append(t)
+    sums = device_checksums([base] + edits)
+    assert len(set(sums)) == len(sums)
+
+
+def test_sparse_apply_is_bit_exact_over_dtypes(publish):
+    v1 = mixed_tensors(1)
+    v2 = changed(v1, 0.02, seed=2)
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of(v1)
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(p1, "1"), None)
+    assert_module_holds(module, v1)
+    engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert_module_holds(module, v2)
+    report = engine.last_report
+    assert report.sparse == len(v2) and report.whole == 0
+    differing = sum(int((a.view(-1).view(torch.uint8) != b.view(-1).view(torch.uint8)).sum()) if a.dtype == torch.bool
+                    else int((a.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+                        a.element_size()]) != b.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                                               8: torch.int64}[a.element_size()])).sum())
+                    for a, b in zip(v1.values(), v2.values(), strict=True))
+    assert report.elements == differing  # only the elements that changed were written
+    engine.switch(Target(p1, "1"), Target(p2, "2"))  # and back: the diff works in either direction
+    assert_module_holds(module, v1)
+    assert engine.applier.verify() == []
+
+
+def test_a_mostly_changed_tensor_is_copied_whole(publish):
+    v1 = mixed_tensors(1)
+    v2 = changed(v1, 0.8, seed=4, only="layers.1.w")
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of(v1)
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(p1, "1"), None)
+    engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert (engine.last_report.whole, engine.last_report.sparse, engine.last_report.unchanged) == (1, 0, len(v1) - 1)
+    assert_module_holds(module, v2)
+
+
+def test_without_the_previous_files_the_changed_tensors_are_copied_whole(publish):
+    import shutil
+
+    v1 = mixed_tensors(1)
+    v2 = changed(v1, 0.02, seed=5)
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of(v1)
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(p1, "1"), None)
+    shutil.rmtree(p1)  # the diff base is gone
+    engine.switch(Target(p2, "2"), None)
+    assert engine.last_report.whole == len(v2)
+    assert_module_holds(module, v2)
+
+
+def test_checksum_detects_a_corrupted_module_tensor_and_the_next_apply_repairs_it(publish):
+    v1 = mixed_tensors(1)
+    v2 = changed(v1, 0.02, seed=6, only="layers.2.w")
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of(v1)
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(p1, "1"), None)
+    assert engine.applier.verify() == []
+    getattr(module.layers, "7").w.view(-1)[100] += 1  # something wrote into the live module
+    getattr(module.layers, "2").w.view(-1)[0] = 0.5
+    assert engine.applier.verify() == ["layers.2.w", "layers.7.w"]
+    engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert engine.last_report.repaired == ("layers.2.w", "layers.7.w")
+    assert_module_holds(module, v2)  # the tensor v2 does not change is repaired too
+    assert engine.applier.verify() == []
+
+
+def test_a_failure_during_the_pause_undoes_the_scatter_and_rolls_back(publish):
+    # An expanded buffer (stride 0) cannot be written whole: copy_ raises in the pause, after the scatters of the
+    # other tensors ran. The rollback must leave the module bit-exact on version 1.
+    v1 = {**mixed_tensors(1), "shared.bias": torch.zeros(4)}
+    v2 = {**changed(mixed_tensors(1), 0.02, seed=7), "shared.bias": torch.ones(4)}
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of(mixed_tensors(1))
+    module.add_module("shared", torch.nn.Module())
+    module.shared.register_buffer("bias", torch.zeros(1).expand(4))
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(p1, "1"), None)
+    assert_module_holds(module, v1)
+    with pytest.raises(SwitchError) as info:
+        engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert info.value.rolled_back and engine.served_version() == "1"
+    assert_module_holds(module, v1)
+    assert engine.applier.verify() == []
+
+
+def test_tied_tensors_with_different_bytes_are_refused_before_the_pause(publish):
+    v1 = {"a.weight": torch.ones(8), "b.weight": torch.ones(8)}
+    v2 = {"a.weight": torch.ones(8), "b.weight": torch.full((8,), 2.0)}
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of({"a.weight": v1["a.weight"]})
+    module.add_module("b", torch.nn.Module())
+    module.b.register_buffer("weight", module.a.weight)
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(p1, "1"), None)
+    with pytest.raises(SwitchError, match="tied"):
+        engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert_module_holds(module, v1)
+    assert engine.served_version() == "1"
+
+
+def test_engine_stays_exact_over_a_run_of_versions(publish):
+    versions = [mixed_tensors(1)]
+    for step, fraction in enumerate((0.02, 0.0, 0.3, 0.9, 0.005)):
+        versions.append(changed(versions[-1], fraction, seed=10 + step) if fraction else dict(versions[-1]))
+    paths = [publish(v) for v in versions]
+    module = module_of(versions[0])
+    engine = TorchModuleEngine(module)
+    previous = None
+    for n in [0, 1, 2, 3, 4, 5, 2, 5, 0]:  # forward, then jumps back and forth
+        target = Target(paths[n], str(n))
+        engine.switch(target, previous)
+        assert_module_holds(module, versions[n])
+        previous = target
+    assert engine.applier.verify() == []
+
+
+def test_a_version_that_fails_before_the_pause_leaves_the_module_untouched(versions):
+    paths, weights = versions
+    module = build_model(CONFIG)
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(paths[1], "1"), None)
+    path = f"{paths[2]}/model.safetensors"
+    data = bytearray(open(path, "rb").read())
+    header_len = 8 + int.from_bytes(data[:8], "little")
+    data[header_len + json.loads(data[8:header_len])["lm_head.weight"]["data_offsets"][1] - 1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(SwitchError, match="changed since it was pulled") as info:
+        engine.switch(Target(paths[2], "2"), None)
+    assert not info.value.rolled_back  # no previous named, and none needed: the module was never touched
+    assert engine.served_version() == "1"
+    assert_module_holds(module, weights[1])
+    assert engine.applier.verify() == []
+
+
+def test_a_version_staged_before_another_apply_is_refused(versions):
+    paths, weights = versions
+    module = build_model(CONFIG)
+    applier = ModuleApplier(module)
+    applier.apply(paths[1])
+    stale = applier.stage(paths[3])  # diffed against version 1
+    applier.apply(paths[2])
+    with pytest.raises(EngineError, match="stage it again"):
+        applier.commit(stale)
+    assert_module_holds(module, weights[2])
+    applier.commit(applier.stage(paths[3]))
+    assert_module_holds(module, weights[3])
