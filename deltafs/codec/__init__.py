@@ -1,7 +1,7 @@
 """Lossless per-chunk encodings against a base chunk. Pure functions over bytes; no I/O.
 
-encode() picks, per chunk, whichever stores the fewest bytes of: same (nothing), sparse (changed positions and
-bit-pattern differences), xor (dense delta) and raw (no base). decode() inverts any of them from the codec record
+encode() picks, per chunk: same (nothing changed), sparse (changed positions and bit-pattern differences), dense
+(every element's difference), xor (dense XOR delta) or raw (no base), from cheap statistics of the changes. decode() inverts any of them from the codec record
 alone. The exact byte layouts are specified in manifests/FORMAT.md, "Chunk encodings".
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from deltafs.codec import streams
-from deltafs.codec.codecs import Raw, Same, Sparse, Xor, choose_split
+from deltafs.codec import compare, streams
+from deltafs.codec.codecs import Dense, Raw, Same, Sparse, Xor, choose_split
 from deltafs.codec.registry import Codec, from_json, register, registered
 from deltafs.errors import FormatError, IntegrityError
 
@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_LEVEL",
     "SPLIT_LEVEL",
     "Codec",
+    "Dense",
     "Encoded",
     "Raw",
     "Same",
@@ -40,9 +41,12 @@ __all__ = [
 DEFAULT_LEVEL = 3
 
 # Below this fraction of changed elements sparse always wins (measured on bf16 trainer deltas: 0.52x the size of
-# xor at 11% changed, 0.78x even at 66%), so the xor and raw trial encodes are skipped for speed. Above it all
-# three are tried: xor or raw win when the new values are unrelated to the old ones.
+# xor at 11% changed, 0.78x even at 66%), so nothing else is tried. Above it, changes that look like small
+# arithmetic steps (compare.looks_like_update, from a sample) go to sparse, or to dense from DENSE_FROM on; only
+# chunks that fail that test are trial-encoded with every codec (xor or raw win when the new values are
+# unrelated to the old ones).
 SPARSE_ONLY_BELOW = 0.10
+DENSE_FROM = 0.5
 # From this level on, sparse chunks may split elements into two classes by base magnitude (see choose_split): on
 # bf16 trainer deltas about 18% smaller, but each encode and decode pays two more passes over the chunk plus a
 # rank/select per change, which halves throughput or worse. Below it the codec is faster than XOR + zstd-1.
@@ -85,20 +89,29 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     b = _as_u8(base)
     if b.size != n.size:
         raise ValueError(f"base chunk has {b.size} bytes, new chunk {n.size}")
-    dtype = streams.UINT[width]
-    nw, bw = n.view(dtype), b.view(dtype)
-    # One vectorized compare + nonzero over the chunk is the main cost of a sparse delta (~1 ns per element).
-    idx = np.flatnonzero(np.not_equal(nw, bw, out=streams.scratch("ne", nw.size, np.bool_)))
+    # One vectorized compare + nonzero over the chunk is the main cost of a sparse delta.
+    idx, nv, bv = compare.changes(n, b, width)
     changed = int(idx.size)
     if changed == 0:
         return Encoded(Same().to_json(), None, 0)
+    dtype = streams.UINT[width]
+    nw, bw = n.view(dtype), b.view(dtype)
     fraction = changed / nw.size
     split = choose_split(bw, idx) if level >= SPLIT_LEVEL else 0
-    candidates: list[tuple[Codec, bytes]] = [Sparse.encode(nw, bw, idx, level, split)]
-    if fraction > SPARSE_ONLY_BELOW:
-        candidates.append(Xor.encode(n, b, width, level))
-        candidates.append(Raw.encode(n, width, level))
-    rec, payload = min(candidates, key=lambda c: len(c[1]))
+    if fraction <= SPARSE_ONLY_BELOW:
+        rec, payload = Sparse.encode(nw, bw, idx, level, split, values=(nv, bv))
+    elif compare.looks_like_update(nv, bv):
+        # Small arithmetic steps (a trainer's): a difference codec wins, which one is set by the density.
+        if fraction >= DENSE_FROM:
+            rec, payload = Dense.encode(nw, bw, level)
+        else:
+            rec, payload = Sparse.encode(nw, bw, idx, level, split, values=(nv, bv))
+    else:
+        # Unrelated values or bit flips: rare, so every codec is tried and the smallest kept.
+        candidates: list[tuple[Codec, bytes]] = [Sparse.encode(nw, bw, idx, level, split, values=(nv, bv)),
+                                                 Dense.encode(nw, bw, level), Xor.encode(n, b, width, level),
+                                                 Raw.encode(n, width, level)]
+        rec, payload = min(candidates, key=lambda c: len(c[1]))
     return Encoded(rec.to_json(), payload, changed)
 
 

@@ -1,4 +1,4 @@
-"""The four chunk encodings: same, raw, xor, sparse. Byte layouts are specified in manifests/FORMAT.md.
+"""The chunk encodings: same, raw, xor, sparse, dense. Byte layouts are specified in manifests/FORMAT.md.
 
 Each record is a frozen dataclass holding exactly the parameters its decoder needs. Encoders take the chunk as
 width-byte little-endian unsigned integers (`nw`, `bw`: new and base); decoders return the chunk as uint8.
@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from deltafs.codec import streams
+from deltafs.codec.compare import unzigzag, zigzag
 from deltafs.codec.bitmap import RankIndex
 from deltafs.codec.registry import fields, int_field, register, width_field
 from deltafs.errors import FormatError, IntegrityError
@@ -117,6 +118,45 @@ class Xor:
         return out
 
 
+@register
+@dataclass(frozen=True)
+class Dense:
+    """Every element's difference against the base, zigzag-coded, split into byte planes, one stream.
+
+    For chunks where nearly every element moved a little (F32 weights after an optimizer step): the difference
+    d = new - base (mod 2^(8w), as in sparse) is stored as the zigzag integer (d << 1) XOR -(d >> (8w - 1)),
+    so small steps up or down have small codes whatever their sign, and no positions or sign bits are stored.
+    """
+
+    width: int
+    name: ClassVar[str] = "dense"
+    needs_base: ClassVar[bool] = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "width": self.width}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Dense:
+        return cls(width_field(fields(raw, ("width",))["width"]))
+
+    @staticmethod
+    def encode(nw: np.ndarray, bw: np.ndarray, level: int) -> tuple[Dense, bytes]:
+        """nw, bw: new and base as width-byte little-endian unsigned ints."""
+        width = nw.dtype.itemsize
+        codes = zigzag(np.subtract(nw, bw)).astype(streams.UINT[width], copy=False)
+        return Dense(width), streams.seal([streams.pack(streams.to_planes(codes.view(np.uint8), width), level)])
+
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+        _check_width(self.name, self.width, size)
+        b = _need_base(self.name, base, size)
+        body = streams.unseal(_need_payload(self.name, payload), "dense chunk")
+        data = streams.unpack(body, size, "dense chunk")
+        dtype = streams.UINT[self.width]
+        d = unzigzag(streams.from_planes(data, self.width).view(dtype))
+        d += b.view(dtype)  # wraps, inverting the encoder's subtraction
+        return d.view(np.uint8)
+
+
 @dataclass(frozen=True)
 class Group:
     """The changes of one element class: their ranks within the class and their differences against the base."""
@@ -154,27 +194,39 @@ class Group:
 
 
 def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -> tuple[Group, list[bytes]]:
-    """Streams for one class of space elements: rank gaps (Rice), signs (1 bit each), magnitudes that are not 1."""
+    """Streams for one class of space elements: rank gaps (Rice), signs (1 bit each), magnitudes that are not 1.
+
+    Written for few numpy calls per group (each costs about a microsecond however small the chunk): the Rice
+    parameter comes from the known gap total, and quotients are computed once.
+    """
     width = diff.dtype.itemsize
+    count = ranks.size
     # Gaps >= 0 count the class's elements skipped since the previous change. A last gap up to the sentinel rank
     # `space` makes the stream say how big the class is, so a decoder given the wrong chunk size or base notices.
-    gaps = np.diff(ranks, prepend=-1, append=space) - 1
-    k = streams.best_rice_k(gaps)
-    unary, remainder = streams.rice_encode(gaps, k)
+    gaps = streams.gaps_of(ranks, space)
+    k, q = streams.best_rice_k_and_quotients(gaps, space - count)
+    unary, remainder = streams.rice_encode(gaps, k, q)
     # Sign and magnitude of the wrapped difference read as two's complement; unsigned math, so -2**(bits-1) works.
-    negative = (diff >> np.array(width * 8 - 1, diff.dtype)).astype(bool)
-    magnitude = np.where(negative, np.zeros(1, diff.dtype) - diff, diff)
+    negative = diff >= diff.dtype.type(1 << (width * 8 - 1))
+    magnitude = np.negative(diff, where=negative, out=diff.copy())
     # One ulp up or down is by far the most common change; only the others are listed, as a sparse list of its own.
-    big_at = np.flatnonzero(magnitude != 1)
-    big_gaps = np.diff(big_at, prepend=-1) - 1
-    big_k = streams.best_rice_k(big_gaps)
-    big_unary, big_remainder = streams.rice_encode(big_gaps, big_k)
-    big_values = magnitude[big_at] - np.array(2, diff.dtype)  # magnitude 0 cannot occur; 2 and up store from 0
-    # Explicitly little-endian before splitting into byte planes (arithmetic results are in native order).
-    little = big_values.astype(streams.UINT[width], copy=False)
-    planes = streams.to_planes(little.view(np.uint8), width).reshape(width, -1)
-    parts = [unary, remainder, np.packbits(negative), big_unary, big_remainder, *planes]
-    group = Group(int(ranks.size), k, int(unary.size), int(big_at.size), big_k, int(big_unary.size))
+    big_at = (magnitude != 1).nonzero()[0]
+    parts = [unary, remainder, np.packbits(negative)]
+    big_k = 0
+    if big_at.size:
+        big_gaps = streams.gaps_of(big_at, None)
+        big_k, big_q = streams.best_rice_k_and_quotients(big_gaps, int(big_at[-1]) + 1 - big_at.size)
+        big_unary, big_remainder = streams.rice_encode(big_gaps, big_k, big_q)
+        big_values = magnitude[big_at]
+        big_values -= diff.dtype.type(2)  # magnitude 0 cannot occur; 2 and up store from 0
+        # Explicitly little-endian before splitting into byte planes (arithmetic results are in native order).
+        little = big_values.astype(streams.UINT[width], copy=False)
+        planes = streams.to_planes(little.view(np.uint8), width).reshape(width, -1)
+        parts += [big_unary, big_remainder, *planes]
+    else:
+        big_unary = np.empty(0, np.uint8)
+        parts += [big_unary] * (2 + width)
+    group = Group(int(count), k, int(unary.size), int(big_at.size), big_k, int(big_unary.size))
     return group, [streams.pack(p, level) for p in parts]
 
 
@@ -182,25 +234,33 @@ def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.d
                                                                                                     np.ndarray]:
     """(ranks within the class, wrapped differences) of one class of space elements."""
     gaps = streams.rice_decode(parts[0], parts[1], group.count + 1, group.rice, space + 1, "sparse positions")
-    ranks = np.cumsum(gaps + 1) - 1
+    gaps += 1
+    ranks = gaps.cumsum()
+    ranks -= 1
     if int(ranks[-1]) != space:
         raise IntegrityError("sparse: positions do not span the chunk", expected=space, actual=int(ranks[-1]))
     ranks = ranks[:-1]
-    negative = np.unpackbits(parts[2])
-    if negative[group.count:].any():
+    count = group.count
+    if count % 8 and int(parts[2][-1]) & ((1 << (8 - count % 8)) - 1):
         raise IntegrityError("sparse: sign stream has non-zero padding")
-    if group.big > group.count:
-        raise IntegrityError("sparse: more large differences than changes", expected=group.count, actual=group.big)
-    big_gaps = streams.rice_decode(parts[3], parts[4], group.big, group.big_rice, group.count, "sparse magnitudes")
-    big_at = np.cumsum(big_gaps + 1) - 1
-    if group.big and int(big_at[-1]) >= group.count:
-        raise IntegrityError("sparse: large difference beyond the changes")
-    magnitude = np.ones(group.count, dtype=dtype)
+    if group.big > count:
+        raise IntegrityError("sparse: more large differences than changes", expected=count, actual=group.big)
+    magnitude = np.ones(count, dtype=dtype)
     if group.big:
+        big_gaps = streams.rice_decode(parts[3], parts[4], group.big, group.big_rice, count, "sparse magnitudes")
+        big_gaps += 1
+        big_at = big_gaps.cumsum()
+        big_at -= 1
+        if int(big_at[-1]) >= count:
+            raise IntegrityError("sparse: large difference beyond the changes")
         width = dtype.itemsize
         values = streams.from_planes(np.concatenate(parts[5:5 + width]), width).view(dtype)
         magnitude[big_at] = values + np.array(2, dtype)  # wraps like the encoder's subtraction
-    diff = np.where(negative[: group.count].astype(bool), np.zeros(1, dtype) - magnitude, magnitude)
+    elif parts[3].size or parts[4].size:
+        raise IntegrityError("sparse magnitudes: gap stream holds the wrong number of gaps", expected=0,
+                             actual=int(np.unpackbits(parts[3]).sum()))
+    negative = np.unpackbits(parts[2], count=count).view(np.bool_)
+    diff = np.negative(magnitude, where=negative, out=magnitude)  # two's complement, wraps like the encoder
     return ranks, diff
 
 
@@ -286,15 +346,18 @@ class Sparse:
         return cls(width, split, parsed, tuple(int_field(x, "frames[]", 0) for x in frames))
 
     @staticmethod
-    def encode(nw: np.ndarray, bw: np.ndarray, idx: np.ndarray, level: int, split: int = 0) -> tuple[Sparse, bytes]:
-        """nw, bw: new and base as width-byte unsigned ints; idx: ascending positions where they differ."""
+    def encode(nw: np.ndarray, bw: np.ndarray, idx: np.ndarray, level: int, split: int = 0,
+               values: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Sparse, bytes]:
+        """nw, bw: new and base as width-byte unsigned ints; idx: ascending positions where they differ;
+        values: (nw[idx], bw[idx]) when the caller has them already."""
+        nv, bv = (nw[idx], bw[idx]) if values is None else values
         # Wrapping subtraction on the bit patterns: one ulp up or down is +-1 whatever the float format.
-        diff = nw[idx] - bw[idx]
+        diff = nv - bv
         if split:
             index = RankIndex(_split_mask(bw, split))
             low, ranks = index.rank(idx)
             # flatnonzero + take: boolean-mask indexing of randomly interleaved classes is ~10x slower.
-            hi, lo = np.flatnonzero(low), np.flatnonzero(~low)
+            hi, lo = low.nonzero()[0], (~low).nonzero()[0]
             members = [(ranks.take(hi), diff.take(hi), index.ones), (ranks.take(lo), diff.take(lo), index.zeros)]
         else:
             members = [(idx, diff, nw.size)]

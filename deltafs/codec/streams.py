@@ -55,7 +55,7 @@ def scratch(name: str, size: int, dtype: np.dtype[Any] | type) -> np.ndarray:
     return buf[: size * dt.itemsize].view(dt)
 
 
-def compress(data: bytes, level: int) -> bytes:
+def compress(data: Any, level: int) -> bytes:
     """One zstd frame holding data, with its content size in the frame header."""
     return _compressor(level).compress(data)
 
@@ -66,11 +66,18 @@ def pack(data: np.ndarray | bytes, level: int) -> bytes:
     The decoder tells the two apart by length alone: a stream is raw exactly when its stored length equals its
     decoded length, so no flag is needed and incompressible streams (Rice bits, signs) cost nothing extra.
     """
-    raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
-    if not raw:
+    if isinstance(data, np.ndarray):
+        size = data.nbytes
+        if not data.flags.c_contiguous:  # zstd needs one buffer (a strided view: the sign bits of a class)
+            data = np.ascontiguousarray(data)
+    else:
+        size = len(data)
+    if not size:
         return b""
-    frame = compress(raw, level)
-    return frame if len(frame) < len(raw) else raw
+    frame = compress(data, level)  # zstd reads the array's buffer; no copy unless the frame is not smaller
+    if len(frame) < size:
+        return frame
+    return data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
 
 
 def unpack(stored: bytes | memoryview, size: int, what: str) -> np.ndarray:
@@ -150,24 +157,41 @@ def rice_cost(gaps: np.ndarray, k: int) -> int:
     return int(gaps.size * (k + 1) + int((gaps >> k).sum()))
 
 
-def best_rice_k(gaps: np.ndarray) -> int:
-    """The k that minimises the coded size (the cost is convex in k, so walk downhill from the mean's estimate)."""
-    mean = float(gaps.mean()) if gaps.size else 0.0
+def best_rice_k(gaps: np.ndarray, total: int | None = None) -> int:
+    """The k that minimises the coded size (the cost is convex in k, so walk downhill from the mean's estimate).
+
+    total: the sum of the gaps when the caller knows it (the sparse codec does: it is the unchanged elements).
+    """
+    return best_rice_k_and_quotients(gaps, total)[0]
+
+
+def best_rice_k_and_quotients(gaps: np.ndarray, total: int | None = None) -> tuple[int, np.ndarray]:
+    """(best k, gaps >> k): the quotients are needed again to encode, so they are kept, not recomputed."""
+    count = gaps.size
+    if total is None:
+        total = int(gaps.sum()) if count else 0
+    mean = total / count if count else 0.0
     k = max(0, min(MAX_RICE_K, int(np.log2(mean * 0.69 + 1.0))))
-    cost = rice_cost(gaps, k)
+    q = gaps >> k
+    cost = count * (k + 1) + int(q.sum())
     for step in (-1, 1):
         while 0 <= k + step <= MAX_RICE_K:
-            c = rice_cost(gaps, k + step)
+            q_next = gaps >> (k + step)
+            c = count * (k + step + 1) + int(q_next.sum())
             if c >= cost:
                 break
-            k, cost = k + step, c
-    return k
+            k, cost, q = k + step, c, q_next
+    return k, q
 
 
-def rice_encode(gaps: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(unary stream, remainder stream) as packed uint8 arrays, bits most significant first, zero-padded."""
-    q = gaps >> k
-    ones = np.cumsum(q + 1) - 1  # bit index of each gap's terminating one bit
+def rice_encode(gaps: np.ndarray, k: int, q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(unary stream, remainder stream) as packed uint8 arrays, bits most significant first, zero-padded.
+
+    q: gaps >> k, when the caller has it."""
+    if q is None:
+        q = gaps >> k
+    ones = q.cumsum()  # bit index of each gap's terminating one bit: sum of (q + 1) so far, minus one
+    ones += np.arange(ones.size)
     unary = np.zeros(int(ones[-1]) + 1 if ones.size else 0, dtype=np.uint8)
     unary[ones] = 1
     if k == 0:
@@ -175,20 +199,35 @@ def rice_encode(gaps: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.packbits(unary), pack_fields(gaps & ((1 << k) - 1), k)
 
 
+def gaps_of(ranks: np.ndarray, end: int | None) -> np.ndarray:
+    """Elements skipped before each of the ascending ranks (counting from -1), plus the gap up to the sentinel
+    rank end when given: np.diff(ranks, prepend=-1, append=end) - 1 in fewer, cheaper calls."""
+    c = ranks.size
+    gaps = np.empty(c + (end is not None), np.int64)
+    if c:
+        gaps[0] = ranks[0]
+        np.subtract(ranks[1:], ranks[:-1], out=gaps[1:c])
+        gaps[1:c] -= 1
+    if end is not None:
+        gaps[c] = end - 1 - (int(ranks[-1]) if c else -1)
+    return gaps
+
+
 def rice_decode(unary: np.ndarray, remainder: np.ndarray, count: int, k: int, limit: int, what: str) -> np.ndarray:
     """The count gaps (int64), each < limit; IntegrityError unless both streams hold exactly count codes and zero
     padding. Checking q before shifting keeps hostile input from overflowing int64 (k <= 32, limit < 2**40)."""
-    ones = np.flatnonzero(np.unpackbits(unary).view(np.bool_))  # nonzero on bool is ~10x faster than on uint8
+    ones = np.unpackbits(unary).view(np.bool_).nonzero()[0]  # nonzero on bool is ~10x faster than on uint8
     if ones.size != count:
         raise IntegrityError(f"{what}: gap stream holds the wrong number of gaps", expected=count, actual=ones.size)
     if count and unary.size != (int(ones[-1]) >> 3) + 1:
         raise IntegrityError(f"{what}: gap stream has trailing bytes")
-    q = np.diff(ones, prepend=-1) - 1
+    q = gaps_of(ones, None)
     if count and int(q.max()) > (limit - 1) >> k:
         raise IntegrityError(f"{what}: gap out of range")
     if k == 0:
         return q
-    if remainder.size != (count * k + 7) // 8 or np.unpackbits(remainder[-1:])[(count * k - 1) % 8 + 1:].any():
+    pad = (-count * k) % 8  # zero bits after the last field
+    if remainder.size != (count * k + 7) // 8 or (count and int(remainder[-1]) & ((1 << pad) - 1)):
         raise IntegrityError(f"{what}: remainder stream has the wrong size or padding")
     gaps: np.ndarray = (q << k) | unpack_fields(remainder, count, k)
     if count and int(gaps.max()) >= limit:

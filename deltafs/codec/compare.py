@@ -1,0 +1,79 @@
+"""Finding what changed between a chunk and its base, and cheap statistics that pick the codec without trial
+encodes. Vectorized numpy throughout: this pass touches every byte of the chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deltafs.codec import streams
+
+_WORD = np.dtype("<u8")
+
+
+def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ascending indices, new values, base values) of the width-byte elements where n and b (uint8) differ.
+
+    `.nonzero()[0]` rather than np.flatnonzero: same result, without ~10 us of wrapper per call on tiny chunks.
+    Compares 8-byte words first, so the full-chunk passes (compare, nonzero) run over a quarter of the elements
+    for bf16; only the changed words are split into lanes. Values come back as streams.UINT[width].
+    """
+    dtype = streams.UINT[width]
+    lanes = 8 // width
+    words = n.size // 8
+    if lanes == 1 or words == 0:
+        nw, bw = n.view(dtype), b.view(dtype)
+        idx = (np.not_equal(nw, bw, out=streams.scratch("ne", nw.size, np.bool_))).nonzero()[0]
+        return idx, nw[idx], bw[idx]
+    wn, wb = n[: words * 8].view(_WORD), b[: words * 8].view(_WORD)
+    hit = (np.not_equal(wn, wb, out=streams.scratch("ne", words, np.bool_))).nonzero()[0]
+    gn, gb = wn[hit].view(dtype), wb[hit].view(dtype)  # the changed words as lanes, word-major
+    lane = (gn != gb).nonzero()[0]
+    shift = lanes.bit_length() - 1
+    idx = (hit[lane >> shift] << shift) | (lane & (lanes - 1))
+    nv, bv = gn[lane], gb[lane]
+    if words * 8 < n.size:  # a tail shorter than a word: element by element
+        tn, tb = n[words * 8:].view(dtype), b[words * 8:].view(dtype)
+        tail = (tn != tb).nonzero()[0]
+        if tail.size:
+            idx = np.concatenate([idx, tail + words * lanes])
+            nv, bv = np.concatenate([nv, tn[tail]]), np.concatenate([bv, tb[tail]])
+    return idx, nv, bv
+
+
+def zigzag(d: np.ndarray) -> np.ndarray:
+    """Wrapped differences (unsigned) as zigzag integers: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... (same dtype)."""
+    top = d.dtype.type(d.dtype.itemsize * 8 - 1)
+    out: np.ndarray = np.left_shift(d, d.dtype.type(1))
+    out ^= np.zeros(1, d.dtype) - (d >> top)
+    return out
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    """Inverse of zigzag."""
+    out: np.ndarray = z >> z.dtype.type(1)
+    out ^= np.zeros(1, z.dtype) - (z & z.dtype.type(1))
+    return out
+
+
+def _mean_bits(v: np.ndarray) -> float:
+    """Mean bit length of unsigned integers (0 for 0); float64's exponent is exact enough for a statistic."""
+    return float(np.frexp(v.astype(np.float64))[1].mean())
+
+
+SAMPLE = 512
+
+
+def looks_like_update(nv: np.ndarray, bv: np.ndarray) -> bool:
+    """Whether the changed elements look like small arithmetic updates of the base, from a sample of them.
+
+    True when their differences' zigzag bit length is on average no longer than the XOR's (so the difference
+    codecs beat xor) and well below the element width (so the values are related, and raw cannot win). A
+    trainer's step is tiny next to the weights: a few ulps, 1-3 bits. New values unrelated to the base, or
+    bit flips rather than arithmetic changes, fail the test, and then the caller tries every codec.
+    """
+    step = max(1, nv.size // SAMPLE)
+    n, b = nv[::step], bv[::step]
+    zz_bits = _mean_bits(zigzag(n - b))
+    return zz_bits <= _mean_bits(n ^ b) and zz_bits <= nv.dtype.itemsize * 8 - 8
+
