@@ -35,6 +35,12 @@ def _need_payload(name: str, payload: bytes | None) -> bytes:
     return payload
 
 
+def _put(out: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+    if out is not chunk:
+        np.copyto(out, chunk)
+    return out
+
+
 def _check_width(name: str, width: int, size: int) -> None:
     if size % width:
         raise FormatError(f"{name}: chunk of {size} bytes is not a whole number of {width}-byte elements")
@@ -56,10 +62,12 @@ class Same:
         fields(raw, ())
         return cls()
 
-    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
+               out: np.ndarray | None = None) -> np.ndarray:
         if payload is not None:
             raise FormatError("chunk codec 'same' stores no payload")
-        return _need_base(self.name, base, size)
+        b = _need_base(self.name, base, size)
+        return b if out is None else _put(out, b)
 
 
 @register
@@ -82,11 +90,13 @@ class Raw:
     def encode(new: np.ndarray, width: int, level: int) -> tuple[Raw, bytes]:
         return Raw(width), streams.seal([streams.pack(streams.to_planes(new, width), level)])
 
-    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
+               out: np.ndarray | None = None) -> np.ndarray:
         _check_width(self.name, self.width, size)
         body = streams.unseal(_need_payload(self.name, payload), "raw chunk")
         data = streams.unpack(body, size, "raw chunk")
-        return streams.from_planes(data, self.width)
+        chunk = streams.from_planes(data, self.width)
+        return chunk if out is None else _put(out, chunk)
 
 
 @register
@@ -109,13 +119,14 @@ class Xor:
     def encode(new: np.ndarray, base: np.ndarray, width: int, level: int) -> tuple[Xor, bytes]:
         return Xor(width), streams.seal([streams.pack(streams.to_planes(np.bitwise_xor(new, base), width), level)])
 
-    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
+               out: np.ndarray | None = None) -> np.ndarray:
         _check_width(self.name, self.width, size)
         b = _need_base(self.name, base, size)
         body = streams.unseal(_need_payload(self.name, payload), "xor chunk")
         data = streams.unpack(body, size, "xor chunk")
-        out: np.ndarray = np.bitwise_xor(streams.from_planes(data, self.width), b)
-        return out
+        result: np.ndarray = np.bitwise_xor(streams.from_planes(data, self.width), b, out=out)
+        return result
 
 
 @register
@@ -140,21 +151,23 @@ class Dense:
         return cls(width_field(fields(raw, ("width",))["width"]))
 
     @staticmethod
-    def encode(nw: np.ndarray, bw: np.ndarray, level: int) -> tuple[Dense, bytes]:
-        """nw, bw: new and base as width-byte little-endian unsigned ints."""
+    def encode(nw: np.ndarray, bw: np.ndarray, level: int, diff: np.ndarray | None = None) -> tuple[Dense, bytes]:
+        """nw, bw: new and base as width-byte little-endian unsigned ints; diff: nw - bw if the caller has it."""
         width = nw.dtype.itemsize
-        codes = zigzag(np.subtract(nw, bw)).astype(streams.UINT[width], copy=False)
+        codes = zigzag(np.subtract(nw, bw) if diff is None else diff).astype(streams.UINT[width], copy=False)
         return Dense(width), streams.seal([streams.pack(streams.to_planes(codes.view(np.uint8), width), level)])
 
-    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
+               out: np.ndarray | None = None) -> np.ndarray:
         _check_width(self.name, self.width, size)
         b = _need_base(self.name, base, size)
         body = streams.unseal(_need_payload(self.name, payload), "dense chunk")
         data = streams.unpack(body, size, "dense chunk")
         dtype = streams.UINT[self.width]
         d = unzigzag(streams.from_planes(data, self.width).view(dtype))
-        d += b.view(dtype)  # wraps, inverting the encoder's subtraction
-        return d.view(np.uint8)
+        # Wraps, inverting the encoder's subtraction.
+        np.add(d, b.view(dtype), out=d if out is None else out.view(dtype))
+        return d.view(np.uint8) if out is None else out
 
 
 @dataclass(frozen=True)
@@ -369,7 +382,8 @@ class Sparse:
         rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(len(p) for p in parts))
         return rec, streams.seal(parts)
 
-    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
+               out: np.ndarray | None = None) -> np.ndarray:
         _check_width(self.name, self.width, size)
         b = _need_base(self.name, base, size)
         data = streams.unseal(_need_payload(self.name, payload), "sparse chunk")
@@ -386,10 +400,9 @@ class Sparse:
         dtype = streams.UINT[self.width]
         bw = b.view(dtype)
         index = RankIndex(_split_mask(bw, self.split)) if self.split else None
-        out = b.copy()
-        ow = out.view(dtype)
         pos = 0
         per = 5 + self.width
+        updates = []
         for gi, g in enumerate(self.groups):
             parts = []
             for j, plain in enumerate(g.stream_sizes(self.width)):
@@ -403,6 +416,14 @@ class Sparse:
             ranks, diff = _decode_group(g, parts, space, dtype)
             if not g.count:
                 continue
-            where = ranks if index is None else index.select(ranks, 1 if gi == 0 else 0)
+            updates.append((ranks if index is None else index.select(ranks, 1 if gi == 0 else 0), diff))
+        # Everything is decoded and checked before the first byte of out is written, so a damaged payload
+        # leaves an in-place base untouched.
+        if out is None:
+            out = b.copy()
+        elif out is not b:
+            np.copyto(out, b)
+        ow = out.view(dtype)
+        for where, diff in updates:
             ow[where] += diff  # positions are distinct; wraps, inverting the encoder's subtraction
         return out

@@ -24,7 +24,8 @@ class Codec(Protocol):
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Codec: ...
 
-    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray: ...
+    def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
+               out: np.ndarray | None = None) -> np.ndarray: ...
 
 
 _REGISTRY: dict[str, type[Codec]] = {}

@@ -27,6 +27,14 @@ def roundtrip(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> codec.
     out = codec.decode(record, enc.payload, base, new.size, itemsize)
     assert out.dtype == np.uint8 and out.shape == (new.size,)
     assert out.tobytes() == new.tobytes()
+    # Into a caller's buffer, and in place over a copy of the base (what a pull does with the old bytes).
+    into = np.full(new.size, 0xA5, np.uint8)
+    assert codec.decode(record, enc.payload, base, new.size, itemsize, out=into) is into
+    assert into.tobytes() == new.tobytes()
+    if base is not None:
+        inplace = np.array(base, dtype=np.uint8, copy=True)
+        codec.decode(record, enc.payload, inplace, new.size, itemsize, out=inplace)
+        assert inplace.tobytes() == new.tobytes()
     return enc
 
 
@@ -51,7 +59,7 @@ def chunk_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray | None, int]:
         base = rng.integers(0, 256, size, dtype=np.uint8)
     else:
         base = np.zeros(size, np.uint8)
-    mode = draw(st.sampled_from(["none", "equal", "sparse", "dense", "all", "ulp"]))
+    mode = draw(st.sampled_from(["none", "equal", "sparse", "dense", "all", "ulp", "moved"]))
     new = base.copy()
     if mode == "none":
         return new, None, itemsize
@@ -64,6 +72,11 @@ def chunk_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray | None, int]:
         view[pos] ^= rng.integers(1, 255, pos.size).astype(view.dtype)
     elif mode == "dense" and elems:
         view[rng.random(elems) < 0.4] += view.dtype.type(1)
+    elif mode == "moved" and elems:
+        # Nearly every element a few steps up or down (an optimizer step on F32 weights): the dense codec,
+        # including wrap-around at both ends of the integer range.
+        steps = rng.integers(-4, 5, elems).astype(np.int64)
+        view[:] = (view.astype(np.int64) + steps).astype(view.dtype)
     elif mode == "all":
         new = rng.integers(0, 256, size, dtype=np.uint8)
     elif mode == "ulp" and elems:
@@ -166,6 +179,20 @@ def test_every_change_kind_is_chosen_where_it_is_cheapest() -> None:
     assert names == {"sparse": "sparse", "dense": "xor", "unrelated": "raw"}
 
 
+def test_optimizer_step_on_f32_uses_dense_and_is_smaller_than_the_alternatives() -> None:
+    rng = np.random.default_rng(4)
+    base = (1.0 + 0.1 * rng.standard_normal(1024)).astype(np.float32)  # a LayerNorm gain
+    new = (base - 1e-4 * np.sign(rng.standard_normal(base.size))).astype(np.float32)
+    enc = roundtrip(new.view(np.uint8), base.view(np.uint8), 4)
+    assert enc.codec["name"] == "dense"
+    nw, bw = new.view("<u4"), base.view("<u4")
+    idx = np.flatnonzero(nw != bw)
+    assert enc.payload is not None
+    for _, other in (codec.Sparse.encode(nw, bw, idx, codec.DEFAULT_LEVEL),
+                     codec.Xor.encode(new.view(np.uint8), base.view(np.uint8), 4, codec.DEFAULT_LEVEL)):
+        assert len(enc.payload) <= len(other)
+
+
 def test_encode_many_matches_encode() -> None:
     rng = np.random.default_rng(1)
     pairs = []
@@ -177,6 +204,14 @@ def test_encode_many_matches_encode() -> None:
     pairs.append((np.ones(8, np.uint8), None))
     many = codec.encode_many(pairs, 2, threads=2)
     assert many == [codec.encode(n, b, 2) for n, b in pairs]
+
+
+def test_decode_refuses_an_unusable_out_buffer() -> None:
+    base = np.arange(64, dtype=np.uint8)
+    enc = codec.encode(base + 1, base, 1)
+    for bad in (np.zeros(63, np.uint8), np.zeros(64, np.int8), np.zeros(128, np.uint8)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            codec.decode(enc.codec, enc.payload, base, 64, 1, out=bad)
 
 
 def test_rejects_mismatched_base_and_bad_itemsize() -> None:
