@@ -14,6 +14,9 @@ Methods, per delta:
   zstd-1 full               each tensor compressed with zstd level 1 (no base)
   XOR + zstd-1 per tensor   new XOR previous, one zstd-1 frame per tensor (slime's / Fireworks ARC's scheme)
   deltafs                   deltafs.codec.encode/decode per chunk (chunk_bytes, default 4 MiB), one thread
+  deltafs apply in place    decode(..., out=base): the buffer holding the old bytes is patched (a pull that
+                            reads the previous version into a buffer can do this; the copy is not timed)
+  deltafs before             bytes only: the previous policy (trial-encode sparse, xor and raw above 10% changed)
   entropy estimate          deltafs.testing.entropy: per tensor n*H2(p) bits for the changed positions + per
                             changed element the empirical entropy of the integer bit-pattern difference
 
@@ -51,6 +54,8 @@ from deltafs.testing.trained import TrainedRun, changed_fractions, config_for, p
 
 BASELINE = "XOR + zstd-1 per tensor"
 OURS = "deltafs"
+BEFORE = "deltafs before (trial encodes)"  # bytes only: the previous choice policy on the same chunks
+IN_PLACE = "deltafs apply in place"  # decode(..., out=base): the old bytes' buffer becomes the new (no copy)
 METHODS = ["full copy", "zstd-1 full", BASELINE, OURS]
 
 Pair = tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, int]]  # (prev, new, itemsize) by name
@@ -60,10 +65,12 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy().reshape(-1)
 
 
-def best(reps: int, fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Least thread CPU seconds of reps calls, and the last result."""
+def best(reps: int, fn: Callable[[], Any], setup: Callable[[], Any] | None = None) -> tuple[float, Any]:
+    """Least thread CPU seconds of reps calls (setup, untimed, before each), and the last result."""
     low, out = float("inf"), None
     for _ in range(reps):
+        if setup is not None:
+            setup()
         start = time.thread_time()
         out = fn()
         low = min(low, time.thread_time() - start)
@@ -107,6 +114,15 @@ def measure_tensor(n: np.ndarray, o: np.ndarray, itemsize: int, args: argparse.N
     ta, _ = best(reps, apply)
     assert out.tobytes() == n.tobytes(), "deltafs did not round-trip"
     add(OURS, sum(len(x.payload or b"") for x in encs), t, ta)
+
+    def apply_in_place() -> None:
+        for (s, e), enc in zip(spans, encs):
+            codec.decode(enc.codec, enc.payload, out[s:e], e - s, itemsize, out=out[s:e])
+
+    ti, _ = best(reps, apply_in_place, setup=lambda: np.copyto(out, o))
+    assert out.tobytes() == n.tobytes(), "deltafs did not round-trip in place"
+    res[IN_PLACE]["apply"] += ti
+    res[BEFORE]["bytes"] += sum(trial_policy_bytes(n[s:e], o[s:e], itemsize, args.level) for s, e in spans)
     for x in encs:
         res["codecs"][x.codec["name"] + (" split" if x.codec.get("split") else "")] += 1
     res["timing"]["tensors"] += 1
@@ -117,6 +133,21 @@ def measure_tensor(n: np.ndarray, o: np.ndarray, itemsize: int, args: argparse.N
     res["totals"]["full"] += n.size
     res["totals"]["elements"] += n.size // itemsize
     res["totals"]["changed"] += changed
+
+
+def trial_policy_bytes(n: np.ndarray, o: np.ndarray, itemsize: int, level: int) -> int:
+    """Bytes the codec stored before it chose from statistics: sparse up to 10% changed, else the smallest of
+    trial-encoded sparse, xor and raw (the same stream formats, so the comparison is of the choice alone)."""
+    width = itemsize if n.size % itemsize == 0 else 1
+    dtype = np.dtype(f"<u{width}")
+    nw, ow = n.view(dtype), o.view(dtype)
+    idx = np.flatnonzero(nw != ow)
+    if idx.size == 0:
+        return 0
+    sizes = [len(codec.Sparse.encode(nw, ow, idx, level)[1])]
+    if idx.size > 0.1 * nw.size:
+        sizes += [len(codec.Xor.encode(n, o, width, level)[1]), len(codec.Raw.encode(n, width, level)[1])]
+    return min(sizes)
 
 
 def new_result() -> dict[str, Any]:
@@ -225,6 +256,11 @@ def table(report: dict[str, Any]) -> str:
                          f" {r['bytes'] / base['bytes']:.3f}x | {r['bytes'] / ent:.3f}x |"
                          f" {full / r['encode'] / 1e9:.2f} | {full / r['apply'] / 1e9:.2f} |"
                          f" {bold}{base['encode'] / r['encode']:.2f}x{bold} | {bold}{base['apply'] / r['apply']:.2f}x{bold} |")
+        r = res[BEFORE]
+        lines.append(f"| {BEFORE} | {r['bytes'] / 1e6:,.3f} MB | {100 * r['bytes'] / full:.3f}% |"
+                     f" {r['bytes'] / base['bytes']:.3f}x | {r['bytes'] / ent:.3f}x | | | | |")
+        r = res[IN_PLACE]
+        lines.append(f"| {IN_PLACE} | | | | | | {full / r['apply'] / 1e9:.2f} | | {base['apply'] / r['apply']:.2f}x |")
         lines.append(f"| entropy estimate | {ent / 1e6:,.3f} MB | {100 * ent / full:.3f}% | {ent / base['bytes']:.3f}x"
                      f" | 1.000x | | | | |")
         kinds = ", ".join(f"{k}: {int(v)}" for k, v in sorted(res["codecs"].items()))
