@@ -27,7 +27,7 @@ starts from the previous version in memory and writes into a preallocated buffer
 file; every apply is checked byte for byte.
 
 Run:  python benchmarks/codec_bench.py --json docs/codec_bench.json   (defaults: llama-1b, 1 layer + 4/32 of the
-      embedding; trained GPT 20M; about 10 minutes on 2 shared vCPUs)
+      embedding; trained GPT 20M; about 6 minutes on 2 shared vCPUs)
 """
 
 from __future__ import annotations
