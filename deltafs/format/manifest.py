@@ -316,7 +316,7 @@ def validate(man: Manifest) -> None:
 
 
 # Codec names that need the base version's bytes to decode (see codec/).
-DELTA_CODECS = frozenset({"same", "xor", "sparse"})
+DELTA_CODECS = frozenset({"same", "xor", "sparse", "dense"})
 
 
 def _require(cond: bool, message: str) -> None:
