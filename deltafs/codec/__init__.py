@@ -104,8 +104,8 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
             return Encoded(Same().to_json(), None, 0)
         step = max(1, nw.size // compare.SAMPLE)
         if changed >= DENSE_FROM * nw.size and compare.looks_like_update(nw[::step], bw[::step]):
-            rec, payload = Dense.encode(nw, bw, level, diff=d)
-            return Encoded(rec.to_json(), payload, changed)
+            dense, dense_payload = Dense.encode(nw, bw, level, diff=d)
+            return Encoded(dense.to_json(), dense_payload, changed)
     # One vectorized compare + nonzero over the chunk is the main cost of a sparse delta.
     idx, nv, bv = compare.changes(n, b, width)
     changed = int(idx.size)
@@ -113,6 +113,8 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         return Encoded(Same().to_json(), None, 0)
     fraction = changed / nw.size
     split = choose_split(bw, idx) if level >= SPLIT_LEVEL else 0
+    rec: Codec
+    payload: bytes
     if fraction <= SPARSE_ONLY_BELOW:
         rec, payload = Sparse.encode(nw, bw, idx, level, split, values=(nv, bv))
     elif compare.looks_like_update(nv, bv):

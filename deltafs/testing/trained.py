@@ -95,8 +95,9 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # nn.TransformerEncoder deep-copies one layer, so every layer would start identical: re-draw each.
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if module is not self and callable(reset):
+                reset()
             elif isinstance(module, nn.MultiheadAttention):
                 module._reset_parameters()
         nn.init.normal_(self.tok_emb.weight, std=0.02)
@@ -157,7 +158,7 @@ class TrainedRun:
         logits = self.model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         self.opt.step()
         self.losses.append(float(loss.detach()))
 
