@@ -1,10 +1,11 @@
-"""`deltafs watch` (the rollout-host daemon) and `deltafs status` (the fleet ledger)."""
+"""`deltafs watch` (the rollout-host daemon), `deltafs status` (the fleet ledger), `deltafs launch-args`."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import logging
 import os
+import shlex
 import signal
 from typing import Annotated, Any, Optional
 
@@ -34,6 +35,9 @@ def watch_cmd(
     load_timeout: Annotated[float, typer.Option("--load-timeout", help="Seconds the engine may take to load a version.")] = 900.0,
     retry_max: Annotated[float, typer.Option("--retry-max", help="Longest wait between retries after failures, in seconds.")] = 300.0,
     once: Annotated[bool, typer.Option("--once", help="One cycle (stage, boundary, switch), then exit: 0 done or current, else the error's code.")] = False,
+    engine_group: Annotated[Optional[str], typer.Option("--engine-group", help="Multi-node engine: the name all its hosts' watchers share (same DEST path on each).")] = None,
+    engine_hosts: Annotated[int, typer.Option("--engine-hosts", help="Multi-node engine: how many hosts it spans; the --engine-url host switches once all have the version staged.")] = 1,
+    group_timeout: Annotated[float, typer.Option("--group-timeout", help="Multi-node engine: report a failure when a host has not staged a version after this many seconds.")] = 600.0,
     quiet: Quiet = False,
 ) -> int:
     """Keep DEST and the engine at the store's newest verified version, switching at task boundaries.
@@ -48,14 +52,17 @@ def watch_cmd(
 
     _log_to_stderr(quiet)
     kind = engine or ("sglang" if engine_url else "none")
-    # The admin API key comes from the environment, never a flag: flags show up in ps.
-    options = {"pause_mode": pause_mode, "load_timeout": load_timeout, "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
-    eng = make_engine(kind, engine_url, **options) if kind != "none" else None
+    # SGLang's --api-key and --admin-api-key come from DELTAFS_ENGINE_API_KEY and
+    # DELTAFS_ENGINE_ADMIN_API_KEY (make_engine reads them), never flags: flags show up in ps.
+    eng = make_engine(kind, engine_url, pause_mode=pause_mode, load_timeout=load_timeout) if kind != "none" else None
+    if engine_hosts > 1 and not engine_group:
+        raise UsageError("--engine-hosts needs --engine-group NAME (the same on every host of the engine)")
     if boundary not in ("immediate", "idle", "signal"):
         raise UsageError(f"unknown boundary {boundary!r}; use immediate, idle or signal")
     bound = make_boundary(boundary, max_wait=max_wait, file=boundary_file, port=boundary_port)
     sub = Subscriber(store, dest, eng, storage_options=parse_storage_options(storage_options), boundary=bound,
-                     host_id=host_id, ledger=not no_ledger, poll=poll, retry_max=retry_max)
+                     host_id=host_id, ledger=not no_ledger, poll=poll, retry_max=retry_max, engine_group=engine_group,
+                     engine_hosts=engine_hosts, group_timeout=group_timeout)
     if once:
         try:
             sub.start()
@@ -92,6 +99,25 @@ def status_cmd(
     return 0 if report.healthy else EXIT_FLEET_PROBLEM
 
 
+def launch_args_cmd(
+    dest: Annotated[str, typer.Argument(help="The DEST a watcher keeps (the path SGLang loads).")],
+    json_out: Json = False,
+) -> int:
+    """Print the SGLang arguments that start a replica at the version DEST holds (--model-path DEST --weight-version N)."""
+    from deltafs.engines.sglang import launch_args
+    from deltafs.errors import DestinationError
+    from deltafs.local import LocalCheckpoint
+
+    local = LocalCheckpoint(dest)
+    state = local.state()
+    if state is None:
+        raise DestinationError(f"{local.dest} holds no verified deltafs version; run deltafs pull first")
+    args = launch_args(local.dest, state.version)
+    Output(json_mode=json_out).result({"dest": local.dest, "version": state.version, "args": args},
+                                      " ".join(shlex.quote(a) for a in args))
+    return 0
+
+
 def render_fleet(report: Any) -> str:
     lines = [f"store {report.store_url}: HEAD is version {report.head if report.head is not None else '(none)'}"]
     if not report.hosts:
@@ -105,8 +131,9 @@ def render_fleet(report: Any) -> str:
             continue
         sync = st.last_sync or {}
         last = f"v{sync['version']} pause {sync['pause_s']:.2f}s / {sync['sync_s']:.2f}s" if sync else "-"
+        note = r.problem or (st.group_wait if st.state == "waiting-group" else "") or ""
         rows.append((st.host_id, st.state, _v(st.served_version), "-" if r.lag is None else str(r.lag),
-                     _v(st.staged_version), last, _ago(st.updated_at), r.problem or ""))
+                     _v(st.staged_version), last, _ago(st.updated_at), note))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
@@ -141,3 +168,4 @@ def _log_to_stderr(quiet: bool) -> None:
 def register(app: typer.Typer) -> None:
     app.command("watch")(watch_cmd)
     app.command("status")(status_cmd)
+    app.command("launch-args")(launch_args_cmd)

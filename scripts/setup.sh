@@ -11,4 +11,11 @@ fi
 # resolving torch together with the project, can prefer the CUDA build from the index: 2.7 GB more).
 .venv/bin/python -m pip install -q 'torch==2.13.0'
 .venv/bin/python -m pip install -q -e '.[torch,test,s3,sglang,megatron]'
+# The pinned SGLang wheel, for the tests that run SGLang's own HTTP and weight-update code (read as
+# text, never installed: importing sglang needs CUDA packages). Cached: downloaded once per checkout.
+SGLANG_VERSION=0.5.23
+if ! ls .cache/sglang-wheel/sglang-${SGLANG_VERSION}-*.whl >/dev/null 2>&1; then
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform manylinux_2_34_x86_64 "sglang==${SGLANG_VERSION}" -d .cache/sglang-wheel
+fi
 .venv/bin/python -c "import deltafs, torch, safetensors, zstandard, fsspec; print('deltafs', deltafs.__version__, 'torch', torch.__version__)"

@@ -14,9 +14,17 @@ SGLang 0.5.23 (sglang/srt/entrypoints/http_server.py and v1_loads.py):
     GET  /health
 
 It loads every *.safetensors file of model_path into a real (tiny) torch model and answers
-/generate greedily from it, so a test can tell which weights are live. Generation waits while the
-server is paused, as SGLang's retract/in_place modes do. Faults for the next update(s) are injected
-with `inject()` or POST /standin/fault: http500, success_false, hang, slow, wrong_version.
+/generate greedily from it, so a test can tell which weights are live. As SGLang does: pausing in
+abort mode aborts the requests in flight (finish_reason "abort"); in retract and in_place modes they
+stop between tokens and go on after continue_generation, and a response whose tokens came from two
+versions carries meta_info.weight_versions spans; bodies are validated (an integer weight_version
+or a missing model_path is 422); /health answers 200 with an empty body. Faults for the next
+update(s) are injected with `inject()` or POST /standin/fault: http500, success_false, hang, slow,
+wrong_version.
+
+Updates are NOT serialized here, and a second update while one runs is not modelled: what SGLang
+does then (a shared result slot, a crash) is tested against SGLang's own code in
+tests/sglang_wheel_server.py. Use this stand-in where a real model must answer /generate.
 
 Run standalone: python tests/sglang_standin.py --model-path DIR [--port 0]
 """
@@ -155,7 +163,7 @@ class StandinSGLang:
         self.events: list[Event] = []
         self._faults: list[_Fault] = []
         self._cond = threading.Condition()  # guards everything above and wakes paused generators
-        self._update_lock = threading.Lock()  # SGLang handles weight updates one at a time
+        self._abort_epoch = 0  # bumped by an abort-mode pause: requests in flight end
         self._port = port
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -256,6 +264,9 @@ class StandinSGLang:
         with self._cond:
             self.paused = True
             self.pause_mode = mode
+            if mode == "abort":
+                self._abort_epoch += 1
+                self._cond.notify_all()
         self.record("pause", mode=mode)
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -270,8 +281,10 @@ class StandinSGLang:
     def update(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if not isinstance(body.get("model_path"), str):
             return 422, {"detail": [{"loc": ["body", "model_path"], "msg": "Field required", "type": "missing"}]}
-        with self._update_lock:
-            return self._update(body)
+        if body.get("weight_version") is not None and not isinstance(body["weight_version"], str):
+            return 422, {"detail": [{"loc": ["body", "weight_version"], "msg": "Input should be a valid string",
+                                     "type": "string_type"}]}
+        return self._update(body)
 
     def _update(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         path, version = body["model_path"], body.get("weight_version")
@@ -326,31 +339,49 @@ class StandinSGLang:
         prompt = [i % vocab for i in prompt] or [0]
         with self._cond:
             self.waiting += 1
-            while self.paused:  # like retract/in_place: the request waits for continue_generation
+            while self.paused:  # a new request waits for continue_generation
                 self._cond.wait(0.05)
             self.waiting -= 1
             self.running += 1
-            model, version = self.model, self.weight_version
+            epoch = self._abort_epoch
+        out: list[int] = []
+        versions: list[str] = []
+        finish: dict[str, Any] = {"type": "length", "length": max_new}
         try:
-            out: list[int] = []
-            with torch.no_grad():
-                ids = list(prompt)
-                for _ in range(max_new):
-                    if self.token_delay:
-                        time.sleep(self.token_delay)
+            ids = list(prompt)
+            for _ in range(max_new):
+                with self._cond:  # between tokens: an abort ends the request, retract/in_place hold it
+                    while self.paused and self._abort_epoch == epoch:
+                        self._cond.wait(0.05)
+                    if self._abort_epoch != epoch:
+                        finish = {"type": "abort", "message": "Abort all requests"}
+                        break
+                    model, version = self.model, self.weight_version
+                if self.token_delay:
+                    time.sleep(self.token_delay)
+                with torch.no_grad():
                     logits = model(torch.tensor([ids[-8:]]))[0, -1]
-                    nxt = int(torch.argmax(logits.float()))
-                    out.append(nxt)
-                    ids.append(nxt)
+                nxt = int(torch.argmax(logits.float()))
+                out.append(nxt)
+                versions.append(version)
+                ids.append(nxt)
         finally:
             with self._cond:
                 self.running -= 1
+        version = versions[-1] if versions else self.weight_version
         self.record("generated", weight_version=version, tokens=len(out))
         text = bytes(i % 256 for i in out).decode("latin-1")
-        return 200, {"text": text, "output_ids": out,
-                     "meta_info": {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": max_new},
-                                   "prompt_tokens": len(prompt), "completion_tokens": len(out),
-                                   "weight_version": version}}
+        meta: dict[str, Any] = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(prompt),
+                                "completion_tokens": len(out), "weight_version": version}
+        if len(set(versions)) > 1:  # SGLang's spans: [{"version", "start", "end"}] over the output tokens
+            spans: list[dict[str, Any]] = []
+            for i, v in enumerate(versions):
+                if spans and spans[-1]["version"] == v:
+                    spans[-1]["end"] = i + 1
+                else:
+                    spans.append({"version": v, "start": i, "end": i + 1})
+            meta["weight_versions"] = spans
+        return 200, {"text": text, "output_ids": out, "meta_info": meta}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -401,7 +432,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif route == "/v1/loads":
             self._send(200, s.loads())
         elif route == "/health":
-            self._send(200, {})
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif route == "/get_weight_version":
             self._send(404, {"detail": "deprecated, use /model_info"})
         else:
@@ -411,7 +444,15 @@ class _Handler(BaseHTTPRequestHandler):
         s = self.standin
         body = self._body()
         if body is None:
-            self._send(HTTPStatus.UNPROCESSABLE_ENTITY, {"detail": "body must be a JSON object"})
+            self._send(HTTPStatus.UNPROCESSABLE_ENTITY, {"detail": [{"type": "json_invalid", "loc": ["body"],
+                                                                     "msg": "JSON decode error"}]})
+            return
+        route = self.path.split("?", 1)[0]
+        if body == {} and route in ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/generate") and \
+                not int(self.headers.get("Content-Length") or 0):
+            # FastAPI: a required body that is absent is 422, even where every field has a default.
+            self._send(HTTPStatus.UNPROCESSABLE_ENTITY, {"detail": [{"type": "missing", "loc": ["body"],
+                                                                     "msg": "Field required", "input": None}]})
             return
         routes = {
             "/pause_generation": s.pause,

@@ -5,30 +5,36 @@
     make_engine("other", url)                         -> a third party's engine, by entry point
     make_engine("none")                               -> None: pull only, no engine to switch
     reload_engine(...)                                -> one switch, for cron mode (deltafs pull --once)
+    switch_engine(engine, target, previous)           -> the switch both the watcher and reload_engine run
     TorchModuleEngine(module)                         -> in-process, in place (deltafs.engines.torch_module)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from importlib import import_module, metadata
 from typing import Any
 
-from deltafs.engines.base import Engine, SwitchError, SwitchResult, Target
+from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, SwitchResult, Target
+from deltafs.engines.switch import current_target, switch_engine
 from deltafs.engines.versions import find_version_dir, weight_version
 from deltafs.errors import UsageError
 
 __all__ = [
     "ENGINE_KINDS",
     "Engine",
+    "NeedsRestartError",
     "SwitchError",
     "SwitchResult",
     "Target",
+    "current_target",
     "engine_kinds",
     "find_version_dir",
     "make_engine",
     "reload_engine",
+    "switch_engine",
     "weight_version",
 ]
 
@@ -54,7 +60,8 @@ def engine_kinds() -> list[str]:
 def make_engine(kind: str, url: str | None = None, **options: Any) -> Engine | None:
     """An engine adapter by name: a built-in one, else one registered under the deltafs.engines entry points.
 
-    options go to its constructor (pause_mode, load_timeout, api_key, ...).
+    options go to its constructor (pause_mode, load_timeout, api_key, ...). SGLang's two keys default to
+    $DELTAFS_ENGINE_API_KEY and $DELTAFS_ENGINE_ADMIN_API_KEY (never flags: flags show up in ps).
     """
     if kind == "none":
         return None
@@ -62,6 +69,11 @@ def make_engine(kind: str, url: str | None = None, **options: Any) -> Engine | N
         module, name, example = BUILTIN_ENGINES[kind]
         if not url:
             raise UsageError(f"--engine {kind} needs --engine-url (e.g. {example})")
+        if kind == "sglang":
+            from deltafs.engines.sglang import ADMIN_API_KEY_ENV, API_KEY_ENV
+
+            options["api_key"] = options.get("api_key") or os.environ.get(API_KEY_ENV)
+            options["admin_api_key"] = options.get("admin_api_key") or os.environ.get(ADMIN_API_KEY_ENV)
         adapter: Callable[..., Engine] = getattr(import_module(module), name)
         return adapter(url, **options)
     plugins = {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
@@ -108,15 +120,15 @@ def reload_engine(kind: str, url: str | None, path: str | None = None, version: 
         return None
     engine.resume()  # a cron run killed mid-switch may have left it paused
     wanted = weight_version(version)
-    served = engine.served_version()
-    if served == wanted:
+    if engine.served_version() == wanted:
         return None
-    previous = None
+    # DEST was just pulled: a model_path of DEST itself says nothing about what the engine holds.
+    served = current_target(engine, dest) if dest is not None else None
+    if served is not None and served.version == wanted:
+        return None
+    previous = served
     if previous_path is not None and previous_version is not None:
         previous = Target(previous_path, weight_version(previous_version))
-    elif dest is not None and served is not None:
-        found = find_version_dir(dest, served)
-        previous = Target(found, served) if found else None
-    result = engine.switch(Target(path, wanted), previous)
+    result = switch_engine(engine, Target(path, wanted), previous)
     log.info("engine %s now serves version %s (paused %.3fs)", url, wanted, result.pause_seconds)
     return result

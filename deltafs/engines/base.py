@@ -3,6 +3,10 @@
 The watcher only ever asks an engine three things: which weight version it serves, whether it is
 busy (for the idle boundary), and to switch to a verified checkpoint directory, going back to the
 previous one if the switch fails. Everything engine-specific stays in the adapter modules.
+
+Two optional methods, asked for with getattr by deltafs.engines.switch: `served_path()` (the
+directory the engine last loaded, to learn its version when it reports none) and
+`loaded_checksum()` (a checksum of the weights it holds, recorded in the fleet ledger).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class SwitchResult:
     pause_seconds: float  # the engine was not generating for this long
     load_seconds: float  # of which the weight load itself took this long
     tensors_changed: int | None = None  # known by in-process adapters only
+    checksum: str | None = None  # of the loaded weights, where the engine can report one
 
 
 class SwitchError(EngineError):
@@ -46,6 +51,15 @@ class SwitchError(EngineError):
         super().__init__(message)
 
 
+class NeedsRestartError(EngineError):
+    """The version changes more than weights (config, tokenizer, tensor set): a hot switch would be wrong."""
+
+    def __init__(self, version: str, reason: str) -> None:
+        self.version = version
+        self.reason = reason
+        super().__init__(f"version {version} needs an engine restart, not a hot switch: {reason}")
+
+
 class EngineUnreachableError(EngineError):
     """No connection could be made: the request never reached the engine."""
 
@@ -61,7 +75,10 @@ class Engine(Protocol):
         ...
 
     def busy_requests(self) -> int | None:
-        """Requests running or queued now; None if the engine cannot tell."""
+        """Requests running or queued now; None if the engine has no notion of load.
+
+        Raises EngineError when the engine has one but cannot be asked (an error is never "idle").
+        """
         ...
 
     def resume(self) -> None:

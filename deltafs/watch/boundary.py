@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 from deltafs.engines.base import Engine
-from deltafs.errors import UsageError
+from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.watch")
 
@@ -50,7 +50,11 @@ class Immediate:
 
 
 class Idle:
-    """Wait for zero busy requests, checked every `interval` seconds, for at most max_wait."""
+    """Wait for zero busy requests, checked every `interval` seconds, for at most max_wait.
+
+    An engine whose load cannot be read (401, 404, connection refused) is not idle: the boundary
+    keeps asking, and after max_wait raises EngineError so the switch is retried later, never forced.
+    """
 
     name = "idle"
 
@@ -62,10 +66,21 @@ class Idle:
         if engine is None:
             return not stop.is_set()
         deadline = time.monotonic() + self.max_wait
+        last_error: EngineError | None = None
         while not stop.is_set():
-            busy = engine.busy_requests()
+            try:
+                busy = engine.busy_requests()
+            except EngineError as exc:
+                if last_error is None:
+                    log.warning("cannot read the engine's load (%s); not switching until it can be read", exc)
+                last_error = exc
+                if time.monotonic() >= deadline:
+                    raise EngineError(f"idle boundary: the engine's load could not be read for {self.max_wait:g}s, "
+                                      f"so the switch waits: {exc}") from None
+                stop.wait(self.interval)
+                continue
             if busy is None:
-                log.warning("engine %s cannot report its load; switching without waiting for idle", engine.kind)
+                log.warning("engine %s has no notion of load; switching without waiting for idle", engine.kind)
                 return True
             if busy == 0:
                 return True

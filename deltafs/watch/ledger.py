@@ -27,8 +27,10 @@ FLEET_PREFIX = "fleet"
 LEDGER_FORMAT = "deltafs.fleet"
 _HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-# Watcher states, in the order a healthy cycle goes through them.
-STATES = ("starting", "serving", "staging", "waiting", "switching", "degraded", "stopped")
+# Watcher states, in the order a healthy cycle goes through them, then the ones that need attention.
+STATES = ("starting", "serving", "staging", "waiting", "waiting-group", "switching", "needs-restart", "degraded",
+          "stopped")
+CHECKSUMS_KEPT = 8  # loaded-weight checksums per host, newest versions
 
 
 def utcnow() -> str:
@@ -76,6 +78,11 @@ class HostStatus:
     last_error_at: str | None = None
     failures: int = 0  # consecutive failed cycles; 0 when the last one went through
     last_sync: dict[str, Any] | None = None  # {"version", "pause_s", "sync_s", "at", "fallback"}
+    engine_group: str | None = None  # hosts of one multi-node engine share a group name
+    engine_hosts: int = 1  # how many hosts the group has
+    group_wait: str | None = None  # why the group's switch waits, in words
+    needs_restart: dict[str, Any] | None = None  # {"version", "reason"}: staged, but only a restart can serve it
+    checksums: dict[str, str] = field(default_factory=dict)  # weight version -> loaded-weight checksum
     started_at: str = field(default_factory=utcnow)
     updated_at: str = field(default_factory=utcnow)
     hostname: str = field(default_factory=socket.gethostname)
@@ -92,6 +99,28 @@ class HostStatus:
             raise ValueError("not a deltafs fleet record")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def record_checksum(status: HostStatus, version: int, checksum: str | None) -> None:
+    """Keep the engine's loaded-weight checksum of a version (the newest CHECKSUMS_KEPT)."""
+    if not checksum:
+        return
+    status.checksums[str(version)] = checksum
+    for old in sorted(status.checksums, key=int)[:-CHECKSUMS_KEPT]:
+        del status.checksums[old]
+
+
+def read_statuses(objects: ObjectStore) -> list[tuple[str, HostStatus | None, str | None]]:
+    """Every ledger entry: (key, status or None, why it is unreadable)."""
+    out: list[tuple[str, HostStatus | None, str | None]] = []
+    for key in objects.list(FLEET_PREFIX):
+        if not key.endswith(".json"):
+            continue
+        try:
+            out.append((key, HostStatus.from_bytes(objects.get(key)), None))
+        except (ValueError, TypeError, DeltafsError) as exc:
+            out.append((key, None, str(exc)))
+    return out
 
 
 def write_status(objects: ObjectStore, status: HostStatus) -> bool:
@@ -140,13 +169,11 @@ def fleet_report(repo: Repository, *, stale_after: float = 300.0, now: _dt.datet
     head_version = head.version if head else None
     now = now or _dt.datetime.now(_dt.timezone.utc)
     rows = []
-    for key in repo.objects.list(FLEET_PREFIX):
-        if not key.endswith(".json"):
-            continue
-        try:
-            st = HostStatus.from_bytes(repo.objects.get(key))
-        except (ValueError, TypeError, DeltafsError) as exc:
-            rows.append(FleetRow(None, key, None, False, f"unreadable ledger entry: {exc}"))
+    statuses = read_statuses(repo.objects)
+    disagree = _checksum_disagreements([st for _, st, _ in statuses if st is not None])
+    for key, st, unreadable in statuses:
+        if st is None:
+            rows.append(FleetRow(None, key, None, False, f"unreadable ledger entry: {unreadable}"))
             continue
         lag = head_version - st.served_version if head_version is not None and st.served_version is not None else None
         seen = parse_time(st.updated_at)
@@ -154,10 +181,35 @@ def fleet_report(repo: Repository, *, stale_after: float = 300.0, now: _dt.datet
         problem = None
         if st.store_id is not None and st.store_id != repo.store_id:
             problem = f"records store {st.store_id[:8]}, not this store"
+        elif st.needs_restart:
+            problem = (f"version {st.needs_restart.get('version')} needs an engine restart "
+                       f"({st.needs_restart.get('reason')}); start it with: deltafs launch-args {st.dest}")
         elif st.failures or st.state == "degraded":
             problem = f"{st.failures} failed sync(s): {st.last_error}"
         elif stale:
             problem = f"no report since {st.updated_at}"
+        elif st.host_id in disagree:
+            problem = disagree[st.host_id]
         rows.append(FleetRow(st, key, lag, stale, problem))
     rows.sort(key=lambda r: r.status.host_id if r.status else r.key)
     return FleetReport(repo.url, head_version, rows)
+
+
+def _checksum_disagreements(statuses: list[HostStatus]) -> dict[str, str]:
+    """host_id -> problem, for hosts whose loaded weights differ from another host's for the version both serve."""
+    by_version: dict[int, dict[str, list[str]]] = {}
+    for st in statuses:
+        if st.served_version is None:
+            continue
+        checksum = st.checksums.get(str(st.served_version))
+        if checksum:
+            by_version.setdefault(st.served_version, {}).setdefault(checksum, []).append(st.host_id)
+    out: dict[str, str] = {}
+    for version, groups in by_version.items():
+        if len(groups) < 2:
+            continue
+        for checksum, hosts in groups.items():
+            others = sorted(h for c, hs in groups.items() if c != checksum for h in hs)
+            out.update({h: f"loaded weights of version {version} differ from {', '.join(others)} "
+                           f"(checksum {checksum[:12]})" for h in hosts})
+    return out

@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from deltafs.engines import find_version_dir, weight_version
-from deltafs.engines.base import Engine, SwitchError, Target
+from deltafs.engines import weight_version
+from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, Target
+from deltafs.engines.switch import current_target, loaded_checksum, switch_engine
 from deltafs.errors import (
     DeltafsError,
     DestinationError,
@@ -37,10 +38,12 @@ from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.pull import PullResult, pull
 from deltafs.store.repo import CONFIG_KEY, Repository
 from deltafs.watch.boundary import Boundary, Immediate
+from deltafs.watch.group import GroupNotReadyError, ready_hosts, stable_path
 from deltafs.watch.ledger import (
     HostStatus,
     check_host_id,
     default_host_id,
+    record_checksum,
     utcnow,
     write_status,
 )
@@ -98,6 +101,10 @@ class Subscriber:
         retry_max: float = 300.0,
         keep: int = 3,
         threads: int | None = None,
+        engine_group: str | None = None,
+        engine_hosts: int = 1,
+        group_timeout: float = 600.0,
+        group_poll: float = 2.0,
     ) -> None:
         self.store_url = store
         self.dest = os.path.abspath(os.path.expanduser(dest))
@@ -118,9 +125,17 @@ class Subscriber:
         self._noticed: dict[int, float] = {}
         self._repo: Repository | None = None
         self._notifier: Notifier | None = None
+        self.engine_group = engine_group
+        self.engine_hosts = max(1, int(engine_hosts))
+        self.group_timeout = group_timeout
+        self.group_poll = group_poll
+        self._group_since: dict[int, float] = {}
+        self._relearn = False  # the engine was lost mid-switch: ask it again what it serves
+        self._unconfirmed = False  # served was inferred from DEST's link: reload once to be sure
         self.status = HostStatus(host_id=check_host_id(host_id or default_host_id()), dest=self.dest,
                                  engine=engine.kind if engine else "none",
-                                 engine_url=getattr(engine, "url", None))
+                                 engine_url=getattr(engine, "url", None), engine_group=engine_group,
+                                 engine_hosts=self.engine_hosts)
 
     # --- store access -------------------------------------------------------------------
     @property
@@ -150,20 +165,40 @@ class Subscriber:
         if self.engine is not None:
             try:
                 self.engine.resume()
-                reported = self.engine.served_version()
             except EngineError as exc:
-                log.error("cannot ask the engine what it serves: %s", exc)
-                reported = None
-            self.served = self._local_target(reported) if reported is not None else None
-            if reported is not None and self.served is None:
-                log.warning("the engine serves weight_version %r, which is not a verified version in %s; "
-                            "it will be switched to the newest version", reported, self.dest)
+                log.error("cannot resume the engine: %s", exc)
+            self._learn_served(first=True)
         else:
             state = LocalCheckpoint(self.dest).state()
             if state is not None:
                 self.served = Target(state.path, weight_version(state.version))
         self.status.served_version = int(self.served.version) if self.served else None
         self._set_state("serving" if self.served else "starting")
+
+    def _learn_served(self, *, first: bool = False) -> None:
+        """Ask the engine what it serves (weight_version, else model_path) and record its checksum."""
+        assert self.engine is not None
+        try:
+            reported = self.engine.served_version()
+            found = current_target(self.engine, self.dest, trust_dest_link=first)
+        except EngineError as exc:
+            log.error("cannot ask the engine what it serves: %s", exc)
+            return
+        self._unconfirmed = False
+        if found is not None and reported != found.version:
+            # Started without --weight-version: known from model_path. If that path is DEST itself, it
+            # names what DEST pointed to at launch; reload once so the engine reports a version.
+            self._unconfirmed = os.path.abspath(self.engine.served_path() or "").rstrip("/") == self.dest
+            log.info("the engine reports weight_version %r; it loaded %s, version %s%s", reported, found.path,
+                     found.version, " (reloading it once to be sure)" if self._unconfirmed else "")
+        elif found is None and reported is not None:
+            log.warning("the engine serves weight_version %r, which is not a verified version in %s; it will be "
+                        "switched to the newest version (start SGLang with the arguments `deltafs launch-args %s` "
+                        "prints)", reported, self.dest, self.dest)
+        self.served = found
+        self.status.served_version = int(found.version) if found else None
+        if found is not None:
+            record_checksum(self.status, int(found.version), loaded_checksum(self.engine))
 
     def poll(self) -> Staged | None:
         """Stage the newest version if it is newer than what is served; None when up to date.
@@ -180,7 +215,7 @@ class Subscriber:
                 self._forget_store()
                 raise StoreNotFoundError(f"the store at {self.store_url} has disappeared (no {CONFIG_KEY})")
             return None
-        served = int(self.served.version) if self.served else None
+        served = int(self.served.version) if self.served and not self._unconfirmed else None
         if served is not None and head.version <= served:
             return None
         if self.staged is not None and self.staged.version >= head.version and os.path.isdir(self.staged.path):
@@ -206,18 +241,35 @@ class Subscriber:
             self.status.staged_version = None
             raise DestinationError(f"staged version {staged.version} vanished from {staged.path}; staging it again")
         target = Target(staged.path, weight_version(staged.version))
+        if self.engine_group:  # every host of the engine loads the same path from its own disk
+            target = Target(stable_path(self.dest, staged.version, staged.path), target.version)
         pause = load = 0.0
+        checksum = None
         if self.engine is not None:
             previous = self.served if self.served and os.path.isdir(self.served.path) else None
+            if self.engine_group:
+                self._wait_for_group(staged.version)
+                if previous is not None:
+                    previous = Target(stable_path(self.dest, int(previous.version), previous.path), previous.version)
             self._set_state("switching")
-            result = self.engine.switch(target, previous)
-            pause, load = result.pause_seconds, result.load_seconds
+            try:
+                result = switch_engine(self.engine, target, previous)
+            except NeedsRestartError as exc:
+                self.status.needs_restart = {"version": staged.version, "reason": exc.reason}
+                self._set_state("needs-restart")
+                raise
+            pause, load, checksum = result.pause_seconds, result.load_seconds, result.checksum
         applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback, load)
         self.served = target
         self.staged = None
+        self._unconfirmed = False
         self._noticed = {v: t for v, t in self._noticed.items() if v > staged.version}
+        self._group_since.pop(staged.version, None)
         self.status.served_version = staged.version
         self.status.staged_version = None
+        self.status.needs_restart = None
+        self.status.group_wait = None
+        record_checksum(self.status, staged.version, checksum)
         self.status.last_sync = applied.to_json()
         self.status.failures = 0
         self.status.last_error = None
@@ -229,10 +281,25 @@ class Subscriber:
 
     def sync(self) -> Applied | None:
         """One cycle: poll, wait for the boundary, apply. None when there was nothing to do."""
+        if self.engine is not None and (self._relearn or self.status.needs_restart):
+            # The engine was lost mid-switch, or an operator may have restarted it at the staged version.
+            self._relearn = False
+            self._learn_served()
+            wanted = self.status.needs_restart
+            if wanted and self.served is not None and int(self.served.version) >= int(wanted["version"]):
+                log.info("the engine was restarted at version %s; the restart is done", self.served.version)
+                self.status.needs_restart = None
+                self.staged = None
+                self.status.staged_version = None
+                self._set_state("serving")
         staged = self.poll()
         if staged is None:
             self._beat()
             return None
+        wanted = self.status.needs_restart
+        if wanted and staged.version == int(wanted["version"]):  # still not hot-switchable; keep serving
+            self._set_state("needs-restart")
+            raise NeedsRestartError(weight_version(staged.version), str(wanted.get("reason")))
         if self.engine is not None and not self.boundary.wait(self.engine, self.stop_event):
             return None
         return self.apply()
@@ -253,7 +320,19 @@ class Subscriber:
             except SwitchError as exc:
                 if exc.serving is not None and exc.serving != self.served:
                     self._now_serving(exc.serving)
+                elif exc.serving is None and not exc.rolled_back:
+                    self._relearn = True  # died, restarted or still loading: what it serves is unknown
                 delay = self._failed(exc)
+            except NeedsRestartError as exc:
+                log.error("%s; still serving version %s. Restart the engine with: deltafs launch-args %s",
+                          exc, self.served.version if self.served else "?", self.dest)
+                delay = jittered(self.fallback_poll)
+            except GroupNotReadyError as exc:
+                if exc.timed_out:
+                    delay = self._failed(exc)
+                else:
+                    log.info("%s", exc)
+                    delay = jittered(self.group_poll)
             except LockHeldError as exc:
                 log.info("%s; trying again later", exc)
                 delay = self._backoff(1)
@@ -340,10 +419,28 @@ class Subscriber:
         except DeltafsError as exc:
             raise NothingVerifiableError(f"version {version} cannot be verified: {exc}") from exc
 
-    def _local_target(self, reported: str) -> Target | None:
-        """The verified local directory of the version the engine reports, if there is one."""
-        path = find_version_dir(self.dest, reported)
-        return Target(path, reported) if path else None
+    def _wait_for_group(self, version: int) -> None:
+        """Raise GroupNotReadyError until every host of the engine group has the version staged."""
+        assert self.engine_group is not None
+        ready, members = ready_hosts(self.repo.objects, self.engine_group, version, store_id=self.status.store_id)
+        ready.add(self.status.host_id)
+        if len(ready) >= self.engine_hosts:
+            self.status.group_wait = None
+            return
+        waited = time.monotonic() - self._group_since.setdefault(version, time.monotonic())
+        behind = sorted(f"{m.host_id} (has {m.staged_version or m.served_version})" for m in members
+                        if m.host_id not in ready)
+        missing = self.engine_hosts - len(ready) - len(behind)
+        parts = behind + ([f"{missing} host(s) with no live ledger entry"] if missing > 0 else [])
+        message = (f"engine group {self.engine_group}: {len(ready)}/{self.engine_hosts} hosts have version {version} "
+                   f"staged; waiting {waited:.0f}s for {', '.join(parts)}")
+        self.status.group_wait = message
+        timed_out = waited > self.group_timeout
+        if timed_out:
+            message += f"; not switching until they have it (waited past {self.group_timeout:g}s: check their watchers)"
+        else:
+            self._set_state("waiting-group")
+        raise GroupNotReadyError(message, timed_out=timed_out)
 
     def _now_serving(self, target: Target) -> None:
         """The engine verifiably holds target although the switch reported a failure."""
@@ -360,7 +457,7 @@ class Subscriber:
                      self.served.version if self.served else "(unknown)")
             self.status.failures = 0
             self.status.last_error = None
-            self._set_state("serving" if self.staged is None else "waiting")
+            self._set_state("needs-restart" if self.status.needs_restart else "serving" if self.staged is None else "waiting")
 
     def _failed(self, exc: BaseException) -> float:
         self.status.failures += 1

@@ -1,0 +1,78 @@
+"""The one engine switch, used by the watcher (Subscriber.apply) and by cron mode (reload_engine).
+
+    current = current_target(engine, dest)           # what the engine serves, as a verified local version
+    result = switch_engine(engine, target, current)  # refuse what needs a restart, switch, checksum
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from deltafs.engines.base import Engine, NeedsRestartError, SwitchResult, Target
+from deltafs.engines.compat import restart_reason
+from deltafs.engines.versions import find_version_dir, read_version_manifest, weight_version
+from deltafs.errors import EngineError, FormatError
+from deltafs.local import LocalCheckpoint
+
+log = logging.getLogger("deltafs.engines")
+
+
+def switch_engine(engine: Engine, target: Target, previous: Target | None) -> SwitchResult:
+    """Switch engine to target (rolling back to previous on failure) and read its loaded-weight checksum.
+
+    Raises NeedsRestartError, before touching the engine, when target changes more than weights
+    compared with previous (config, tokenizer, tensor names or shapes): a hot switch would serve the
+    new tensors under the old config, or keep old values for tensors the new version lacks.
+    """
+    if previous is not None and os.path.isdir(previous.path):
+        reason = restart_reason(previous.path, target.path)
+        if reason is not None:
+            raise NeedsRestartError(target.version, reason)
+    result = engine.switch(target, previous)
+    return dataclasses.replace(result, checksum=loaded_checksum(engine))
+
+
+def loaded_checksum(engine: Engine) -> str | None:
+    """The engine's checksum of its loaded weights, where it has one (SGLang's /weights_checker)."""
+    ask = getattr(engine, "loaded_checksum", None)
+    if ask is None:
+        return None
+    try:
+        value = ask()
+    except EngineError as exc:
+        log.warning("cannot read the loaded-weight checksum: %s", exc)
+        return None
+    return str(value) if value else None
+
+
+def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) -> Target | None:
+    """What the engine serves, as a verified version directory beside DEST; None if unknown.
+
+    From the weight_version it reports; when that is not a version DEST has (SGLang says "default"
+    when started without --weight-version), from the model_path it loaded. A model_path that is
+    DEST itself names whatever DEST pointed to when the engine loaded it, which is the version DEST
+    points to now only if nothing was pulled since: pass trust_dest_link only then.
+    """
+    reported = engine.served_version()
+    if reported is not None:
+        found = find_version_dir(dest, reported)
+        if found is not None:
+            return Target(found, reported)
+    ask = getattr(engine, "served_path", None)
+    path = ask() if ask is not None else None
+    if not path:
+        return None
+    local = LocalCheckpoint(dest)
+    if os.path.abspath(path).rstrip("/") == local.dest:
+        state = local.state() if trust_dest_link else None
+        return Target(state.path, weight_version(state.version)) if state else None
+    real = os.path.realpath(path)
+    for candidate in local.version_dirs():
+        if os.path.realpath(candidate) == real:
+            try:
+                return Target(candidate, weight_version(read_version_manifest(candidate).version))
+            except FormatError:
+                return None
+    return None

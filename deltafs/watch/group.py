@@ -1,0 +1,68 @@
+"""Multi-node engines: one SGLang engine spread over N hosts (--nnodes N) that each load model_path from their own disk.
+
+Every host runs a watcher with the same --engine-group NAME and --engine-hosts N, and the same DEST
+path. Each stages versions and records them in the fleet ledger; the one watcher with --engine-url
+(the host serving SGLang's HTTP API) switches only once all N hosts have the version staged, and
+sends a path that is the same on every host: DEST.deltafs/by-version/v<N>, a symlink each watcher
+keeps to its own verified version directory.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import uuid
+
+from deltafs.errors import DeltafsError
+from deltafs.local import LocalCheckpoint
+from deltafs.store.objects import ObjectStore
+from deltafs.watch.ledger import HostStatus, parse_time, read_statuses
+
+BY_VERSION = "by-version"
+
+
+class GroupNotReadyError(DeltafsError):
+    """Not every host of the engine group has staged the version yet."""
+
+    exit_code = 11
+
+    def __init__(self, message: str, *, timed_out: bool) -> None:
+        self.timed_out = timed_out
+        super().__init__(message)
+
+
+def stable_path(dest: str, version: int, version_dir: str) -> str:
+    """DEST.deltafs/by-version/v<version>, a symlink to version_dir; the same path on every host."""
+    local = LocalCheckpoint(dest)
+    links = os.path.join(local.sidecar, BY_VERSION)
+    os.makedirs(links, exist_ok=True)
+    link = os.path.join(links, f"v{int(version)}")
+    rel = os.path.relpath(os.path.realpath(version_dir), os.path.realpath(links))
+    if not (os.path.islink(link) and os.readlink(link) == rel):
+        tmp = os.path.join(links, f".tmp-{uuid.uuid4().hex[:8]}")
+        os.symlink(rel, tmp)
+        os.replace(tmp, link)
+    for name in os.listdir(links):  # versions pull has cleaned up since
+        path = os.path.join(links, name)
+        if os.path.islink(path) and not os.path.exists(path):
+            os.unlink(path)
+    return link
+
+
+def ready_hosts(objects: ObjectStore, group: str, version: int, *, store_id: str | None,
+                fresh_within: float = 300.0, now: _dt.datetime | None = None) -> tuple[set[str], list[HostStatus]]:
+    """Hosts of the group (live ledger entries of this store) that hold `version` staged or newer, and all members."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    members: list[HostStatus] = []
+    ready: set[str] = set()
+    for _, st, _ in read_statuses(objects):
+        if st is None or st.engine_group != group or (store_id and st.store_id and st.store_id != store_id):
+            continue
+        seen = parse_time(st.updated_at)
+        if st.state == "stopped" or seen is None or (now - seen).total_seconds() > fresh_within:
+            continue
+        members.append(st)
+        have = max(v for v in (st.staged_version, st.served_version, -1) if v is not None)
+        if have >= version:
+            ready.add(st.host_id)
+    return ready, members
