@@ -53,14 +53,18 @@ def _segment(lines: list[str], node: ast.AST) -> str:
     return textwrap.dedent("\n".join(lines[first - 1:node.end_lineno])) + "\n"
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(member: str) -> ast.Module:
+    return ast.parse(source(member))
+
+
 def extract(member: str, names: list[str], *, cls: str | None = None) -> str:
     """The source (decorators included) of top-level definitions, or of methods of class cls.
 
     Fails loudly when a name is missing: a moved pin must not silently test less.
     """
-    text = source(member)
-    tree = ast.parse(text)
-    lines = text.splitlines()
+    tree = _tree(member)
+    lines = source(member).splitlines()
     body = tree.body
     if cls is not None:
         owners = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
@@ -80,8 +84,7 @@ def extract(member: str, names: list[str], *, cls: str | None = None) -> str:
 
 def class_fields(member: str, cls: str) -> dict[str, str]:
     """Annotated fields of a class (inherited ones not included): name -> annotation source."""
-    tree = ast.parse(source(member))
-    for node in tree.body:
+    for node in _tree(member).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:
             return {s.target.id: ast.unparse(s.annotation) for s in node.body
                     if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}

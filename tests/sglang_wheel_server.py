@@ -375,7 +375,8 @@ class _TokenizerWorker:
         loop = asyncio.get_running_loop()
 
         def reply(out: Any) -> None:
-            loop.call_soon_threadsafe(self.server.deliver, self._handle_update_weights_from_disk_req_output, out)
+            with contextlib.suppress(RuntimeError):  # the server died meanwhile: nobody waits any more
+                loop.call_soon_threadsafe(self.server.deliver, self._handle_update_weights_from_disk_req_output, out)
 
         self.server.scheduler.send(obj, reply)
 
@@ -390,7 +391,11 @@ class _TokenizerWorker:
     async def check_weights_communicator(self, obj: Any) -> list[Any]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self.server.scheduler.send(obj, lambda out: loop.call_soon_threadsafe(fut.set_result, out))
+        def reply(out: Any) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fut.set_result, out)
+
+        self.server.scheduler.send(obj, reply)
         return [await fut]
 
     async def get_loads(self, include: Any = None, dp_rank: Any = None) -> list[Any]:
@@ -537,6 +542,8 @@ class WheelSGLang:
         server.should_exit = server.force_exit = True
 
         def cut() -> None:
+            for listener in getattr(server, "servers", []):
+                listener.close()  # stop accepting at once, before uvicorn's own shutdown
             for conn in list(server.server_state.connections):
                 transport = getattr(conn, "transport", None)
                 if transport is not None:
@@ -602,7 +609,8 @@ class WheelSGLang:
 
     @property
     def paused(self) -> bool:
-        return self.scheduler.paused or any(w.is_pause for w in self.workers)
+        """Whether the tokenizer manager holds new requests (the scheduler follows once it takes the message)."""
+        return any(w.is_pause for w in self.workers)
 
     def reported_versions(self) -> list[str]:
         return [str(w._context.config_leaf("weight_version")) for w in self.workers]

@@ -367,9 +367,16 @@ class SGLangEngine:
         """The update's connection failed: the server died or restarted. Say which."""
         if not isinstance(error, self._requests.RequestException):
             raise error
-        try:
-            info = self.model_info(fresh=True)
-        except EngineError:
+        info = None
+        deadline = time.monotonic() + min(self.timeout, 5.0)  # a supervisor may be bringing it back
+        while info is None:
+            try:
+                info = self.model_info(fresh=True)
+            except EngineError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.25)
+        if info is None:
             raise EngineDiedError(f"SGLang at {self.url} died during the load of version {target.version} "
                                   f"({_short(error)}); restart it (it will serve its launch checkpoint)") from None
         raise EngineDiedError(f"SGLang at {self.url} restarted during the load of version {target.version}; "
