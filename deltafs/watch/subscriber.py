@@ -199,6 +199,9 @@ class Subscriber:
         self.status.served_version = int(found.version) if found else None
         if found is not None:
             record_checksum(self.status, int(found.version), loaded_checksum(self.engine))
+            if self.staged is not None and self.staged.version <= int(found.version):
+                self.staged = None  # e.g. a slow load that finished after the switch gave up waiting
+                self.status.staged_version = None
 
     def poll(self) -> Staged | None:
         """Stage the newest version if it is newer than what is served; None when up to date.
@@ -435,7 +438,7 @@ class Subscriber:
         message = (f"engine group {self.engine_group}: {len(ready)}/{self.engine_hosts} hosts have version {version} "
                    f"staged; waiting {waited:.0f}s for {', '.join(parts)}")
         self.status.group_wait = message
-        timed_out = waited > self.group_timeout
+        timed_out = waited >= self.group_timeout
         if timed_out:
             message += f"; not switching until they have it (waited past {self.group_timeout:g}s: check their watchers)"
         else:

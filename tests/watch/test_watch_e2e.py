@@ -82,7 +82,9 @@ def test_polling_mode_follows_the_store_too(trainer, tmp_path, engine_server):
     assert same_weights(engine_server.state_dict(), trainer.weights[2])
 
 
-@pytest.mark.parametrize("fault, seconds", [("http500", 0), ("success_false", 0), ("wrong_version", 0), ("hang", 1.3)])
+# A load that outlasts the deadline is not rolled back (SGLang cannot take a second update meanwhile):
+# tests/watch/test_watch_sglang.py covers it against SGLang's own code.
+@pytest.mark.parametrize("fault, seconds", [("http500", 0), ("success_false", 0), ("wrong_version", 0)])
 def test_every_engine_failure_ends_on_a_verified_version_and_recovers(trainer, tmp_path, engine_server, fault, seconds):
     trainer.push()
     sub = subscriber(trainer, tmp_path, engine_server, load_timeout=1.0)

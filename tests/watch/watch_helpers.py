@@ -53,8 +53,9 @@ class Trainer:
             self._current = {k: v.clone() for k, v in self._current.items()}
             self._current["lm_head.weight"][step % 64] += 0.5
             self._current["logit_bias"][step % 64] = float(step)
-        res = push_tensors(self.store, self._current, extra_files={"config.json": json.dumps(CONFIG).encode()},
-                           cache_dir=self.cache, storage_options=self.storage_options, **kwargs)
+        extra = kwargs.pop("extra_files", None) or {"config.json": json.dumps(CONFIG).encode()}
+        res = push_tensors(self.store, self._current, extra_files=extra, cache_dir=self.cache,
+                           storage_options=self.storage_options, **kwargs)
         self.weights[res.version] = {k: v.clone() for k, v in self._current.items()}
         return res.version
 

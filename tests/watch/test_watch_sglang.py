@@ -1,0 +1,241 @@
+"""The watcher against SGLang 0.5.23's own update code (tests/sglang_wheel_server.py) while a trainer pushes.
+
+What a user relies on: a slow load ends on the new version without a second update; a version that
+changes config, tokenizer or tensor set is staged but not hot-switched (needs-restart in the ledger
+and `deltafs status`), and the engine keeps serving; the engine's version is learned from model_path
+when it reports "default"; loaded-weight checksums land in the ledger; a multi-node engine switches
+only once every host has staged the version; `deltafs launch-args` prints how to start a replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import typer
+from deltafs.cli.watch import register
+from sglang_wheel_server import WheelSGLang
+from typer.testing import CliRunner
+from watch_helpers import CONFIG, FAST, running, same_weights, wait_until
+
+from deltafs.engines import NeedsRestartError, reload_engine
+from deltafs.engines.sglang import SGLangEngine
+from deltafs.local import LocalCheckpoint
+from deltafs.store.open import open_objects
+from deltafs.store.repo import Repository
+from deltafs.watch import Subscriber
+from deltafs.watch.group import GroupNotReadyError
+from deltafs.watch.ledger import HostStatus, fleet_report, ledger_key
+
+MAIN = "import sys; from deltafs.cli.main import main; sys.argv[0] = 'deltafs'; main()"
+
+
+def engine(server: WheelSGLang, **kw) -> SGLangEngine:
+    return SGLangEngine(server.url, timeout=2, load_timeout=kw.pop("load_timeout", 10), poll_interval=0.1, **kw)
+
+
+def ledger(store: str, host: str = "rollout-0") -> HostStatus:
+    return HostStatus.from_bytes(open_objects(store).get(ledger_key(host)))
+
+
+def ledger_says(store: str, host: str = "rollout-0", **expected: object) -> bool:
+    try:
+        status = ledger(store, host)
+    except FileNotFoundError:
+        return False
+    return all(getattr(status, k) == v for k, v in expected.items())
+
+
+def cli(*args: str):
+    app = typer.Typer()
+    register(app)
+    return CliRunner().invoke(app, list(args), standalone_mode=False)
+
+
+@pytest.fixture()
+def staged_v1(trainer, tmp_path):
+    """Version 1 pushed and pulled into DEST; returns (dest, version-1 directory)."""
+    from deltafs.pull import pull
+
+    trainer.push()
+    dest = str(tmp_path / "dest")
+    res = pull(trainer.store, dest)
+    return dest, res.path
+
+
+def test_slow_load_past_the_deadline_ends_on_the_new_version_without_a_second_update(trainer, staged_v1):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server, load_timeout=0.5), host_id="rollout-0", **FAST)
+        with running(sub):
+            server.inject("slow", seconds=2.0)
+            trainer.push()
+            wait_until(lambda: ledger_says(trainer.store, served_version=2, failures=0, state="serving"),
+                       timeout=30, what="version 2 served after the slow load")
+        assert server.count("update") == 1 and not server.deaths  # learned from /model_info, never re-sent
+        assert same_weights(server.state_dict(), trainer.weights[2]) and not server.paused
+
+
+def test_version_with_another_config_needs_a_restart_and_keeps_serving(trainer, staged_v1, tmp_path):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **FAST)
+        sub.start()
+        changed = dict(CONFIG, rope_theta=20000.0)
+        trainer.push(extra_files={"config.json": json.dumps(changed).encode()})
+        with pytest.raises(NeedsRestartError, match="config config.json changed"):
+            sub.sync()
+        assert server.count("update") == 0 and not server.paused
+        assert same_weights(server.state_dict(), trainer.weights[1])
+        status = ledger(trainer.store)
+        assert status.state == "needs-restart" and status.needs_restart["version"] == 2
+        assert LocalCheckpoint(dest).state().version == 2  # staged for the restart
+        shown = cli("status", trainer.store)
+        assert shown.return_value == 1 and "version 2 needs an engine restart (config config.json changed)" in shown.output
+        assert f"deltafs launch-args {os.path.abspath(dest)}" in shown.output
+
+        args = cli("launch-args", dest)
+        assert args.output.split() == ["--model-path", os.path.abspath(dest), "--weight-version", "2"]
+        # The operator restarts SGLang with those arguments; the watcher sees it and is healthy again.
+        server.launch_path, server.launch_version = os.path.abspath(dest), "2"
+        server.restart()
+        assert sub.sync() is None
+        assert ledger(trainer.store).state == "serving" and ledger(trainer.store).needs_restart is None
+        sub.close()
+
+
+@pytest.mark.parametrize("change", ["tokenizer", "tensor"])
+def test_tokenizer_or_tensor_set_change_needs_a_restart_in_cron_mode_too(trainer, staged_v1, change):
+    import torch
+
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        if change == "tokenizer":
+            trainer.push(extra_files={"config.json": json.dumps(CONFIG).encode(), "tokenizer.json": b'{"v": 2}'})
+            expected = "tokenizer file tokenizer.json added"
+        else:
+            trainer._current["extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)
+            trainer.push()
+            expected = "tensor names differ: 1 added (extra.weight)"
+        from deltafs.pull import pull
+
+        pull(trainer.store, dest)
+        with pytest.raises(NeedsRestartError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            reload_engine("sglang", server.url, dest=dest)
+        assert server.count("update") == 0 and server.reported_versions() == ["1"]
+
+
+def test_default_weight_version_is_learned_from_model_path(trainer, staged_v1):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir) as server:  # started without --weight-version: reports "default"
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **FAST)
+        sub.start()
+        assert sub.served is not None and sub.served.version == "1"
+        assert ledger(trainer.store).served_version == 1
+        assert sub.sync() is None and server.count("update") == 0  # already current: nothing reloaded
+        trainer.push()
+        assert sub.sync().version == 2
+        assert server.reported_versions() == ["2"]
+        sub.close()
+
+
+def test_started_from_dest_without_a_version_is_reloaded_once(trainer, staged_v1):
+    dest, _ = staged_v1
+    with WheelSGLang(dest) as server:  # --model-path DEST, no --weight-version
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **FAST)
+        sub.start()
+        applied = sub.sync()
+        assert applied is not None and applied.version == 1 and server.reported_versions() == ["1"]
+        assert sub.sync() is None and server.count("update") == 1
+        sub.close()
+
+
+def test_loaded_weight_checksums_are_recorded_and_disagreement_is_reported(trainer, staged_v1, tmp_path):
+    from deltafs.pull import pull
+
+    dest, v1_dir = staged_v1
+    other_dest = str(tmp_path / "dest-b")
+    pull(trainer.store, other_dest)
+    # Replica b was started from other weights under the same version label: its loaded weights differ.
+    from sglang_standin import random_weights, write_checkpoint
+
+    wrong = write_checkpoint(str(tmp_path / "wrong"), random_weights(CONFIG, 99), CONFIG)
+    with WheelSGLang(v1_dir, weight_version="1") as a, WheelSGLang(wrong, weight_version="1") as b:
+        sub_a = Subscriber(trainer.store, dest, engine(a), host_id="rollout-a", **FAST)
+        sub_b = Subscriber(trainer.store, other_dest, engine(b), host_id="rollout-b", **FAST)
+        sub_a.start()
+        sub_b.start()
+        sums = ledger(trainer.store, "rollout-a").checksums
+        assert list(sums) == ["1"] and sums["1"] != ledger(trainer.store, "rollout-b").checksums["1"]
+        report = fleet_report(Repository.open(trainer.store))
+        problems = {r.status.host_id: r.problem for r in report.hosts}
+        assert "loaded weights of version 1 differ from rollout-b" in problems["rollout-a"]
+        assert not report.healthy
+        # After both load version 2 from their verified directories, they agree again.
+        trainer.push()
+        sub_a.sync()
+        sub_b.sync()
+        assert ledger(trainer.store, "rollout-a").checksums["2"] == ledger(trainer.store, "rollout-b").checksums["2"]
+        assert fleet_report(Repository.open(trainer.store)).healthy
+        sub_a.close()
+        sub_b.close()
+
+
+def test_multi_node_engine_switches_once_every_host_has_staged(trainer, staged_v1, tmp_path):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            **FAST)
+        follower = Subscriber(trainer.store, str(tmp_path / "node1-dest"), None, host_id="node-1", engine_group="big",
+                              engine_hosts=2, **FAST)
+        leader.start()
+        follower.start()
+        trainer.push()
+        with pytest.raises(GroupNotReadyError, match="1/2 hosts have version 2 staged") as info:
+            leader.sync()
+        assert not info.value.timed_out and server.count("update") == 0
+        assert ledger(trainer.store, "node-0").state == "waiting-group"
+        shown = cli("status", trainer.store)
+        assert "waiting-group" in shown.output and "1/2 hosts have version 2 staged" in shown.output
+        follower.sync()  # node 1 stages version 2 and records it
+        applied = leader.sync()
+        assert applied is not None and applied.version == 2
+        sent = [e.detail["model_path"] for e in server.events if e.what == "update"]
+        assert sent == [os.path.join(os.path.abspath(dest) + ".deltafs", "by-version", "v2")]
+        assert same_weights(server.state_dict(), trainer.weights[2])
+        leader.close()
+        follower.close()
+
+
+def test_multi_node_host_that_never_stages_blocks_with_a_clear_status(trainer, staged_v1):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            group_timeout=0.0, **FAST)
+        leader.start()
+        trainer.push()
+        with running(leader):
+            wait_until(lambda: ledger_says(trainer.store, "node-0", state="degraded"), what="the group timeout reported")
+        status = ledger(trainer.store, "node-0")
+        assert "1 host(s) with no live ledger entry" in status.last_error and "check their watchers" in status.last_error
+        assert server.count("update") == 0 and status.served_version == 1
+
+
+def test_watch_cli_with_both_keys_from_the_environment(trainer, staged_v1):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1", api_key="user-key", admin_api_key="admin-key") as server:
+        trainer.push()
+        env = {**os.environ, "DELTAFS_ENGINE_API_KEY": "user-key", "DELTAFS_ENGINE_ADMIN_API_KEY": "admin-key"}
+        done = subprocess.run([sys.executable, "-c", MAIN, "watch", trainer.store, dest, "--engine-url", server.url,
+                               "--once", "--no-ledger"], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert server.reported_versions() == ["2"]
+        env.pop("DELTAFS_ENGINE_ADMIN_API_KEY")
+        trainer.push()
+        refused = subprocess.run([sys.executable, "-c", MAIN, "watch", trainer.store, dest, "--engine-url", server.url,
+                                  "--once", "--no-ledger"], env=env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and "DELTAFS_ENGINE_ADMIN_API_KEY" in refused.stderr
+        assert server.reported_versions() == ["2"] and not server.paused
