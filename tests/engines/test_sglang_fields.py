@@ -1,30 +1,31 @@
 """Every field and route the SGLang adapter uses exists in a pinned SGLang release.
 
 SGLang accepts unknown JSON fields silently, so a misspelled field ("weights_version") would be
-ignored at run time. The request types are read from the release's own source (parsed with ast,
-never imported); tests/engines/fetch_sglang_io_struct.py re-extracts or checks that copy.
+ignored at run time. The request types are read from the release's own wheel (tests/sglang_wheel.py:
+parsed with ast, never imported; scripts/setup.sh downloads it into .cache/).
 """
 
 from __future__ import annotations
 
 import ast
-import os
 
 import pytest
+from sglang_wheel import SGLANG_VERSION, source
 
 from deltafs.engines import sglang
 from deltafs.engines.base import Target
 
-SGLANG_VERSION = "0.5.23"
-DATA = os.path.join(os.path.dirname(__file__), "data", f"sglang-{SGLANG_VERSION}")
+MEMBERS = {
+    "io_struct.py.txt": "sglang/srt/managers/io_struct.py",
+    "http_server.py.txt": "sglang/srt/entrypoints/http_server.py",
+    "v1_loads.py.txt": "sglang/srt/entrypoints/v1_loads.py",
+    "load_snapshot.py.txt": "sglang/srt/managers/load_snapshot.py",
+    "weight_checker.py": "sglang/srt/utils/weight_checker.py",
+}
 
 
 def _source(name: str) -> ast.Module:
-    path = os.path.join(DATA, name)
-    if not os.path.exists(path):
-        pytest.skip(f"{path} is missing; run python tests/engines/fetch_sglang_io_struct.py")
-    with open(path, encoding="utf-8") as fh:
-        return ast.parse(fh.read(), filename=path)
+    return ast.parse(source(MEMBERS[name]), filename=MEMBERS[name])
 
 
 def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
@@ -83,6 +84,8 @@ TARGET = Target(path="/models/current.deltafs/v0000000042-abcd", version="42")
         ("PauseGenerationReqInput", sglang.pause_body("retract")),
         ("UpdateWeightFromDiskReqInput", sglang.update_body(TARGET)),
         ("ContinueGenerationReqInput", sglang.continue_body()),
+        ("UpdateWeightFromDiskReqInput", sglang.update_body(TARGET, flush_cache=False)),
+        ("CheckWeightsReqInput", sglang.checksum_body()),
     ],
 )
 def test_every_sent_field_is_declared(type_name: str, body: dict[str, object]) -> None:
@@ -111,7 +114,7 @@ def test_the_field_check_catches_a_misspelling() -> None:
 def test_every_route_the_adapter_calls_exists() -> None:
     declared = routes(_source("http_server.py.txt")) | routes(_source("v1_loads.py.txt"))
     used = {("POST", sglang.PAUSE_ROUTE), ("POST", sglang.UPDATE_ROUTE), ("POST", sglang.CONTINUE_ROUTE),
-            ("GET", sglang.MODEL_INFO_ROUTE), ("GET", sglang.LOADS_ROUTE)}
+            ("GET", sglang.MODEL_INFO_ROUTE), ("GET", sglang.LOADS_ROUTE), ("POST", sglang.CHECKSUM_ROUTE)}
     assert used <= declared, f"missing in sglang {SGLANG_VERSION}: {sorted(used - declared)}"
 
 
@@ -122,3 +125,34 @@ def test_model_info_reports_weight_version_and_loads_report_request_counts() -> 
     assert "weight_version" in keys
     snapshot = declared_fields(_source("load_snapshot.py.txt"), "LoadSnapshot")
     assert {"num_running_reqs", "num_waiting_reqs"} <= set(snapshot)
+
+
+def _auth_levels(tree: ast.Module) -> dict[str, str]:
+    """route -> the AuthLevel name of its @auth_level decorator ("NORMAL" when it has none)."""
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        paths = [d.args[0].value for d in node.decorator_list if isinstance(d, ast.Call) and d.args
+                 and isinstance(d.args[0], ast.Constant) and isinstance(d.args[0].value, str)]
+        levels = [d.args[0].attr for d in node.decorator_list if isinstance(d, ast.Call) and isinstance(d.func, ast.Name)
+                  and d.func.id == "auth_level" and isinstance(d.args[0], ast.Attribute)]
+        for path in paths:
+            out[path] = levels[0] if levels else "NORMAL"
+    return out
+
+
+def test_admin_key_goes_exactly_where_sglang_guards_with_it() -> None:
+    levels = _auth_levels(_source("http_server.py.txt")) | _auth_levels(_source("v1_loads.py.txt"))
+    for route in sglang.ADMIN_ROUTES:
+        assert levels[route] == "ADMIN_OPTIONAL", route
+    for route in (sglang.MODEL_INFO_ROUTE, sglang.LOADS_ROUTE):
+        assert levels[route] == "NORMAL", route
+
+
+def test_checksum_action_exists_in_the_weight_checker() -> None:
+    tree = _source("weight_checker.py")
+    handle = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "handle")
+    actions = {c.comparators[0].value for c in ast.walk(handle) if isinstance(c, ast.Compare)
+               and isinstance(c.comparators[0], ast.Constant)}
+    assert sglang.checksum_body()["action"] in actions
