@@ -60,3 +60,13 @@ def test_cron_line_uses_real_pull_options():
     line = next(x for x in open(os.path.join(EXAMPLES, "crontab.txt")) if x.startswith("* "))
     used = set(re.findall(r" (--[a-z-]+)", line.split(">>")[0]))
     assert {"--once", "--engine", "--engine-url"} <= used <= _options("pull")
+
+
+def test_systemd_unit_launch_and_group_notes_use_real_options():
+    text = open(os.path.join(EXAMPLES, "deltafs-watch@.service")).read()
+    assert "$(deltafs launch-args" in text and "--weight-version" in text
+    group = re.search(r"^#\s+(--engine-group .*)$", text, re.MULTILINE).group(1)
+    assert set(re.findall(r"(--[a-z-]+)", group)) <= _options("watch")
+    from deltafs.cli.main import app
+
+    assert "launch-args" in typer.main.get_command(app).commands  # type: ignore[attr-defined]
