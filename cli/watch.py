@@ -7,7 +7,7 @@ import logging
 import os
 import shlex
 import signal
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from deltafs.cli.options import Json, Quiet, StorageOptions, parse_storage_options
@@ -21,21 +21,21 @@ EXIT_FLEET_PROBLEM = 1
 def watch_cmd(
     store: Annotated[str, typer.Argument(help="Store URL: a path, file://, s3://bucket/prefix …")],
     dest: Annotated[str, typer.Argument(help="Local checkpoint path the engine loads from (a symlink deltafs manages).")],
-    engine: Annotated[Optional[str], typer.Option("--engine", help="sglang, vllm, one an installed package registers, or none (default: sglang when --engine-url is given, else none).")] = None,
-    engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
+    engine: Annotated[str | None, typer.Option("--engine", help="sglang, vllm, one an installed package registers, or none (default: sglang when --engine-url is given, else none).")] = None,
+    engine_url: Annotated[str | None, typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     pause_mode: Annotated[str, typer.Option("--pause-mode", help="How the engine pauses for the switch: SGLang abort, retract or in_place; vLLM abort, wait or keep (retract means keep).")] = "retract",
     boundary: Annotated[str, typer.Option("--boundary", help="When to switch: immediate, idle (no running requests) or signal.")] = "immediate",
     max_wait: Annotated[float, typer.Option("--max-wait", help="idle: switch anyway after this many seconds.")] = 300.0,
-    boundary_file: Annotated[Optional[str], typer.Option("--boundary-file", help="signal: touching this file says 'switch now'.")] = None,
-    boundary_port: Annotated[Optional[int], typer.Option("--boundary-port", help="signal: also accept POST http://127.0.0.1:PORT/boundary.")] = None,
-    poll: Annotated[Optional[float], typer.Option("--poll", help="Poll HEAD every SECONDS instead of file events (NFS, FUSE); remote stores always poll (default 5s).")] = None,
+    boundary_file: Annotated[str | None, typer.Option("--boundary-file", help="signal: touching this file says 'switch now'.")] = None,
+    boundary_port: Annotated[int | None, typer.Option("--boundary-port", help="signal: also accept POST http://127.0.0.1:PORT/boundary.")] = None,
+    poll: Annotated[float | None, typer.Option("--poll", help="Poll HEAD every SECONDS instead of file events (NFS, FUSE); remote stores always poll (default 5s).")] = None,
     storage_options: StorageOptions = None,
-    host_id: Annotated[Optional[str], typer.Option("--host-id", help="Name in the fleet ledger (default: the host name; set one per engine if a host runs several).")] = None,
+    host_id: Annotated[str | None, typer.Option("--host-id", help="Name in the fleet ledger (default: the host name; set one per engine if a host runs several).")] = None,
     no_ledger: Annotated[bool, typer.Option("--no-ledger", help="Do not write fleet/<host-id>.json to the store.")] = False,
     load_timeout: Annotated[float, typer.Option("--load-timeout", help="Seconds the engine may take to load a version.")] = 900.0,
     retry_max: Annotated[float, typer.Option("--retry-max", help="Longest wait between retries after failures, in seconds.")] = 300.0,
     once: Annotated[bool, typer.Option("--once", help="One cycle (stage, boundary, switch), then exit: 0 done or current, else the error's code.")] = False,
-    engine_group: Annotated[Optional[str], typer.Option("--engine-group", help="Multi-node engine: the name all its hosts' watchers share (same DEST path on each).")] = None,
+    engine_group: Annotated[str | None, typer.Option("--engine-group", help="Multi-node engine: the name all its hosts' watchers share (same DEST path on each).")] = None,
     engine_hosts: Annotated[int, typer.Option("--engine-hosts", help="Multi-node engine: how many hosts it spans; the --engine-url host switches once all have the version staged.")] = 1,
     group_timeout: Annotated[float, typer.Option("--group-timeout", help="Multi-node engine: report a failure when a host has not staged a version after this many seconds.")] = 600.0,
     quiet: Quiet = False,
@@ -54,7 +54,8 @@ def watch_cmd(
     kind = engine or ("sglang" if engine_url else "none")
     # SGLang's --api-key and --admin-api-key come from DELTAFS_ENGINE_API_KEY and
     # DELTAFS_ENGINE_ADMIN_API_KEY (make_engine reads them), never flags: flags show up in ps.
-    eng = make_engine(kind, engine_url, pause_mode=pause_mode, load_timeout=load_timeout) if kind != "none" else None
+    options = {"pause_mode": pause_mode, "load_timeout": load_timeout, "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
+    eng = make_engine(kind, engine_url, **options) if kind != "none" else None
     if engine_hosts > 1 and not engine_group:
         raise UsageError("--engine-hosts needs --engine-group NAME (the same on every host of the engine)")
     if boundary not in ("immediate", "idle", "signal"):
@@ -106,7 +107,7 @@ def launch_args_cmd(
     """Print the SGLang arguments that start a replica at the version DEST holds (--model-path DEST --weight-version N)."""
     from deltafs.engines.sglang import launch_args
     from deltafs.errors import DestinationError
-    from deltafs.local import LocalCheckpoint
+    from deltafs.read.dest import LocalCheckpoint
 
     local = LocalCheckpoint(dest)
     state = local.state()

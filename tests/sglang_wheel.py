@@ -41,7 +41,7 @@ def require_wheel() -> str:
     return wheel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source(member: str) -> str:
     """The text of one file of the wheel, e.g. "sglang/srt/utils/auth.py"."""
     with zipfile.ZipFile(require_wheel()) as zf:
@@ -53,7 +53,7 @@ def _segment(lines: list[str], node: ast.AST) -> str:
     return textwrap.dedent("\n".join(lines[first - 1:node.end_lineno])) + "\n"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tree(member: str) -> ast.Module:
     return ast.parse(source(member))
 

@@ -48,7 +48,8 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Annotated, Any, Callable, Dict, Iterator, List, Literal, Optional, Tuple
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any, Literal, Optional
 
 import fastapi
 import msgspec
@@ -95,12 +96,12 @@ def sglang_code() -> _SGLangCode:
     if _CODE is None:
         utils = _module("msgspec_utils", source("sglang/srt/utils/msgspec_utils.py"))
         io = _module("io_struct", extract(IO, ["BaseReq"] + _REQUEST_TYPES), {
-            "msgspec": msgspec, "Optional": Optional, "List": List, "Dict": Dict, "Any": Any, "Literal": Literal,
-            "Tuple": Tuple, "msgspec_struct_pydantic_core_schema": utils["msgspec_struct_pydantic_core_schema"],
+            "msgspec": msgspec, "Optional": Optional, "List": list, "Dict": dict, "Any": Any, "Literal": Literal,
+            "Tuple": tuple, "msgspec_struct_pydantic_core_schema": utils["msgspec_struct_pydantic_core_schema"],
             "msgspec_to_builtins": utils["msgspec_to_builtins"]})
         auth = _module("auth", source("sglang/srt/utils/auth.py"))
         lock = _module("aio_rwlock", source("sglang/srt/utils/aio_rwlock.py"))
-        checker = _module("weight_checker", extract(CHECKER, ["overall_checksum"]), {"hashlib": hashlib, "Dict": Dict})
+        checker = _module("weight_checker", extract(CHECKER, ["overall_checksum"]), {"hashlib": hashlib, "Dict": dict})
         _CODE = _SGLangCode(io, auth, lock["RWLock"], checker["overall_checksum"])
     return _CODE
 
@@ -200,7 +201,7 @@ class StandinScheduler:
         # SGLang's scheduler-side updater, bound to this object.
         _bind(self, SCHED_UPDATER, ["_observe_weight_load", "flush_cache_after_weight_update", "update_weights_from_disk"],
               "SchedulerWeightUpdaterManager", {"contextmanager": contextmanager, "time": time, "logger": log,
-                                         "Iterator": Iterator, "Tuple": Tuple, "Optional": Optional,
+                                         "Iterator": Iterator, "Tuple": tuple, "Optional": Optional,
                                          "UpdateWeightFromDiskReqOutput": code.io["UpdateWeightFromDiskReqOutput"]})
         self.runner = _StandinRunner(self)
         self.thread.start()

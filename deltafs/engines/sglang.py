@@ -323,7 +323,7 @@ class SGLangEngine:
             try:
                 box["resp"] = self._requests.post(self.url + UPDATE_ROUTE, json=body, headers=self._headers(UPDATE_ROUTE),
                                                   timeout=(self.timeout, None))
-            except BaseException as exc:  # noqa: BLE001 - reported by the waiting thread
+            except BaseException as exc:
                 box["error"] = exc
 
         thread = threading.Thread(target=post, name="deltafs-sglang-update", daemon=True)

@@ -14,7 +14,7 @@ from deltafs.engines.base import Engine, NeedsRestartError, SwitchResult, Target
 from deltafs.engines.compat import restart_reason
 from deltafs.engines.versions import find_version_dir, read_version_manifest, weight_version
 from deltafs.errors import EngineError, FormatError
-from deltafs.local import LocalCheckpoint
+from deltafs.read.dest import LocalCheckpoint
 
 log = logging.getLogger("deltafs.engines")
 

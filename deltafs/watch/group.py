@@ -14,7 +14,7 @@ import os
 import uuid
 
 from deltafs.errors import DeltafsError
-from deltafs.local import LocalCheckpoint
+from deltafs.read.dest import LocalCheckpoint
 from deltafs.store.objects import ObjectStore
 from deltafs.watch.ledger import HostStatus, parse_time, read_statuses
 

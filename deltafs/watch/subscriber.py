@@ -181,6 +181,8 @@ class Subscriber:
         try:
             reported = self.engine.served_version()
             found = current_target(self.engine, self.dest, trust_dest_link=first)
+            ask = getattr(self.engine, "served_path", None)
+            loaded_from = ask() if ask is not None and found is not None and reported != found.version else None
         except EngineError as exc:
             log.error("cannot ask the engine what it serves: %s", exc)
             return
@@ -188,7 +190,7 @@ class Subscriber:
         if found is not None and reported != found.version:
             # Started without --weight-version: known from model_path. If that path is DEST itself, it
             # names what DEST pointed to at launch; reload once so the engine reports a version.
-            self._unconfirmed = os.path.abspath(self.engine.served_path() or "").rstrip("/") == self.dest
+            self._unconfirmed = os.path.abspath(loaded_from or "").rstrip("/") == self.dest
             log.info("the engine reports weight_version %r; it loaded %s, version %s%s", reported, found.path,
                      found.version, " (reloading it once to be sure)" if self._unconfirmed else "")
         elif found is None and reported is not None:

@@ -23,7 +23,7 @@ from watch_helpers import CONFIG, FAST, running, same_weights, wait_until
 
 from deltafs.engines import NeedsRestartError, reload_engine
 from deltafs.engines.sglang import SGLangEngine
-from deltafs.local import LocalCheckpoint
+from deltafs.read.dest import LocalCheckpoint
 from deltafs.store.open import open_objects
 from deltafs.store.repo import Repository
 from deltafs.watch import Subscriber
@@ -58,7 +58,7 @@ def cli(*args: str):
 @pytest.fixture()
 def staged_v1(trainer, tmp_path):
     """Version 1 pushed and pulled into DEST; returns (dest, version-1 directory)."""
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     trainer.push()
     dest = str(tmp_path / "dest")
@@ -120,7 +120,7 @@ def test_tokenizer_or_tensor_set_change_needs_a_restart_in_cron_mode_too(trainer
             trainer._current["extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)
             trainer.push()
             expected = "tensor names differ: 1 added (extra.weight)"
-        from deltafs.pull import pull
+        from deltafs.read.pull import pull
 
         pull(trainer.store, dest)
         with pytest.raises(NeedsRestartError, match=expected.replace("(", r"\(").replace(")", r"\)")):
@@ -154,7 +154,7 @@ def test_started_from_dest_without_a_version_is_reloaded_once(trainer, staged_v1
 
 
 def test_loaded_weight_checksums_are_recorded_and_disagreement_is_reported(trainer, staged_v1, tmp_path):
-    from deltafs.pull import pull
+    from deltafs.read.pull import pull
 
     dest, v1_dir = staged_v1
     other_dest = str(tmp_path / "dest-b")
