@@ -45,6 +45,7 @@ def watch_cmd(
     Examples:
       deltafs watch s3://bucket/run7 /models/run7 --engine sglang --engine-url http://127.0.0.1:30000
       deltafs watch /mnt/ckpt-store /models/run7 --boundary idle
+      deltafs watch s3://bucket/run7 /models/run7 --engine-url http://127.0.0.1:30000 --engine-group big --engine-hosts 2
     """
     from deltafs.engines import make_engine
     from deltafs.watch.boundary import make_boundary
@@ -104,7 +105,12 @@ def launch_args_cmd(
     dest: Annotated[str, typer.Argument(help="The DEST a watcher keeps (the path SGLang loads).")],
     json_out: Json = False,
 ) -> int:
-    """Print the SGLang arguments that start a replica at the version DEST holds (--model-path DEST --weight-version N)."""
+    """Print the SGLang arguments that start a replica at the version DEST holds (--model-path DEST --weight-version N).
+
+    Examples:
+      python -m sglang.launch_server $(deltafs launch-args /models/run7) --port 30000
+      deltafs launch-args /models/run7 --json
+    """
     from deltafs.engines.sglang import launch_args
     from deltafs.errors import DestinationError
     from deltafs.read.dest import LocalCheckpoint

@@ -168,7 +168,11 @@ def test_restart_mid_switch_is_reported_with_what_it_serves_now(server, ckpts):
     v1, _, v2, _ = ckpts
     server.inject("slow", seconds=1.0)
     engine = fast_engine(server.url, timeout=3)
-    threading.Timer(0.3, server.restart).start()
+    def restart_once_loading() -> None:
+        wait_for(lambda: server.count("update") == 1)
+        server.restart()
+
+    threading.Thread(target=restart_once_loading, daemon=True).start()
     with pytest.raises(SwitchError, match="restarted during the load of version 2; it now serves weight_version '1'") as info:
         engine.switch(v2, v1)
     assert not info.value.rolled_back
