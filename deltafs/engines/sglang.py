@@ -121,7 +121,8 @@ class SGLangEngine:
         self.api_key = api_key or None
         self.admin_api_key = admin_api_key or None
         self._session = requests.Session()
-        self._inflight: tuple[threading.Thread, Target, float] | None = None  # the update SGLang has not answered
+        # The last update sent and its answer box, kept until the answer has been looked at.
+        self._inflight: tuple[threading.Thread, Target, float, dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.url!r}, pause_mode={self.pause_mode!r})"
@@ -250,7 +251,9 @@ class SGLangEngine:
         The version check runs while still paused so that a wrong load is rolled back before any
         request sees it. Never sends an update while an earlier one may still be running.
         """
-        self._refuse_if_update_in_flight(target)
+        late = self._refuse_if_update_in_flight(target)
+        if late is not None:
+            return late
         started = time.monotonic()
         failure: EngineError | None = None
         loaded = rolled_back = dead = False
@@ -303,16 +306,27 @@ class SGLangEngine:
         return SwitchResult(version=target.version, pause_seconds=pause_seconds, load_seconds=load_seconds)
 
     # --- the one update in flight ----------------------------------------------------------------
-    def _refuse_if_update_in_flight(self, target: Target) -> None:
+    def _refuse_if_update_in_flight(self, target: Target) -> SwitchResult | None:
+        """Refuse while an earlier update is unanswered; adopt its late success if it was for target."""
         if self._inflight is None:
-            return
-        thread, sent, at = self._inflight
+            return None
+        thread, sent, at, box = self._inflight
         if thread.is_alive():
             raise SwitchError(f"switch to version {target.version} not started: the update to version {sent.version} "
                               f"sent {time.monotonic() - at:.0f}s ago is still unanswered by {self.url}; "
                               "SGLang must answer it (or be restarted) before another update is sent",
                               rolled_back=False, previous=None)
         self._inflight = None
+        resp = box.get("resp")
+        if sent == target and resp is not None and resp.status_code == 200:
+            try:
+                self._answer("POST", UPDATE_ROUTE, resp)
+                self._confirm(target)
+            except EngineError:
+                return None
+            log.info("%s answered the update to version %s late, with success; nothing to reload", self.url, target.version)
+            return SwitchResult(version=target.version, pause_seconds=0.0, load_seconds=0.0)
+        return None
 
     def _load(self, target: Target) -> None:
         """Send one update and wait for SGLang's answer, polling /model_info, up to load_timeout."""
@@ -327,7 +341,7 @@ class SGLangEngine:
                 box["error"] = exc
 
         thread = threading.Thread(target=post, name="deltafs-sglang-update", daemon=True)
-        self._inflight = (thread, target, time.monotonic())
+        self._inflight = (thread, target, time.monotonic(), box)
         thread.start()
         deadline = time.monotonic() + self.load_timeout
         unreachable = 0

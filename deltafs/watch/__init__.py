@@ -6,12 +6,14 @@
 """
 
 from deltafs.watch.boundary import Idle, Immediate, Signal, make_boundary
+from deltafs.watch.group import GroupNotReadyError
 from deltafs.watch.ledger import FleetReport, HostStatus, fleet_report
 from deltafs.watch.subscriber import Applied, NothingVerifiableError, Staged, Subscriber
 
 __all__ = [
            "Applied",
            "FleetReport",
+           "GroupNotReadyError",
            "HostStatus",
            "Idle",
            "Immediate",
