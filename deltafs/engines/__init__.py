@@ -118,6 +118,18 @@ def reload_engine(kind: str, url: str | None, path: str | None = None, version: 
     engine = make_engine(kind, url, **options)
     if engine is None:
         return None
+    if dest is None:
+        return _reload(engine, url, path, version, dest, previous_path, previous_version)
+    from deltafs.read.dest import LocalCheckpoint
+
+    # One switch per DEST at a time: a cron run still waiting for a slow load must not be joined by the
+    # next run's update (SGLang cannot take two at once).
+    with LocalCheckpoint(dest).lock(wait=False, name="engine.lock"):
+        return _reload(engine, url, path, version, dest, previous_path, previous_version)
+
+
+def _reload(engine: Engine, url: str | None, path: str, version: int, dest: str | None, previous_path: str | None,
+            previous_version: int | None) -> SwitchResult | None:
     engine.resume()  # a cron run killed mid-switch may have left it paused
     wanted = weight_version(version)
     if engine.served_version() == wanted:

@@ -239,3 +239,18 @@ def test_watch_cli_with_both_keys_from_the_environment(trainer, staged_v1):
                                   "--once", "--no-ledger"], env=env, capture_output=True, text=True, timeout=120)
         assert refused.returncode != 0 and "DELTAFS_ENGINE_ADMIN_API_KEY" in refused.stderr
         assert server.reported_versions() == ["2"] and not server.paused
+
+
+def test_cron_reload_never_joins_a_switch_still_running_on_the_same_dest(trainer, staged_v1):
+    from deltafs.errors import LockHeldError
+    from deltafs.read.pull import pull
+
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        trainer.push()
+        pull(trainer.store, dest)
+        with LocalCheckpoint(dest).lock(name="engine.lock"):  # an earlier run, still waiting for SGLang
+            with pytest.raises(LockHeldError, match="another deltafs process"):
+                reload_engine("sglang", server.url, dest=dest)
+        assert server.count("update") == 0
+        assert reload_engine("sglang", server.url, dest=dest).version == "2"
