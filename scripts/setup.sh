@@ -10,7 +10,7 @@ fi
 # torch first and on its own, with the venv's own pip: that takes the CPU wheel on disk (a newer pip, or
 # resolving torch together with the project, can prefer the CUDA build from the index: 2.7 GB more).
 .venv/bin/python -m pip install -q 'torch==2.13.0'
-.venv/bin/python -m pip install -q -e '.[torch,test,s3,sglang,megatron]'
+.venv/bin/python -m pip install -q -e '.[torch,test,dev,s3,sglang,vllm,megatron]'
 # The pinned SGLang wheel, for the tests that run SGLang's own HTTP and weight-update code (read as
 # text, never installed: importing sglang needs CUDA packages). Cached: downloaded once per checkout.
 SGLANG_VERSION=0.5.23
