@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import enum
 import logging
 import os
 import shlex
@@ -18,13 +19,21 @@ from deltafs.errors import UsageError
 EXIT_FLEET_PROBLEM = 1
 
 
+class BoundaryKind(str, enum.Enum):
+    """--boundary's choices, shown in --help."""
+
+    immediate = "immediate"
+    idle = "idle"
+    signal = "signal"
+
+
 def watch_cmd(
     store: Annotated[str, typer.Argument(help="Store URL: a path, file://, s3://bucket/prefix …")],
     dest: Annotated[str, typer.Argument(help="Local checkpoint path the engine loads from (a symlink deltafs manages).")],
     engine: Annotated[str | None, typer.Option("--engine", help="sglang, vllm, one an installed package registers, or none (default: sglang when --engine-url is given, else none).")] = None,
     engine_url: Annotated[str | None, typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     pause_mode: Annotated[str, typer.Option("--pause-mode", help="How the engine pauses for the switch: SGLang abort, retract or in_place; vLLM abort, wait or keep (retract means keep).")] = "retract",
-    boundary: Annotated[str, typer.Option("--boundary", help="When to switch: immediate, idle (no running requests) or signal.")] = "immediate",
+    boundary: Annotated[BoundaryKind, typer.Option("--boundary", help="When to switch: immediate, idle (no running requests) or signal.")] = BoundaryKind.immediate,
     max_wait: Annotated[float, typer.Option("--max-wait", help="idle: switch anyway after this many seconds.")] = 300.0,
     boundary_file: Annotated[str | None, typer.Option("--boundary-file", help="signal: touching this file says 'switch now'.")] = None,
     boundary_port: Annotated[int | None, typer.Option("--boundary-port", help="signal: also accept POST http://127.0.0.1:PORT/boundary.")] = None,
@@ -59,9 +68,7 @@ def watch_cmd(
     eng = make_engine(kind, engine_url, **options) if kind != "none" else None
     if engine_hosts > 1 and not engine_group:
         raise UsageError("--engine-hosts needs --engine-group NAME (the same on every host of the engine)")
-    if boundary not in ("immediate", "idle", "signal"):
-        raise UsageError(f"unknown boundary {boundary!r}; use immediate, idle or signal")
-    bound = make_boundary(boundary, max_wait=max_wait, file=boundary_file, port=boundary_port)
+    bound = make_boundary(boundary.value, max_wait=max_wait, file=boundary_file, port=boundary_port)
     sub = Subscriber(store, dest, eng, storage_options=parse_storage_options(storage_options), boundary=bound,
                      host_id=host_id, ledger=not no_ledger, poll=poll, retry_max=retry_max, engine_group=engine_group,
                      engine_hosts=engine_hosts, group_timeout=group_timeout)
@@ -83,6 +90,7 @@ def status_cmd(
     store: Annotated[str, typer.Argument(help="Store URL.")],
     storage_options: StorageOptions = None,
     stale_after: Annotated[float, typer.Option("--stale-after", help="A host silent for this many seconds is reported stale.")] = 300.0,
+    prune_after: Annotated[float | None, typer.Option("--prune-after", help="First delete the entries of hosts silent for more than this many seconds (retired hosts).")] = None,
     json_out: Json = False,
 ) -> int:
     """Show the fleet: which host serves which version, lag behind HEAD, failures. Exit 1 if any host has a problem.
@@ -90,12 +98,18 @@ def status_cmd(
     Examples:
       deltafs status s3://bucket/run7
       deltafs status /mnt/ckpt-store --json
+      deltafs status s3://bucket/run7 --prune-after 86400
     """
     from deltafs.store.repo import Repository
     from deltafs.watch.ledger import fleet_report
 
     out = Output(json_mode=json_out)
     repo = Repository.open(store, parse_storage_options(storage_options))
+    if prune_after is not None:
+        from deltafs.watch.ledger import prune_statuses
+
+        for host in prune_statuses(repo.objects, prune_after):
+            out.info(f"deltafs: removed host {host} (silent for more than {prune_after:g}s)")
     report = fleet_report(repo, stale_after=stale_after)
     out.result(report.to_json(), render_fleet(report))
     return 0 if report.healthy else EXIT_FLEET_PROBLEM

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class DeltafsError(Exception):
     """Base of every error deltafs raises on purpose."""
@@ -86,3 +88,20 @@ class EngineError(DeltafsError, RuntimeError):
     """An inference engine refused or failed a weight update."""
 
     exit_code = 10
+
+
+_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\"\)\]]+)")
+_URL = re.compile(r"host='([^']+)', port=(\d+)")
+
+
+def short_problem(exc: BaseException, limit: int = 160) -> str:
+    """One short line for a status table: what went wrong, without an HTTP library's nested reprs."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "Max retries exceeded" in text or "NewConnectionError" in text or "ConnectTimeout" in text:
+        where = _URL.search(text)
+        why = _ERRNO.search(text)
+        reason = why.group(1).strip().lower() if why else ("timed out" if "Timeout" in text else "connection failed")
+        text = f"cannot reach {where.group(1)}:{where.group(2)} ({reason})" if where else f"cannot reach the engine ({reason})"
+    elif not isinstance(exc, DeltafsError):
+        text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -90,6 +90,7 @@ class SGLangEngine:
     """One SGLang server, reached at url (e.g. http://127.0.0.1:30000)."""
 
     kind = "sglang"
+    loads_from_disk = True  # update_weights_from_disk re-reads the checkpoint: switch_engine warms the page cache
 
     def __init__(
         self,

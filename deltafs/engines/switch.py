@@ -30,8 +30,39 @@ def switch_engine(engine: Engine, target: Target, previous: Target | None) -> Sw
         reason = restart_reason(previous.path, target.path)
         if reason is not None:
             raise NeedsRestartError(target.version, reason)
+    if getattr(engine, "loads_from_disk", False):
+        warm_page_cache(target.path)  # outside the pause: the engine's own loader then reads from memory
     result = engine.switch(target, previous)
     return dataclasses.replace(result, checksum=loaded_checksum(engine))
+
+
+def warm_page_cache(path: str, *, block: int = 8 << 20) -> int:
+    """Read every file under path once so the page cache holds it; the bytes read.
+
+    SGLang's update_weights_from_disk and vLLM's reload_weights re-read the whole checkpoint while
+    generation is paused; files just rebuilt by a pull are usually cached already, but files linked
+    from the previous version (and anything evicted since) are not. Best effort: errors are ignored.
+    """
+    total = 0
+    buf = bytearray(block)
+    view = memoryview(buf)
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            except OSError:
+                continue
+            try:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                with open(fd, "rb", buffering=0, closefd=False) as fh:
+                    while n := fh.readinto(view):
+                        total += n
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return total
 
 
 def loaded_checksum(engine: Engine) -> str | None:

@@ -86,6 +86,7 @@ class VLLMEngine:
     """
 
     kind = "vllm"
+    loads_from_disk = True  # reload_weights re-reads the checkpoint: switch_engine warms the page cache
 
     def __init__(
         self,

@@ -123,6 +123,25 @@ def read_statuses(objects: ObjectStore) -> list[tuple[str, HostStatus | None, st
     return out
 
 
+def prune_statuses(objects: ObjectStore, older_than: float, *, now: _dt.datetime | None = None) -> list[str]:
+    """Delete the ledger entries of hosts silent for more than older_than seconds; their host ids.
+
+    Retired hosts otherwise stay in `deltafs status` forever. Unreadable entries are left for a person.
+    """
+    if not older_than > 0:
+        raise UsageError("--prune-after must be a positive number of seconds")
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    pruned = []
+    for key, st, _ in read_statuses(objects):
+        if st is None:
+            continue
+        seen = parse_time(st.updated_at)
+        if seen is not None and (now - seen).total_seconds() > older_than:
+            objects.delete(key)
+            pruned.append(st.host_id)
+    return pruned
+
+
 def write_status(objects: ObjectStore, status: HostStatus) -> bool:
     """Record status in the store; a failure is logged, never raised (serving matters more)."""
     status.updated_at = utcnow()

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from deltafs import metrics
 from deltafs.engines import weight_version
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, Target
 from deltafs.engines.switch import current_target, loaded_checksum, switch_engine
@@ -33,6 +34,7 @@ from deltafs.errors import (
     StoreError,
     StoreNotFoundError,
     VersionNotFoundError,
+    short_problem,
 )
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.pull import PullResult, pull
@@ -278,9 +280,14 @@ class Subscriber:
         self.status.last_sync = applied.to_json()
         self.status.failures = 0
         self.status.last_error = None
-        log.info("version %d live on %s: pause %.3fs (load %.3fs), total sync %.3fs (%s)", staged.version,
-                 self.status.engine_url or self.status.engine, applied.pause_seconds, load, applied.sync_seconds,
-                 _describe_pull(staged.pull))
+        if self.engine is None:
+            log.info("version %d is in %s (no engine to switch), total sync %.3fs (%s)", staged.version, self.dest,
+                     applied.sync_seconds, _describe_pull(staged.pull))
+        else:
+            log.info("version %d live on %s: pause %.3fs (load %.3fs), total sync %.3fs (%s)", staged.version,
+                     self.status.engine_url or self.status.engine, applied.pause_seconds, load, applied.sync_seconds,
+                     _describe_pull(staged.pull))
+        self._metrics(switches=1, pause=applied.pause_seconds, sync=applied.sync_seconds)
         self._set_state("serving")
         return applied
 
@@ -455,6 +462,24 @@ class Subscriber:
             self.staged = None
             self.status.staged_version = None
 
+    def _metrics(self, *, switches: int = 0, failures: int = 0, pause: float | None = None,
+                 sync: float | None = None) -> None:
+        """The Prometheus textfile (DELTAFS_METRICS_DIR); never allowed to disturb serving."""
+        gauges: dict[str, float] = {}
+        if self.status.served_version is not None:
+            gauges["deltafs_watch_served_version"] = self.status.served_version
+            newest = max(self._noticed, default=self.status.served_version)
+            gauges["deltafs_watch_version_lag"] = max(0, newest - self.status.served_version)
+        if pause is not None:
+            gauges["deltafs_watch_last_pause_seconds"] = pause
+        if sync is not None:
+            gauges["deltafs_watch_last_sync_seconds"] = sync
+        try:
+            metrics.record("watch", {"store": self.store_url, "dest": self.dest}, gauges,
+                           {"deltafs_watch_switches_total": switches, "deltafs_watch_failures_total": failures})
+        except OSError as exc:
+            log.warning("cannot write metrics: %s", exc)
+
     def _recovered(self) -> None:
         """A cycle went through: the host is healthy again, even if there was nothing to switch."""
         if self.status.failures or self.status.state == "degraded":
@@ -466,12 +491,13 @@ class Subscriber:
 
     def _failed(self, exc: BaseException) -> float:
         self.status.failures += 1
-        self.status.last_error = f"{type(exc).__name__}: {exc}"
+        self.status.last_error = short_problem(exc)
         self.status.last_error_at = utcnow()
         self._last_exit = getattr(exc, "exit_code", 1)
         delay = self._backoff(self.status.failures)
         log.error("sync failed (%d in a row; next try in %.1fs): %s", self.status.failures, delay, exc)
         self._set_state("degraded")
+        self._metrics(failures=1)
         return delay
 
     def _backoff(self, failures: int) -> float:

@@ -122,3 +122,26 @@ def test_ledger_write_failure_is_not_raised(tmp_path):
     blocker.write_text("")
     objects = open_objects(str(blocker))  # a store "directory" that is a file: every put fails
     assert write_status(objects, host("abc", "h1", 1)) is False
+
+
+def test_prune_after_removes_retired_hosts_only(fleet):
+    old = host(fleet.store_id, "retired", 1)
+    write_status(fleet.objects, old)
+    raw = json.loads(fleet.objects.get(ledger_key("retired")))
+    raw["updated_at"] = "2020-01-01T00:00:00Z"
+    fleet.objects.put(ledger_key("retired"), json.dumps(raw).encode())
+    result = status_cli(fleet.url, "--prune-after", "86400", "--json")
+    assert {h["host"]["host_id"] for h in json.loads(result.stdout)["hosts"]} == {"rollout-a", "rollout-b"}
+    assert not fleet.objects.exists(ledger_key("retired"))
+    with pytest.raises(UsageError):
+        status_cli(fleet.url, "--prune-after", "0")
+
+
+def test_problem_texts_are_short(tmp_path):
+    from deltafs.errors import short_problem
+
+    raw = ("HTTPConnectionPool(host='127.0.0.1', port=30000): Max retries exceeded with url: /model_info (Caused by "
+           "NewConnectionError('<urllib3.connection.HTTPConnection object at 0x7f00>: Failed to establish a new "
+           "connection: [Errno 111] Connection refused'))")
+    assert short_problem(ConnectionError(raw)) == "cannot reach 127.0.0.1:30000 (connection refused)"
+    assert len(short_problem(RuntimeError("x" * 1000))) <= 160

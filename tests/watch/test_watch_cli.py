@@ -122,3 +122,17 @@ def test_sigterm_while_degraded_exits_with_the_error_code(trainer, tmp_path, eng
     assert rc == 10, text  # EngineError: the engine could not be switched
     assert "cannot reach SGLang" in text and "Traceback" not in text
     assert ledger(trainer.store, "h1").state == "stopped"
+
+
+def test_engineless_watch_says_so_and_writes_metrics(trainer, tmp_path):
+    trainer.push()
+    trainer.push()
+    mdir = tmp_path / "metrics"
+    env = {**os.environ, "DELTAFS_METRICS_DIR": str(mdir)}
+    result = deltafs("watch", trainer.store, str(tmp_path / "dest"), "--engine", "none", "--once", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "live on none" not in result.stderr and "(no engine to switch)" in result.stderr
+    text = (mdir / "deltafs_watch.prom").read_text()
+    assert "deltafs_watch_switches_total{" in text and "deltafs_watch_served_version{" in text
+    served = [ln for ln in text.splitlines() if ln.startswith("deltafs_watch_served_version{")]
+    assert served and served[0].endswith(" 2")
