@@ -101,7 +101,13 @@ def short_problem(exc: BaseException, limit: int = 160) -> str:
         where = _URL.search(text)
         why = _ERRNO.search(text)
         reason = why.group(1).strip().lower() if why else ("timed out" if "Timeout" in text else "connection failed")
-        text = f"cannot reach {where.group(1)}:{where.group(2)} ({reason})" if where else f"cannot reach the engine ({reason})"
+        cut = min((i for i in (text.find("HTTPConnectionPool("), text.find("HTTPSConnectionPool(")) if i >= 0),
+                  default=-1)
+        prefix = text[:cut].rstrip(" :(") if cut > 0 else ""
+        if prefix:  # our own words first ("cannot reach SGLang at ..."), then the reason instead of urllib3's repr
+            text = f"{prefix}: {reason}"
+        else:
+            text = f"cannot reach {where.group(1)}:{where.group(2)} ({reason})" if where else f"cannot connect ({reason})"
     elif not isinstance(exc, DeltafsError):
         text = f"{type(exc).__name__}: {text}"
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -145,3 +145,12 @@ def test_problem_texts_are_short(tmp_path):
            "connection: [Errno 111] Connection refused'))")
     assert short_problem(ConnectionError(raw)) == "cannot reach 127.0.0.1:30000 (connection refused)"
     assert len(short_problem(RuntimeError("x" * 1000))) <= 160
+
+
+def test_our_words_stay_in_front_of_a_shortened_connection_error():
+    from deltafs.errors import EngineError, short_problem
+
+    raw = ("cannot reach SGLang at http://127.0.0.1:30000: HTTPConnectionPool(host='127.0.0.1', port=30000): Max "
+           "retries exceeded with url: /model_info (Caused by NewConnectionError('x: Failed to establish a new "
+           "connection: [Errno 111] Connection refused'))")
+    assert short_problem(EngineError(raw)) == "cannot reach SGLang at http://127.0.0.1:30000: connection refused"
