@@ -90,6 +90,8 @@ class LocalObjectStore(ObjectStore):
             raise
         try:
             st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "a directory, not an object", path)  # a key prefix: not found
             if not stat.S_ISREG(st.st_mode):
                 raise FormatError(f"{key} in {self.url} is not a regular file")
             want = st.st_size if limit is None else min(st.st_size, limit) + 1

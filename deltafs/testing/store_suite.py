@@ -20,7 +20,7 @@ from typing import Iterator
 import pytest
 
 from deltafs.errors import ObjectNotFoundError
-from deltafs.store.objects import ObjectStore
+from deltafs.store.base import ObjectStore
 
 
 class StoreSuite:
