@@ -2,7 +2,7 @@
 
     deltafs.json                 the store config, written once
     HEAD                         the newest committed version (the one mutable pointer)
-    manifests/v{N:010d}.json     version N's manifest (the commit point); wider than 10 digits past 9999999999
+    manifests/v{N:010d}.json     version N's manifest (the commit point)
     folds/v{N:010d}.json         optional folded delta of version N against its full version
     chunks/{id[:2]}/{id}         chunk objects, named by the sha256 of their bytes
     locks/{name}.json            advisory locks (gc)
@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from deltafs.errors import FormatError, UsageError
+from deltafs.format.versions import MAX_VERSION, MIN_VERSION, check_version
 
 CONFIG_KEY = "deltafs.json"
 HEAD_KEY = "HEAD"
@@ -24,25 +25,14 @@ LOCK_PREFIX = "locks"
 FLEET_PREFIX = "fleet"
 GC_LOCK_KEY = f"{LOCK_PREFIX}/gc.json"
 
-# Version numbers: 0 … 2**53-1, integers every JSON reader represents exactly. A millisecond
-# timestamp fits (13 digits); keys are zero-padded to 10 digits and grow wider beyond that.
-MIN_VERSION = 0
-MAX_VERSION = 2**53 - 1
-
-_VERSION_NAME = re.compile(r"^v(\d{10,16})\.json$")
+# Version numbers are MIN_VERSION..MAX_VERSION (deltafs.format.versions): exactly ten digits in a key.
+_VERSION_NAME = re.compile(r"^v(\d+)\.json$")
 _OBJECT_ID = re.compile(r"^[0-9a-f]{64}$")
 _HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def is_valid_version(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and MIN_VERSION <= value <= MAX_VERSION
-
-
-def check_version(value: object, what: str = "version") -> int:
-    """value as a version number, or UsageError naming the valid range (for numbers a user gives)."""
-    if not is_valid_version(value):
-        raise UsageError(f"{what} must be an integer from {MIN_VERSION} to {MAX_VERSION}, got {value!r}")
-    return value  # type: ignore[return-value]
 
 
 def _version_name(version: int) -> str:

@@ -12,7 +12,7 @@ import zstandard
 
 from deltafs.errors import FormatError
 from deltafs.format.dtypes import DTYPE_SIZES, nbytes
-from deltafs.format.keys import chunk_key, is_valid_version, manifest_key, parse_manifest_key
+from deltafs.format.keys import MAX_VERSION, MIN_VERSION, chunk_key, is_valid_version, manifest_key, parse_manifest_key
 from deltafs.format.records import (
     HEAD_FORMAT,
     MANIFEST_MAX_BYTES,
@@ -20,6 +20,7 @@ from deltafs.format.records import (
     Head,
     StoreConfig,
     canonical_json,
+    is_manifest_digest,
     load_json,
 )
 
@@ -32,13 +33,8 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MANIFEST_ZSTD_LEVEL = 10
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_MANIFEST_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _SEGMENT_DIGEST = {1: re.compile(r"^xxh3-128:[0-9a-f]{32}$"), 2: re.compile(r"^xxh3-tree:[0-9a-f]{32}$")}
 _FILE_DIGEST = {1: re.compile(r"^sha256:[0-9a-f]{64}$"), 2: re.compile(r"^xxh3-tree:[0-9a-f]{32}$")}
-
-
-def is_manifest_digest(value: object) -> bool:
-    return isinstance(value, str) and bool(_MANIFEST_DIGEST.match(value))
 
 
 def sha256_hex(data: bytes) -> str:
@@ -307,7 +303,7 @@ class Manifest:
         _require(kind in ("full", "delta"), f"unknown version kind {kind!r}")
         files = raw.get("files")
         _require(isinstance(files, list), "files must be a list")
-        _require(is_valid_version(raw.get("version")), f"version must be an integer from 0 to 2**53-1, got {raw.get('version')!r}")
+        _require(is_valid_version(raw.get("version")), f"version must be an integer from {MIN_VERSION} to {MAX_VERSION}, got {raw.get('version')!r}")
         parent = raw.get("parent")
         _require(parent is None or is_valid_version(parent), "parent must be a version number or null")
         pdig = raw.get("parent_digest")
@@ -360,7 +356,7 @@ def _unzstd(data: bytes, where: str) -> bytes:
 
 def validate(man: Manifest) -> None:
     """Check the invariants FORMAT.md states with MUST; raise FormatError naming the first broken one."""
-    _require(is_valid_version(man.version), f"version {man.version!r} is outside 0..2**53-1")
+    _require(is_valid_version(man.version), f"version {man.version!r} is outside {MIN_VERSION}..{MAX_VERSION}")
     _require(man.chunk_bytes > 0 and man.chunk_bytes % 8 == 0, "chunk_bytes must be a positive multiple of 8")
     _require((man.parent is None) == (man.parent_digest is None), "parent and parent_digest go together")
     _require(man.parent is None or man.parent < man.version, "parent must be older than the version")

@@ -10,12 +10,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from deltafs.errors import FormatError
+from deltafs.format.keys import is_valid_version
 
 # Size limits of control files, in bytes (stored and, for compressed manifests, decoded).
 HEAD_MAX_BYTES = 4 << 10
@@ -36,6 +38,14 @@ DEST_STATE_FORMAT = "deltafs.read.dest"
 STORE_FORMAT_VERSION = 2
 STORE_FORMAT_VERSIONS = (1, 2)
 HEAD_FORMAT_VERSION = 1
+
+
+_MANIFEST_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def is_manifest_digest(value: object) -> bool:
+    """A manifest's digest: sha256 of its canonical JSON without the digest field."""
+    return isinstance(value, str) and bool(_MANIFEST_DIGEST.match(value))
 
 
 # --- time ----------------------------------------------------------------------------------------
@@ -149,9 +159,6 @@ class Head:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Head:
-        from deltafs.format.keys import is_valid_version
-        from deltafs.format.manifest import is_manifest_digest
-
         raw = _object(data, "HEAD", HEAD_FORMAT, HEAD_MAX_BYTES)
         if raw.get("format_version") != HEAD_FORMAT_VERSION:
             raise FormatError(f"unknown HEAD format version {raw.get('format_version')!r}")
