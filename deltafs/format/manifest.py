@@ -385,7 +385,8 @@ def validate(man: Manifest) -> None:
         _require(pos == f.size, f"{f.path}: segments cover {pos} bytes of {f.size}")
 
 
-# Codec names that need the base version's bytes to decode (see codec/).
+# Codec names that need the base version's bytes to decode: the codecs whose `needs_base` is true
+# (format/ imports nothing of codec/; tests/format checks the two agree).
 DELTA_CODECS = frozenset({"same", "xor", "sparse", "dense"})
 
 
