@@ -82,18 +82,53 @@ def file_digest_on_disk(path: str, entry: FileEntry, chunk_bytes: int) -> str | 
 class ChunkSource:
     """Fetches chunk objects, keeping verified copies in an optional local cache so a killed pull resumes.
 
-    No cache for a store on this machine: re-reading it costs what reading the cache would.
+    No disk cache for a store on this machine: re-reading it costs what reading the cache would.
+    Small objects that several chunks share (a run of identical chunks) are kept in memory, up to
+    MEMO_BYTES, so each is fetched once.
     """
+
+    MEMO_OBJECT_BYTES = 64 << 10
+    MEMO_BYTES = 64 << 20
 
     def __init__(self, repo: Repository, cache_dir: str | None) -> None:
         self.repo = repo
         self.cache_dir = cache_dir if repo.objects.local_root is None else None
         self.bytes_read = 0
         self._lock = threading.Lock()
+        self._memo: dict[str, bytes] = {}
+        self._memo_bytes = 0
+        self._inflight: dict[str, threading.Event] = {}
 
     def get(self, rec: ChunkRef) -> bytes:
         oid = rec.object
         assert oid is not None
+        small = rec.stored <= self.MEMO_OBJECT_BYTES
+        while small:
+            with self._lock:
+                memo = self._memo.get(oid)
+                if memo is not None:
+                    return memo
+                waiting = self._inflight.get(oid)
+                if waiting is None:
+                    self._inflight[oid] = threading.Event()  # this thread fetches it; others wait
+                    break
+            waiting.wait()
+        try:
+            data = self._fetch(rec, oid)
+            if small:
+                with self._lock:
+                    if self._memo_bytes + len(data) <= self.MEMO_BYTES:
+                        self._memo[oid] = data
+                        self._memo_bytes += len(data)
+            return data
+        finally:
+            if small:
+                with self._lock:
+                    event = self._inflight.pop(oid, None)
+                if event is not None:
+                    event.set()
+
+    def _fetch(self, rec: ChunkRef, oid: str) -> bytes:
         if self.cache_dir:
             path = os.path.join(self.cache_dir, oid)
             try:
