@@ -19,7 +19,7 @@ or, for bytes already in one buffer, buffer_digest(data, chunk_bytes).
 from __future__ import annotations
 
 import struct
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import xxhash
 
@@ -32,7 +32,7 @@ CHUNK_DIGEST_SIZE = 16
 _SEGMENT_DOMAIN = b"deltafs.segment.v2\x00"
 _FILE_DOMAIN = b"deltafs.file.v2\x00"
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 def chunk_digest(data: Buffer) -> bytes:

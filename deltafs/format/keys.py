@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from deltafs.errors import FormatError, UsageError
-from deltafs.format.versions import MAX_VERSION, MIN_VERSION, check_version
+from deltafs.format.versions import MAX_VERSION, MIN_VERSION
 
 CONFIG_KEY = "deltafs.json"
 HEAD_KEY = "HEAD"

@@ -12,7 +12,8 @@ import zstandard
 
 from deltafs.errors import FormatError
 from deltafs.format.dtypes import DTYPE_SIZES, nbytes
-from deltafs.format.keys import MAX_VERSION, MIN_VERSION, chunk_key, is_valid_version, manifest_key, parse_manifest_key
+from deltafs.format.keys import chunk_key, is_valid_version, manifest_key, parse_manifest_key
+from deltafs.format.versions import MAX_VERSION, MIN_VERSION
 from deltafs.format.records import (
     HEAD_FORMAT,
     MANIFEST_MAX_BYTES,
@@ -189,7 +190,7 @@ class FileEntry:
         segs = raw.get("segments")
         _require(isinstance(segs, list), "file segments must be a list")
         try:
-            path = check_relpath(raw.get("path"))  # type: ignore[arg-type]
+            path = check_relpath(raw.get("path"))
         except FormatError as exc:
             raise FormatError(f"malformed manifest: {exc}") from None
         return cls(

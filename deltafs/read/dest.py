@@ -21,11 +21,11 @@ import stat
 import shutil
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from deltafs.errors import DestinationError, FormatError, LockHeldError
 from deltafs.format.manifest import Manifest, canonical_json
-from deltafs.format.records import DEST_STATE_FORMAT as STATE_FORMAT
 from deltafs.format.records import DEST_STATE_MAX_BYTES, dest_state_bytes, parse_dest_state
 
 

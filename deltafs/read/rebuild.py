@@ -16,7 +16,7 @@ import hashlib
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 import xxhash
@@ -335,7 +335,7 @@ class Builder:
                         self._check_segment(out, task.seg)
                     if file_done:
                         self._finish_file(out)
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                except BaseException as exc:
                     with lock:
                         failure.append(exc)
                     return

@@ -12,6 +12,7 @@ permanent ones (missing key, access denied, missing bucket) become a deltafs err
 from __future__ import annotations
 
 import abc
+import builtins
 import asyncio
 import enum
 import errno
@@ -19,7 +20,8 @@ import random
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable
 
 from deltafs.errors import DeltafsError, FormatError, ObjectNotFoundError, StoreError, StoreNotFoundError
 
@@ -56,14 +58,16 @@ class RetryPolicy:
         return backoff(attempt, self.base_delay, self.max_delay)
 
 
-def backoff(attempt: int, base: float, cap: float, *, jitter: bool = True) -> float:
-    """Seconds to wait before retry number `attempt` (0-based): base * 2**attempt up to cap, with full jitter.
+def backoff(attempt: int, base: float, cap: float, *, jitter: bool = True, floor: float = 0.0) -> float:
+    """Seconds to wait before retry number `attempt` (0-based): base * 2**attempt up to cap, jittered.
 
-    The one backoff formula of deltafs. Full jitter (AWS architecture blog) spreads a fleet of
-    clients that failed together; jitter=False gives the ceiling, for waits that must not shrink.
+    The one backoff formula of deltafs. Jitter (AWS architecture blog) spreads a fleet of clients
+    that failed together: a uniform draw between floor * ceiling and the ceiling (floor 0: full
+    jitter; the watcher uses 0.5 so a failing host never retries at once). jitter=False gives the
+    ceiling, for waits that must not shrink.
     """
     ceiling = min(cap, base * (2 ** min(attempt, 30)))
-    return random.uniform(0.0, ceiling) if jitter else ceiling
+    return random.uniform(floor * ceiling, ceiling) if jitter else ceiling
 
 
 class _Kind(enum.Enum):
@@ -117,7 +121,7 @@ class ObjectStore(abc.ABC):
     """Bytes under string keys below one root. Subclasses implement the primitives (_read, _write …)
     without retrying; the public methods add the one retry loop and deltafs errors."""
 
-    capabilities: ClassVar[Capabilities]
+    capabilities: Capabilities  # the class's defaults; an instance may declare itself weaker
     default_workers: ClassVar[int] = 16
 
     def __init__(self, url: str, *, retry: RetryPolicy | None = None, max_workers: int | None = None) -> None:
@@ -145,7 +149,7 @@ class ObjectStore(abc.ABC):
         """Partial writes of killed writers older than `older_than` seconds: name -> bytes (only local stores have them)."""
         return {}
 
-    def remove_leftover(self, name: str) -> None:
+    def remove_leftover(self, name: str) -> None:  # noqa: B027 - optional: most backends have no leftovers
         """Remove one name that leftovers() returned."""
 
     # --- primitives: one backend call each, no retrying ------------------------------------------
@@ -265,7 +269,7 @@ class ObjectStore(abc.ABC):
             pass
 
     # --- batches ----------------------------------------------------------------------------
-    def get_many(self, keys: list[str], *, referenced: bool = False) -> dict[str, bytes]:
+    def get_many(self, keys: builtins.list[str], *, referenced: bool = False) -> dict[str, bytes]:
         """Fetch several objects, capabilities.concurrency at a time; a missing one raises ObjectNotFoundError."""
         unique = list(dict.fromkeys(keys))
         return dict(self._pool(unique, lambda k: (k, self.get(k, referenced=referenced))))
@@ -281,7 +285,7 @@ class ObjectStore(abc.ABC):
 
         return dict(self._pool(list(items), one))
 
-    def _pool(self, keys: list[str], fn: Callable[[str], tuple[str, T]]) -> list[tuple[str, T]]:
+    def _pool(self, keys: builtins.list[str], fn: Callable[[str], tuple[str, T]]) -> builtins.list[tuple[str, T]]:
         """Thread-pool fan-out; the first failure cancels what has not started."""
         if len(keys) <= 1 or self.capabilities.concurrency == 1:
             return [fn(k) for k in keys]

@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
 
 from deltafs.errors import FormatError, LockHeldError, ObjectNotFoundError
 from deltafs.format.keys import GC_LOCK_KEY

@@ -112,7 +112,8 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
 
 def _filesystem(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:
     try:
-        return fsspec.core.url_to_fs(url, **options)
+        fs, root = fsspec.core.url_to_fs(url, **options)
+        return fs, str(root)
     except ImportError as exc:
         extra = _EXTRAS.get(protocol)
         hint = f"pip install 'deltafs[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"

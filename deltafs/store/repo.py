@@ -17,8 +17,9 @@ from deltafs.errors import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from deltafs.format.keys import CONFIG_KEY, check_version, HEAD_KEY, MANIFEST_PREFIX, chunk_key, manifest_key, parse_manifest_key
+from deltafs.format.keys import CONFIG_KEY, HEAD_KEY, MANIFEST_PREFIX, chunk_key, manifest_key, parse_manifest_key
 from deltafs.format.manifest import Manifest
+from deltafs.format.versions import check_version
 from deltafs.format.records import (
     CONFIG_MAX_BYTES,
     HEAD_MAX_BYTES,

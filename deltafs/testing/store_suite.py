@@ -15,7 +15,7 @@ import hashlib
 import os
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 from deltafs.store.base import ObjectStore
-from deltafs.store.local import NETWORK_FS as NO_EVENTS_FS
-from deltafs.store.local import mount_fstype
+from deltafs.store.local import NETWORK_FS as NO_EVENTS_FS  # noqa: F401 - re-exported
+from deltafs.store.local import mount_fstype  # noqa: F401 - re-exported for the watcher's callers
 
 log = logging.getLogger("deltafs.watch")
 

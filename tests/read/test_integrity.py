@@ -10,7 +10,7 @@ import pytest
 import zstandard
 
 from deltafs.errors import FormatError, IntegrityError, DestinationError
-from deltafs.format.manifest import Manifest, chunk_key, manifest_json, manifest_key, stored_manifest
+from deltafs.format.manifest import chunk_key, manifest_json, manifest_key, stored_manifest
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read.pull import local_version, pull
