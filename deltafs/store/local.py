@@ -8,7 +8,7 @@ import stat
 import time
 import uuid
 
-from deltafs.errors import FormatError
+from deltafs.errors import FormatError, StoreError
 from deltafs.store.base import Capabilities, ObjectStore, RetryPolicy
 
 TEMP_PREFIX = ".tmp-"
@@ -109,9 +109,10 @@ class LocalObjectStore(ObjectStore):
     def _write_temp(self, key: str, data: bytes) -> str:
         final = self.path(key)
         directory = os.path.dirname(final)
+        _refuse_symlinked_dirs(self.root, directory)  # before makedirs, which would create through one
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(data)
             while view:
@@ -208,6 +209,16 @@ class LocalObjectStore(ObjectStore):
     def remove_leftover(self, name: str) -> None:
         if os.path.basename(name).startswith(TEMP_PREFIX) and os.path.dirname(os.path.abspath(name)).startswith(self.root):
             _unlink_quietly(name)
+
+
+def _refuse_symlinked_dirs(root: str, directory: str) -> None:
+    """Refuse to write below root through a symlinked directory (e.g. a planted chunks/ab -> /etc)."""
+    rel = os.path.relpath(directory, root)
+    probe = root
+    for part in ([] if rel == "." else rel.split(os.sep)):
+        probe = os.path.join(probe, part)
+        if os.path.islink(probe):
+            raise StoreError(f"{probe} is a symlink; deltafs writes only into real directories of the store (remove it)")
 
 
 def _unlink_quietly(path: str) -> None:
