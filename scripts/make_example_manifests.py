@@ -1,4 +1,7 @@
-"""Regenerate manifests/examples/ from a tiny real push (run after a format or codec change)."""
+"""Regenerate manifests/examples/ from a tiny real push (run after a format or codec change).
+
+The examples are the JSON text of each manifest; the store keeps a v2 manifest as one zstd frame of it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ OUT = os.path.join(HERE, "..", "manifests", "examples")
 
 
 def main() -> None:
-    from deltafs.format.manifest import manifest_key
+    from deltafs.format.manifest import manifest_json, manifest_key
     from deltafs.publish import push
     from deltafs.store.repo import Repository
     from deltafs.testing.checkpoints import CheckpointMaker
@@ -29,7 +32,7 @@ def main() -> None:
         os.makedirs(OUT, exist_ok=True)
         for version, name in ((1, "full.json"), (2, "delta.json")):
             with open(os.path.join(store, manifest_key(version)), "rb") as fh:
-                data = json.loads(fh.read())
+                data = json.loads(manifest_json(fh.read()))  # stored as zstd; the examples show the JSON
             with open(os.path.join(OUT, name), "w") as fh:
                 json.dump(data, fh, indent=1, sort_keys=True)
                 fh.write("\n")

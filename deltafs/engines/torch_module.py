@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.engines.versions import read_version_manifest
 from deltafs.errors import DeltafsError, EngineError, IntegrityError
+from deltafs.format.digests import segment_digest_like
 from deltafs.format.manifest import FileEntry, Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
@@ -44,14 +44,14 @@ _NP_INT_OF_SIZE: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<i2
 _DIFF_BLOCK = 1 << 24  # elements compared at once: bounds the temporaries of a diff
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """xxh3-128 of the tensor's raw bytes, as safetensors stores them (the manifest's segment digest).
+def tensor_digest(t: torch.Tensor, like: str = "xxh3-tree:", chunk_bytes: int = 4 << 20) -> str:
+    """The digest of the tensor's raw bytes, as safetensors stores them, in the scheme of the segment digest `like`.
 
     Copies the tensor to the host; the engine itself uses device_checksums instead.
     """
     flat = t.detach().contiguous().reshape(-1).cpu()
     raw: Any = flat.view(torch.uint8).numpy() if flat.numel() else b""
-    return "xxh3-128:" + xxhash.xxh3_128_hexdigest(raw)
+    return segment_digest_like(like, raw, chunk_bytes)
 
 
 # --- checksum -------------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ class ApplyReport:
 class _Held:
     """What one module tensor is known to hold, and where those bytes are on disk to diff the next version against."""
 
-    digest: str  # the manifest's xxh3-128 of the bytes
+    digest: str  # the manifest's segment digest of the bytes
     checksum: int  # host_checksum of the bytes
     path: str  # a verified version file holding the bytes
     offset: int  # where they start in that file
@@ -249,6 +249,7 @@ class ModuleApplier:
         self.whole_above = whole_above
         self.check_module = check_module
         self._held: dict[str, _Held] = {}
+        self._chunk_bytes = 4 << 20  # set from each staged manifest
         self._expected: set[str] = set()  # the tensors of the version applied last
         self._generation = 0  # commits so far (see StagedVersion.generation)
         self._pool: ThreadPoolExecutor | None = None  # scatter threads, started at the first CPU pause that uses them
@@ -277,6 +278,7 @@ class ModuleApplier:
         """Everything before the pause: read and check the new bytes, diff them, move the delta to the devices."""
         t0 = time.monotonic()
         man = manifest or read_version_manifest(version_dir)
+        self._chunk_bytes = man.chunk_bytes  # a store's chunk size never changes; v2 digests depend on it
         live = module_tensors(self.module)
         todo: list[tuple[FileEntry, Segment, torch.Tensor]] = []
         skipped: list[str] = []
@@ -300,7 +302,7 @@ class ModuleApplier:
         repaired = tuple(sorted(n for n, ok in known.items() if ok is False))
         for name in repaired:
             log.warning("module tensor %s does not hold the bytes applied last; copying it whole", name)
-        files = {f.path: _VersionFile(version_dir, f) for f in man.files if f.format == "safetensors"}
+        files = {f.path: _VersionFile(version_dir, f, man.chunk_bytes) for f in man.files if f.format == "safetensors"}
 
         def plan(item: tuple[FileEntry, Segment, torch.Tensor]) -> _Plan | None:
             return self._plan(files[item[0].path], item[1], item[2], known, module_sums)
@@ -432,7 +434,7 @@ class ModuleApplier:
             data = None
         finally:
             os.close(fd)
-        if data is None or "xxh3-128:" + xxhash.xxh3_128_hexdigest(data.data) != have.digest:
+        if data is None or segment_digest_like(have.digest, data.data, self._chunk_bytes) != have.digest:
             log.info("previous bytes of %s are gone from %s; copying it whole", name, have.path)
             return None
         return data
@@ -441,8 +443,9 @@ class ModuleApplier:
 class _VersionFile:
     """One safetensors file of the version being staged, checked against the manifest's size before any read."""
 
-    def __init__(self, version_dir: str, entry: FileEntry) -> None:
+    def __init__(self, version_dir: str, entry: FileEntry, chunk_bytes: int) -> None:
         self.path = os.path.join(version_dir, entry.path)
+        self.chunk_bytes = chunk_bytes
         with open(self.path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
         if size != entry.size:
@@ -455,7 +458,7 @@ class _VersionFile:
             data = _read_at(fd, seg.offset, seg.size)
         finally:
             os.close(fd)
-        got = "xxh3-128:" + xxhash.xxh3_128_hexdigest(data.data) if data is not None else "a short read"
+        got = segment_digest_like(seg.digest, data.data, self.chunk_bytes) if data is not None else "a short read"
         if data is None or got != seg.digest:
             raise IntegrityError(f"tensor {name} in {self.path} changed since it was pulled", expected=seg.digest,
                                  actual=got)

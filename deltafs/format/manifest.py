@@ -3,27 +3,39 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import zstandard
 
 from deltafs.errors import FormatError
 from deltafs.format.dtypes import DTYPE_SIZES, nbytes
+from deltafs.format.keys import chunk_key, is_valid_version, manifest_key, parse_manifest_key
+from deltafs.format.versions import MAX_VERSION, MIN_VERSION
+from deltafs.format.records import (
+    HEAD_FORMAT,
+    MANIFEST_MAX_BYTES,
+    STORE_FORMAT,
+    Head,
+    StoreConfig,
+    canonical_json,
+    is_manifest_digest,
+    load_json,
+)
 
-FORMAT_VERSION = 1
+# Manifests this release writes; it reads every version in READ_FORMAT_VERSIONS.
+FORMAT_VERSION = 2
+READ_FORMAT_VERSIONS = (1, 2)
 MANIFEST_FORMAT = "deltafs.manifest"
-STORE_FORMAT = "deltafs.store"
-HEAD_FORMAT = "deltafs.head"
+# A v2 manifest is stored as one zstd frame of its canonical JSON; a v1 manifest is the JSON itself.
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+MANIFEST_ZSTD_LEVEL = 10
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_DIGEST = re.compile(r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$")
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Sorted keys, no whitespace, UTF-8: the same record always gives the same bytes."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+_SEGMENT_DIGEST = {1: re.compile(r"^xxh3-128:[0-9a-f]{32}$"), 2: re.compile(r"^xxh3-tree:[0-9a-f]{32}$")}
+_FILE_DIGEST = {1: re.compile(r"^sha256:[0-9a-f]{64}$"), 2: re.compile(r"^xxh3-tree:[0-9a-f]{32}$")}
 
 
 def sha256_hex(data: bytes) -> str:
@@ -83,7 +95,7 @@ class Segment:
     kind: str  # "tensor" | "header" | "blob"
     offset: int  # byte offset in the file
     size: int
-    digest: str  # "xxh3-128:<hex>" of the segment's bytes
+    digest: str  # v2: "xxh3-tree:<hex>" (deltafs.format.digests); v1: "xxh3-128:<hex>" of the bytes
     chunks: tuple[ChunkRef, ...]
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
@@ -111,14 +123,15 @@ class Segment:
         return out
 
     @classmethod
-    def from_json(cls, raw: Any) -> Segment:
+    def from_json(cls, raw: Any, format_version: int = 2) -> Segment:
         _require(isinstance(raw, dict), "segment must be an object")
         kind = raw.get("kind")
         _require(kind in ("tensor", "header", "blob"), f"unknown segment kind {kind!r}")
         key = raw.get("key")
         _require(isinstance(key, str) and key[:2] in ("t:", "h:", "f:"), f"bad segment key {key!r}")
         digest = raw.get("digest")
-        _require(isinstance(digest, str) and bool(_DIGEST.match(digest)), f"bad digest {digest!r}")
+        _require(isinstance(digest, str) and bool(_SEGMENT_DIGEST[format_version].match(digest)),
+                 f"bad segment digest {digest!r}")
         chunks = raw.get("chunks")
         _require(isinstance(chunks, list), "segment chunks must be a list")
         dtype = shape = None
@@ -149,38 +162,43 @@ class FileEntry:
 
     path: str
     size: int
-    sha256: str
+    digest: str  # v2: "xxh3-tree:<hex>" over the segment digests; v1: "sha256:<hex>" of the whole file
     format: str  # "safetensors" | "blob"
     segments: tuple[Segment, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "size": self.size,
-            "sha256": self.sha256,
-            "format": self.format,
-            "segments": [s.to_json() for s in self.segments],
-        }
+    def to_json(self, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "size": self.size, "format": self.format,
+                               "segments": [s.to_json() for s in self.segments]}
+        if format_version == 1:
+            out["sha256"] = self.digest.removeprefix("sha256:")
+        else:
+            out["digest"] = self.digest
+        return out
 
     @classmethod
-    def from_json(cls, raw: Any) -> FileEntry:
+    def from_json(cls, raw: Any, format_version: int = FORMAT_VERSION) -> FileEntry:
         _require(isinstance(raw, dict), "file must be an object")
         fmt = raw.get("format")
         _require(fmt in ("safetensors", "blob"), f"unknown file format {fmt!r}")
-        sha = raw.get("sha256")
-        _require(isinstance(sha, str) and bool(_HEX64.match(sha)), f"bad sha256 {sha!r}")
+        if format_version == 1:
+            sha = raw.get("sha256")
+            _require(isinstance(sha, str) and bool(_HEX64.match(sha)), f"bad sha256 {sha!r}")
+            digest = f"sha256:{sha}"
+        else:
+            digest = raw.get("digest")
+        _require(isinstance(digest, str) and bool(_FILE_DIGEST[format_version].match(digest)), f"bad file digest {digest!r}")
         segs = raw.get("segments")
         _require(isinstance(segs, list), "file segments must be a list")
         try:
-            path = check_relpath(raw.get("path"))  # type: ignore[arg-type]
+            path = check_relpath(raw.get("path"))
         except FormatError as exc:
             raise FormatError(f"malformed manifest: {exc}") from None
         return cls(
             path=path,
             size=_int(raw.get("size"), "file size"),
-            sha256=sha,
+            digest=digest,
             format=fmt,
-            segments=tuple(Segment.from_json(s) for s in segs),
+            segments=tuple(Segment.from_json(s, format_version) for s in segs),
         )
 
 
@@ -199,11 +217,12 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     digest: str = ""  # sha256 of the canonical JSON without this field; filled by seal()
+    format_version: int = FORMAT_VERSION  # 1 only for manifests read from a v1 store
 
     def body(self) -> dict[str, Any]:
         return {
             "format": MANIFEST_FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "store_id": self.store_id,
             "version": self.version,
             "parent": self.parent,
@@ -213,19 +232,23 @@ class Manifest:
             "created": self.created,
             "metadata": self.metadata,
             "stats": self.stats,
-            "files": [f.to_json() for f in self.files],
+            "files": [f.to_json(self.format_version) for f in self.files],
         }
 
     def seal(self) -> Manifest:
         """Return a copy whose digest field is the hash of its body."""
-        from dataclasses import replace
-
         return replace(self, digest="sha256:" + sha256_hex(canonical_json(self.body())))
 
     def to_bytes(self) -> bytes:
+        """The canonical JSON (what the digest covers and what a DEST state record embeds)."""
         body = self.body()
         body["digest"] = self.digest
         return canonical_json(body)
+
+    def encode(self) -> bytes:
+        """The bytes stored under manifests/ (and folds/): a zstd frame of the canonical JSON from v2 on."""
+        data = self.to_bytes()
+        return data if self.format_version == 1 else stored_manifest(data)
 
     def segments(self) -> dict[str, tuple[FileEntry, Segment]]:
         return {s.key: (f, s) for f in self.files for s in f.segments}
@@ -235,11 +258,27 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     @classmethod
+    def decode(cls, data: bytes, *, where: str = "manifest") -> Manifest:
+        """A manifest from its stored bytes (v2 zstd frame or v1 JSON), decoded within MANIFEST_MAX_BYTES."""
+        if len(data) > MANIFEST_MAX_BYTES:
+            raise FormatError(f"{where} is {len(data)} bytes, more than the {MANIFEST_MAX_BYTES} a valid one can be")
+        if data[:4] == ZSTD_MAGIC:
+            try:
+                data = _unzstd(data, where)
+            except zstandard.ZstdError as exc:
+                raise FormatError(f"{where} is a damaged zstd frame: {exc}") from None
+            man = cls.from_bytes(data, where=where)
+            _require(man.format_version >= 2, "a v1 manifest is never compressed")
+            return man
+        man = cls.from_bytes(data, where=where)
+        if man.format_version >= 2:
+            raise FormatError(f"{where}: a v{man.format_version} manifest must be stored compressed")
+        return man
+
+    @classmethod
     def from_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
-        try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise FormatError(f"{where} is not valid JSON: {exc}") from None
+        """A manifest from its canonical JSON; the digest field must match the contents."""
+        raw = load_json(data, where, max_bytes=MANIFEST_MAX_BYTES)
         try:
             man = cls._from_json(raw)
         except FormatError as exc:
@@ -247,7 +286,10 @@ class Manifest:
         expected = "sha256:" + sha256_hex(canonical_json(man.body()))
         if man.digest != expected:
             raise FormatError(f"{where}: digest field does not match its contents (corrupt or edited)")
-        validate(man)
+        try:
+            validate(man)
+        except FormatError as exc:
+            raise FormatError(f"{where}: {exc}") from None
         return man
 
     @classmethod
@@ -255,16 +297,18 @@ class Manifest:
         _require(isinstance(raw, dict), "manifest must be a JSON object")
         _require(raw.get("format") == MANIFEST_FORMAT, f"not a deltafs manifest (format={raw.get('format')!r})")
         fv = raw.get("format_version")
-        if fv != FORMAT_VERSION:
-            raise FormatError(f"unknown manifest format version {fv!r} (this deltafs reads {FORMAT_VERSION})")
+        if fv not in READ_FORMAT_VERSIONS or isinstance(fv, bool):
+            raise FormatError(f"unknown manifest format version {fv!r} (this deltafs reads "
+                              f"{', '.join(map(str, READ_FORMAT_VERSIONS))})")
         kind = raw.get("kind")
         _require(kind in ("full", "delta"), f"unknown version kind {kind!r}")
         files = raw.get("files")
         _require(isinstance(files, list), "files must be a list")
+        _require(is_valid_version(raw.get("version")), f"version must be an integer from {MIN_VERSION} to {MAX_VERSION}, got {raw.get('version')!r}")
         parent = raw.get("parent")
-        _require(parent is None or isinstance(parent, int), "parent must be an integer or null")
+        _require(parent is None or is_valid_version(parent), "parent must be a version number or null")
         pdig = raw.get("parent_digest")
-        _require(pdig is None or (isinstance(pdig, str) and bool(_DIGEST.match(pdig))), "bad parent_digest")
+        _require(pdig is None or is_manifest_digest(pdig), "bad parent_digest")
         for name in ("metadata", "stats"):
             _require(isinstance(raw.get(name, {}), dict), f"{name} must be an object")
         _require(isinstance(raw.get("store_id"), str), "store_id must be a string")
@@ -272,21 +316,48 @@ class Manifest:
         _require(isinstance(raw.get("digest"), str), "digest must be a string")
         return cls(
             store_id=raw["store_id"],
-            version=_int(raw.get("version"), "version"),
+            version=raw["version"],
             parent=parent,
             parent_digest=pdig,
             kind=kind,
             chunk_bytes=_int(raw.get("chunk_bytes"), "chunk_bytes"),
             created=raw["created"],
-            files=tuple(FileEntry.from_json(f) for f in files),
+            files=tuple(FileEntry.from_json(f, fv) for f in files),
             metadata=raw.get("metadata", {}),
             stats=raw.get("stats", {}),
             digest=raw["digest"],
+            format_version=fv,
         )
+
+
+def manifest_json(stored: bytes, where: str = "manifest") -> bytes:
+    """The JSON text of a stored manifest (a v2 zstd frame is decompressed; v1 bytes are returned as they are)."""
+    return _unzstd(stored, where) if stored[:4] == ZSTD_MAGIC else stored
+
+
+def stored_manifest(json_bytes: bytes) -> bytes:
+    """What a v2 writer stores for a manifest's JSON text (a zstd frame); tools and tests that edit one use it."""
+    return zstandard.ZstdCompressor(level=MANIFEST_ZSTD_LEVEL, write_content_size=True).compress(json_bytes)
+
+
+def _unzstd(data: bytes, where: str) -> bytes:
+    """Decompress one frame, refusing more than MANIFEST_MAX_BYTES of output without allocating it first."""
+    parts, total = [], 0
+    reader = zstandard.ZstdDecompressor().stream_reader(data)
+    while True:
+        block = reader.read(1 << 20)
+        if not block:
+            break
+        total += len(block)
+        if total > MANIFEST_MAX_BYTES:
+            raise FormatError(f"{where} decompresses to more than {MANIFEST_MAX_BYTES} bytes")
+        parts.append(block)
+    return b"".join(parts)
 
 
 def validate(man: Manifest) -> None:
     """Check the invariants FORMAT.md states with MUST; raise FormatError naming the first broken one."""
+    _require(is_valid_version(man.version), f"version {man.version!r} is outside {MIN_VERSION}..{MAX_VERSION}")
     _require(man.chunk_bytes > 0 and man.chunk_bytes % 8 == 0, "chunk_bytes must be a positive multiple of 8")
     _require((man.parent is None) == (man.parent_digest is None), "parent and parent_digest go together")
     _require(man.parent is None or man.parent < man.version, "parent must be older than the version")
@@ -315,7 +386,8 @@ def validate(man: Manifest) -> None:
         _require(pos == f.size, f"{f.path}: segments cover {pos} bytes of {f.size}")
 
 
-# Codec names that need the base version's bytes to decode (see codec/).
+# Codec names that need the base version's bytes to decode: the codecs whose `needs_base` is true
+# (format/ imports nothing of codec/; tests/format checks the two agree).
 DELTA_CODECS = frozenset({"same", "xor", "sparse", "dense"})
 
 
@@ -330,75 +402,8 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-@dataclass(frozen=True)
-class StoreConfig:
-    """The store's fixed identity and parameters, written once at creation (deltafs.json)."""
-
-    store_id: str
-    chunk_bytes: int
-    created: str
-
-    def to_bytes(self) -> bytes:
-        return canonical_json(
-            {
-                "format": STORE_FORMAT,
-                "format_version": FORMAT_VERSION,
-                "store_id": self.store_id,
-                "chunk_bytes": self.chunk_bytes,
-                "created": self.created,
-            }
-        )
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> StoreConfig:
-        try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            raise FormatError("store config deltafs.json is not valid JSON") from None
-        if not isinstance(raw, dict) or raw.get("format") != STORE_FORMAT:
-            raise FormatError("deltafs.json is not a deltafs store config")
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise FormatError(f"unknown store format version {raw.get('format_version')!r} (this deltafs reads {FORMAT_VERSION})")
-        cb = raw.get("chunk_bytes")
-        if not isinstance(cb, int) or cb <= 0 or cb % 8:
-            raise FormatError("deltafs.json: chunk_bytes must be a positive multiple of 8")
-        return cls(store_id=str(raw.get("store_id")), chunk_bytes=cb, created=str(raw.get("created")))
-
-
-@dataclass(frozen=True)
-class Head:
-    """The one mutable pointer: the newest committed version and its manifest digest."""
-
-    version: int
-    digest: str
-
-    def to_bytes(self) -> bytes:
-        return canonical_json({"format": HEAD_FORMAT, "format_version": FORMAT_VERSION, "version": self.version, "digest": self.digest})
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Head:
-        try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            raise FormatError("HEAD is not valid JSON") from None
-        if not isinstance(raw, dict) or raw.get("format") != HEAD_FORMAT:
-            raise FormatError("HEAD is not a deltafs head record")
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise FormatError(f"unknown HEAD format version {raw.get('format_version')!r}")
-        v, d = raw.get("version"), raw.get("digest")
-        if not isinstance(v, int) or v < 0 or not isinstance(d, str) or not _DIGEST.match(d):
-            raise FormatError("HEAD is malformed")
-        return cls(version=v, digest=d)
-
-
-def manifest_key(version: int) -> str:
-    return f"manifests/v{version:010d}.json"
-
-
-def parse_manifest_key(key: str) -> int | None:
-    m = re.search(r"manifests/v(\d{10})\.json$", key)
-    return int(m.group(1)) if m else None
-
-
-def chunk_key(object_id: str) -> str:
-    return f"chunks/{object_id[:2]}/{object_id}"
+__all__ = [
+    "DELTA_CODECS", "FORMAT_VERSION", "HEAD_FORMAT", "MANIFEST_FORMAT", "READ_FORMAT_VERSIONS", "STORE_FORMAT",
+    "ChunkRef", "FileEntry", "Head", "Manifest", "Segment", "StoreConfig", "canonical_json", "check_relpath", "chunk_key",
+    "is_manifest_digest", "manifest_json", "manifest_key", "stored_manifest", "parse_manifest_key", "sha256_hex", "validate",
+]

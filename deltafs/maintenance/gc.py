@@ -17,20 +17,17 @@ Rules (FORMAT.md, "gc and locking"):
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from deltafs.errors import DeltafsError, IntegrityError, UsageError
-from deltafs.read.folds import FOLD_PREFIX, fold_key, load_fold, parse_fold_key
+from deltafs.read.chain import FOLD_PREFIX, fold_key, load_fold, parse_fold_key, plan_chain
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key
 from deltafs.store.lock import DEFAULT_STALE_AFTER, StoreLock
 from deltafs.parallel import ordered_map
-from deltafs.read.rebuild import plan_chain
-from deltafs.store.objects import ObjectStore
+from deltafs.format.records import parse_timestamp
+from deltafs.store.base import ObjectStore
 from deltafs.store.repo import Repository
 
 # A version stays this long after it stopped being HEAD, and an unreferenced chunk this long after it
@@ -156,37 +153,8 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
             plan.chunks_too_young += 1
             continue
         plan.chunks[oid] = size
-    plan.temp_files = _stale_temp_files(repo.objects, now, grace)
+    plan.temp_files = repo.objects.leftovers(older_than=grace)  # partial writes of killed writers (local stores)
     return plan
-
-
-def _stale_temp_files(objects: ObjectStore, now: float, grace: float) -> dict[str, int]:
-    """A local store's `.tmp-*` files (a writer killed mid-write) older than `grace`: path -> size.
-
-    Object stores have no such leftovers (an interrupted upload never becomes an object).
-    """
-    from deltafs.store.objects import LocalObjectStore
-
-    if not isinstance(objects, LocalObjectStore):
-        return {}
-    out = {}
-    dirs = [objects.root]  # HEAD and the store config are written through temp files at the top
-    for top in ("chunks", "manifests", "locks"):
-        dirs += [d for d, _sub, _files in os.walk(os.path.join(objects.root, top))]
-    for directory in dirs:
-        try:
-            names = [n for n in os.listdir(directory) if n.startswith(".tmp-")]
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(directory, name)
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            if now - st.st_mtime >= grace:
-                out[path] = st.st_size
-    return out
 
 
 def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float, threads: int,
@@ -215,9 +183,8 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
 
     for _ in ordered_map(delete, list(plan.chunks), threads):
         result.chunks_removed += 1
-    for path in plan.temp_files:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    for name in plan.temp_files:
+        repo.objects.remove_leftover(name)
     result.bytes_freed = plan.bytes_freed
     return result
 
@@ -266,10 +233,8 @@ def _objects_of(manifests: Any) -> set[str]:
 
 
 def _created(man: Manifest) -> float:
-    try:
-        return _dt.datetime.strptime(man.created, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=_dt.timezone.utc).timestamp()
-    except ValueError:
-        return time.time()  # unknown: treat as new, which only keeps more
+    seconds = parse_timestamp(man.created)
+    return time.time() if seconds is None else seconds  # unknown: treat as new, which only keeps more
 
 
 def stat(objects: ObjectStore, key: str) -> tuple[int, float | None]:

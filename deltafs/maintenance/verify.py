@@ -9,7 +9,8 @@ from typing import Any
 
 from deltafs.errors import DeltafsError
 from deltafs.read.dest import LocalCheckpoint
-from deltafs.read.rebuild import Builder, ChunkSource, file_sha256, plan_chain
+from deltafs.read.chain import plan_chain
+from deltafs.read.rebuild import Builder, ChunkSource, file_digest_on_disk
 from deltafs.store.repo import Repository
 
 
@@ -105,12 +106,12 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
         report.files_checked += 1
         try:
             size = os.path.getsize(path)
-            digest = file_sha256(path)
+            digest = file_digest_on_disk(path, f, man.chunk_bytes) or "size differs"
         except OSError as exc:
             report.fail(f"{dest}: {f.path}: {exc.strerror or exc}")
             continue
-        if size != f.size or digest != f.sha256:
-            report.fail(f"{dest}: {f.path}: sha256 {digest[:16]}… differs from version {v}'s {f.sha256[:16]}…")
+        if size != f.size or digest != f.digest:
+            report.fail(f"{dest}: {f.path}: digest {digest[:24]}… differs from version {v}'s {f.digest[:24]}…")
     for dirpath, _dirs, files in os.walk(state.path):
         for name in files:
             rel = os.path.relpath(os.path.join(dirpath, name), state.path).replace(os.sep, "/")

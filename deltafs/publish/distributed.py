@@ -46,7 +46,8 @@ from deltafs.publish.push import (
     commit_version,
     default_cache_dir,
 )
-from deltafs.read.rebuild import Builder, Chain, ChunkSource, LocalBaseError, plan_chain
+from deltafs.read.chain import Chain, plan_chain
+from deltafs.read.rebuild import Builder, ChunkSource, LocalBaseError
 from deltafs.publish.source import scan_source
 from deltafs.store.repo import Repository
 

@@ -33,8 +33,9 @@ from deltafs.parallel import default_threads, ordered_map
 from deltafs.progress import Progress
 from deltafs.read.rebuild import LocalBaseError
 from deltafs.publish.source import SourceFile, SourceSegment, scan_source
-from deltafs.store.objects import LocalObjectStore
-from deltafs.store.repo import Repository, utcnow
+from deltafs.format import digests
+from deltafs.format.records import utcnow
+from deltafs.store.repo import Repository
 
 # Keyframe policy defaults: a full version every 50 versions, or sooner once the deltas since the
 # last full version add up to the size of a full version (a reader then reads at most ~2x full).
@@ -82,7 +83,7 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
     """Publish the checkpoint at src (a directory or a .safetensors file) as the store's next version.
 
     fold=True also writes, for a delta two or more steps past its full version, a folded delta from
-    that full version straight to the new version (deltafs.read.folds), so lagging readers take one step.
+    that full version straight to the new version (deltafs.read.chain), so lagging readers take one step.
     """
     t0 = time.monotonic()
     meta = dict(metadata or {})
@@ -274,7 +275,7 @@ class _Encoder:
         self.reused: set[str] = set()  # chunks already in the store (deduplicated), see wait_out_gc
         self.elements_total = self.elements_changed = 0
         # Remote stores are latency-bound: many uploads in flight; a local disk is fsync-bound.
-        self.io_threads = 4 if isinstance(repo.objects, LocalObjectStore) else 16
+        self.io_threads = min(4, repo.objects.capabilities.concurrency) if repo.objects.local_root else 16
         self._inflight = threading.BoundedSemaphore(32)
         self._pending_lock = threading.Lock()
 
@@ -326,7 +327,6 @@ class _Encoder:
                      pending: list[tuple[str, int, Future[bool]]]) -> FileEntry:
         out_path = os.path.join(self.staging, f.path)
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
-        fhash = hashlib.sha256()
         bases = {seg.key: self._base_of(seg) for seg in f.segments}
         base_fds: dict[str, int] = {}
         with contextlib.ExitStack() as stack:
@@ -336,7 +336,7 @@ class _Encoder:
                     base_fds[hit[0]] = stack.enter_context(open(hit[0], "rb")).fileno()
             out = stack.enter_context(open(out_path, "wb") if self.write_cache else _Sink())
 
-            def work(task: tuple[SourceSegment, int]) -> tuple[bytes, bytes | None, codec.Encoded, str | None]:
+            def work(task: tuple[SourceSegment, int]) -> tuple[bytes, bytes | None, codec.Encoded, str | None, bytes]:
                 seg, i = task
                 start = i * self.cb
                 size = min(self.cb, seg.size - start)
@@ -360,12 +360,12 @@ class _Encoder:
                     pending_put = io_pool.submit(self._put, oid, enc.payload)
                     with self._pending_lock:
                         pending.append((oid, len(enc.payload), pending_put))
-                return new, old, enc, oid
+                return new, old, enc, oid, digests.chunk_digest(new)
 
             tasks = ((seg, i) for seg in f.segments for i in range((seg.size + self.cb - 1) // self.cb))
             results = ordered_map(work, tasks, self.threads, self.threads * 2)
             try:
-                segments = [self._collect_segment(seg, bases[seg.key], results, out, fhash, advance) for seg in f.segments]
+                segments = [self._collect_segment(seg, bases[seg.key], results, out, advance) for seg in f.segments]
             finally:
                 results.close()
             out.flush()
@@ -374,22 +374,24 @@ class _Encoder:
             size = out.tell()
         if size != f.size:
             raise DeltafsError(f"{f.abspath} changed size while it was being pushed")
-        return FileEntry(f.path, f.size, fhash.hexdigest(), f.format, tuple(segments))
+        return FileEntry(f.path, f.size, digests.file_digest([s.digest for s in segments], f.size), f.format,
+                         tuple(segments))
 
     def _collect_segment(self, seg: SourceSegment, hit: tuple[str, Segment] | None,
-                         results: Iterator[tuple[bytes, bytes | None, codec.Encoded, str | None]], out: Any, fhash: Any,
+                         results: Iterator[tuple[bytes, bytes | None, codec.Encoded, str | None, bytes]], out: Any,
                          advance: Any) -> Segment:
         """Take this segment's chunks from the ordered results: write the cache copy, hash, record."""
-        shash = xxhash.xxh3_128()
+        chunk_digests = []
         bhash = xxhash.xxh3_128()
+        base_digests = []
         chunks = []
         for i in range((seg.size + self.cb - 1) // self.cb):
-            new, old, enc, oid = next(results)
+            new, old, enc, oid, digest = next(results)
             out.write(new)
-            fhash.update(new)
-            shash.update(new)
+            chunk_digests.append(digest)
             if old is not None:
-                bhash.update(old)
+                bhash.update(old)  # v1 cache digests are one stream (format v2 hashes per chunk)
+                base_digests.append(digests.chunk_digest(old))
             stored = len(enc.payload) if enc.payload is not None else 0
             if enc.payload is not None:
                 self.chunks_written += 1
@@ -399,10 +401,12 @@ class _Encoder:
                 self.elements_changed += enc.changed
             chunks.append(ChunkRef(index=i, size=len(new), codec=enc.codec, object=oid, stored=stored))
             advance(len(new))
-        if hit is not None and "xxh3-128:" + bhash.hexdigest() != hit[1].digest:
+        if hit is not None and hit[1].digest != (digests.segment_digest(base_digests, seg.size)
+                                                 if digests.is_tree_digest(hit[1].digest) else "xxh3-128:" + bhash.hexdigest()):
             raise LocalBaseError(f"push cache does not match version {self.base.version if self.base else '?'} at {seg.key[2:]}")
         return Segment(key=seg.key, kind=seg.kind, offset=seg.offset, size=seg.size,
-                       digest="xxh3-128:" + shash.hexdigest(), chunks=tuple(chunks), dtype=seg.dtype, shape=seg.shape)
+                       digest=digests.segment_digest(chunk_digests, seg.size), chunks=tuple(chunks), dtype=seg.dtype,
+                       shape=seg.shape)
 
 
 class _Sink(io.RawIOBase):
@@ -431,8 +435,7 @@ def _fold_after_commit(repo: Repository, files: list[SourceFile], cache: LocalCh
     The version is already committed: a fold that cannot be written is logged and skipped.
     Returns the bytes written for the fold (chunks plus its manifest).
     """
-    from deltafs.read.folds import fold_key, is_fold_of
-    from deltafs.read.rebuild import plan_chain
+    from deltafs.read.chain import fold_key, is_fold_of, plan_chain
 
     state = cache.state()
     if state is None:
@@ -470,7 +473,7 @@ def _fold_after_commit(repo: Repository, files: list[SourceFile], cache: LocalCh
         if not is_fold_of(folded, man):
             raise DeltafsError("the source changed after the version was committed")
         wait_out_gc(repo, enc.reused)
-        data = folded.to_bytes()
+        data = folded.encode()
         repo.objects.put_if_absent(fold_key(man.version), data)  # after its chunks, like a commit
         return enc.stored + len(data)
     except (DeltafsError, OSError) as exc:

@@ -17,15 +17,16 @@ import datetime as _dt
 import fcntl
 import json
 import os
+import stat
 import shutil
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from deltafs.errors import DestinationError, FormatError, LockHeldError
 from deltafs.format.manifest import Manifest, canonical_json
-
-STATE_FORMAT = "deltafs.read.dest"
+from deltafs.format.records import DEST_STATE_MAX_BYTES, dest_state_bytes, parse_dest_state
 
 
 def fsync_dir(path: str) -> None:
@@ -78,14 +79,12 @@ class LocalCheckpoint:
         if os.path.dirname(os.path.normpath(os.path.join(os.path.dirname(self.dest), target))) != self.sidecar:
             return None
         try:
-            with open(version_dir + ".json", "rb") as fh:
-                raw = json.loads(fh.read())
-            manifest = Manifest.from_bytes(canonical_json(raw["manifest"]), where=f"local state of {self.dest}")
-            if raw.get("format") != STATE_FORMAT or manifest.version != raw["version"]:
-                return None
-            return LocalState(raw["store_id"], raw["store_url"], int(raw["version"]), raw["digest"], version_dir, manifest)
-        except (OSError, ValueError, KeyError, TypeError, FormatError):
+            manifest, raw = read_version_state(version_dir)
+        except FormatError:
             return None
+        if manifest.version != raw["version"]:
+            return None
+        return LocalState(raw["store_id"], raw["store_url"], int(raw["version"]), raw["digest"], version_dir, manifest)
 
     def describe_foreign(self) -> str | None:
         """Why DEST cannot simply be replaced, or None if it is absent, empty or ours."""
@@ -137,16 +136,9 @@ class LocalCheckpoint:
         """Make a fully written and verified staging directory the version DEST points to."""
         name = f"v{manifest.version:010d}-{uuid.uuid4().hex[:8]}"
         final = os.path.join(self.sidecar, name)
-        state: dict[str, Any] = {
-            "format": STATE_FORMAT,
-            "store_id": store_id,
-            "store_url": store_url,
-            "version": manifest.version,
-            "digest": manifest.digest,
-            "installed": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-            "manifest": json.loads(manifest.to_bytes()),
-        }
-        atomic_write(final + ".json", canonical_json(state))
+        state = dest_state_bytes(store_id=store_id, store_url=store_url, version=manifest.version,
+                                 digest=manifest.digest, manifest_json=json.loads(manifest.to_bytes()))
+        atomic_write(final + ".json", state)
         os.replace(staging, final)
         fsync_dir(self.sidecar)
         if os.path.lexists(self.dest) and not os.path.islink(self.dest):
@@ -187,6 +179,40 @@ class LocalCheckpoint:
             return []
         return sorted(os.path.join(self.sidecar, n) for n in os.listdir(self.sidecar)
                       if n.startswith("v") and os.path.isdir(os.path.join(self.sidecar, n)))
+
+
+def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
+    """The manifest and state record pull wrote beside a version directory (<dir>.json); FormatError if unusable."""
+    path = version_dir.rstrip("/") + ".json"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FormatError(f"no usable deltafs state at {path} ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError(f"{path} is not a regular file")
+        data = os.read(fd, DEST_STATE_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    raw = parse_dest_state(data)
+    manifest = Manifest.from_bytes(canonical_json(raw["manifest"]), where=path)
+    return manifest, raw
+
+
+def weight_version(version: int) -> str:
+    """The weight_version string an engine reports for a deltafs version (its number)."""
+    return str(int(version))
+
+
+def find_version_dir(dest: str, version: str) -> str | None:
+    """The verified version directory beside DEST whose weight version is `version`, if pull kept it."""
+    for path in reversed(LocalCheckpoint(dest).version_dirs()):
+        try:
+            if weight_version(read_version_state(path)[0].version) == version:
+                return path
+        except FormatError:
+            continue
+    return None
 
 
 def refuse_foreign(local: LocalCheckpoint, store_id: str, force: bool) -> LocalState | None:

@@ -12,12 +12,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from deltafs.errors import IntegrityError, UsageError
 from deltafs.format.manifest import DELTA_CODECS, FileEntry, Manifest, Segment
 from deltafs.read.dest import LocalCheckpoint
-from deltafs.read.rebuild import Builder, Chain, ChunkSource, _Task, plan_chain
+from deltafs.format.digests import segment_digest_like
+from deltafs.read.chain import Chain, plan_chain
+from deltafs.read.rebuild import Builder, ChunkSource, _Task
 from deltafs.store.repo import Repository
 
 # safetensors dtype -> numpy dtype, for the dtypes numpy has; bf16 and fp8 come back through torch.
@@ -115,7 +116,7 @@ class VersionReader:
     def _segment_bytes(self, f: FileEntry, seg: Segment) -> bytes:
         parts = [self._builder._chunk(_Task(f, seg, i)).tobytes() for i in range(len(seg.chunks))]
         data = b"".join(parts)
-        got = "xxh3-128:" + xxhash.xxh3_128(data).hexdigest()
+        got = segment_digest_like(seg.digest, data, self._builder.chunk_bytes)
         if got != seg.digest:
             raise IntegrityError(f"version {self.version}: tensor {seg.key[2:]} digest mismatch", expected=seg.digest,
                                  actual=got)
@@ -164,8 +165,8 @@ def plan_pull(store: str | Repository, dest: str, *, version: int | None = None,
         return PullPlan(target, state.version, True, [], 0, 0, man.raw_bytes, 0)
     chain = plan_chain(repo, target, state, folds=True)
     final = chain.target
-    local_files = {(lf.sha256, lf.size) for lf in state.manifest.files} if state is not None else set()
-    linked = [f for f in final.files if (f.sha256, f.size) in local_files
+    local_files = {(lf.digest, lf.size) for lf in state.manifest.files} if state is not None else set()
+    linked = [f for f in final.files if (f.digest, f.size) in local_files
               and os.path.exists(os.path.join(state.path, f.path))] if state is not None else []
     linked_paths = {f.path for f in linked}
     needed: dict[str, int] = {}

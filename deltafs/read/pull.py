@@ -11,7 +11,8 @@ from typing import Any
 from deltafs.errors import IntegrityError, ObjectNotFoundError, VersionNotFoundError
 from deltafs.read.dest import LocalCheckpoint, LocalState, refuse_foreign
 from deltafs.progress import Progress
-from deltafs.read.rebuild import Builder, ChunkSource, LocalBaseError, plan_chain
+from deltafs.read.chain import Chain, plan_chain
+from deltafs.read.rebuild import Builder, ChunkSource, LocalBaseError
 from deltafs.store.repo import Repository
 
 log = logging.getLogger("deltafs")
@@ -67,7 +68,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
         chain = None
         try:
             chain = plan_chain(repo, target, state, folds=True)
-            path, source, _ = _materialize(repo, local, chain, progress, threads)
+            path, source = _materialize(repo, local, chain, progress, threads)
             fallback = False
         except (LocalBaseError, IntegrityError, ObjectNotFoundError) as exc:
             if state is None and (chain is None or chain.final is None):
@@ -76,7 +77,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             # from the nearest full version. A full-path failure is final.
             log.warning(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
             chain = plan_chain(repo, target, None)
-            path, source, _ = _materialize(repo, local, chain, progress, threads)
+            path, source = _materialize(repo, local, chain, progress, threads)
             fallback = True
         shutil.rmtree(local.chunk_cache, ignore_errors=True)
         local.cleanup(keep=keep)
@@ -94,21 +95,21 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
         )
 
 
-def _materialize(repo: Repository, local: LocalCheckpoint, chain: Any, progress: bool,
-                 threads: int | None) -> tuple[str, ChunkSource, Any]:
+def _materialize(repo: Repository, local: LocalCheckpoint, chain: Chain, progress: bool,
+                 threads: int | None) -> tuple[str, ChunkSource]:
     source = ChunkSource(repo, local.chunk_cache)
     staging = local.new_staging()
     total = chain.target.raw_bytes
     try:
         with Progress(f"pull v{chain.target.version}", total, enabled=progress) as bar:
-            report = Builder(repo, chain, source, threads=threads, on_bytes=bar.advance).build(staging)
+            Builder(repo, chain, source, threads=threads, on_bytes=bar.advance).build(staging)
         if local.describe_foreign() is not None:
             local.displace()  # only reached with force: refuse_foreign() raised otherwise
         path = local.install(staging, store_id=repo.store_id, store_url=repo.url, manifest=chain.target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return path, source, report
+    return path, source
 
 
 __all__ = ["PullResult", "pull", "local_version", "resolve_version"]

@@ -3,6 +3,11 @@
 Shared by pull (writes a staging directory) and verify (hashes only). Work is per chunk: a
 chunk's bytes at the target version come from the newest self-contained record in the chain
 (raw), or from the local base, with the later delta records applied in order.
+
+A format v2 target is rebuilt with every chunk of every file in parallel: each worker decodes a
+chunk, writes it at its offset into a preallocated file (pwrite) and hashes it; a segment is
+checked when its last chunk lands, a file when its last segment does. Memory is bounded by the
+threads (a few chunks each). A v1 target's digests are serial streams, so it is written in order.
 """
 
 from __future__ import annotations
@@ -10,18 +15,18 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from dataclasses import dataclass
-from typing import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 import xxhash
 
 from deltafs import codec
 from deltafs.errors import ChunkNotFoundError, DeltafsError, IntegrityError, ObjectNotFoundError
-from deltafs.format.manifest import DELTA_CODECS, FileEntry, Manifest, Segment
-from deltafs.read.dest import LocalState
-from deltafs.parallel import default_threads, ordered_map
-from deltafs.store.objects import LocalObjectStore
+from deltafs.format import digests
+from deltafs.format.manifest import DELTA_CODECS, ChunkRef, FileEntry, Segment
+from deltafs.parallel import ordered_map
+from deltafs.read.chain import Chain
 from deltafs.store.repo import Repository
 
 
@@ -51,75 +56,89 @@ def file_sha256(path: str, block: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-@dataclass
-class Chain:
-    """How to reach a target version: start from the local base (if any), then apply steps in order."""
-
-    steps: list[Manifest]  # oldest first; the last one is the target (or its fold, see final)
-    local: LocalState | None  # the base the first step applies to; None when the chain starts at a full version
-    final: Manifest | None = None  # the target's own manifest when the last step is a fold (deltafs.read.folds)
-
-    @property
-    def target(self) -> Manifest:
-        return self.final if self.final is not None else self.steps[-1]
-
-
-def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds: bool = False) -> Chain:
-    """Walk parents back from target until the local version or a full version; the cheaper path by bytes.
-
-    Any full version on the way makes a chain that crosses it no cheaper than starting there, so
-    stopping at the first full version or at the local base is the cheapest plan. With folds=True a
-    chain that starts at a full version may be shortened to [full, fold of target] (deltafs.read.folds).
-    """
-    steps: list[Manifest] = []
-    man = repo.manifest(target)
-    while True:
-        if local is not None and man.version == local.version and man.digest == local.digest:
-            steps.reverse()
-            return Chain(steps, local)
-        steps.append(man)
-        if man.kind == "full":
-            steps.reverse()
-            if folds:
-                from deltafs.read.folds import prefer_fold
-
-                return prefer_fold(repo, Chain(steps, None))
-            return Chain(steps, None)
-        if man.parent is None:
-            raise IntegrityError(f"version {man.version} is a delta without a parent")
-        parent = repo.manifest(man.parent)
-        if parent.digest != man.parent_digest:
-            raise IntegrityError(
-                f"version {man.version} was made against another version {man.parent} (base digest mismatch)",
-                expected=man.parent_digest,
-                actual=parent.digest,
-            )
-        man = parent
+def file_digest_on_disk(path: str, entry: FileEntry, chunk_bytes: int) -> str | None:
+    """The digest of the file at path in the scheme of entry.digest (v1 sha256 or v2 tree), or None if its size differs."""
+    try:
+        if os.path.getsize(path) != entry.size:
+            return None
+    except OSError:
+        return None
+    if not digests.is_tree_digest(entry.digest):
+        return "sha256:" + file_sha256(path)
+    seg_digests = []
+    with open(path, "rb") as fh:
+        for seg in entry.segments:
+            chunk_digests = []
+            for i in range(len(seg.chunks)):
+                size = seg.chunks[i].size
+                data = os.pread(fh.fileno(), size, seg.offset + i * chunk_bytes)
+                if len(data) != size:
+                    return None
+                chunk_digests.append(digests.chunk_digest(data))
+            seg_digests.append(digests.segment_digest(chunk_digests, seg.size))
+    return digests.file_digest(seg_digests, entry.size)
 
 
 class ChunkSource:
-    """Fetches chunk objects, keeping verified copies in an optional local cache so a killed pull resumes."""
+    """Fetches chunk objects, keeping verified copies in an optional local cache so a killed pull resumes.
+
+    No disk cache for a store on this machine: re-reading it costs what reading the cache would.
+    Small objects that several chunks share (a run of identical chunks) are kept in memory, up to
+    MEMO_BYTES, so each is fetched once.
+    """
+
+    MEMO_OBJECT_BYTES = 64 << 10
+    MEMO_BYTES = 64 << 20
 
     def __init__(self, repo: Repository, cache_dir: str | None) -> None:
         self.repo = repo
-        self.cache_dir = cache_dir
+        self.cache_dir = cache_dir if repo.objects.local_root is None else None
         self.bytes_read = 0
-        self.cache_hits = 0
         self._lock = threading.Lock()
+        self._memo: dict[str, bytes] = {}
+        self._memo_bytes = 0
+        self._inflight: dict[str, threading.Event] = {}
 
-    def get(self, oid: str) -> bytes:
+    def get(self, rec: ChunkRef) -> bytes:
+        oid = rec.object
+        assert oid is not None
+        small = rec.stored <= self.MEMO_OBJECT_BYTES
+        while small:
+            with self._lock:
+                memo = self._memo.get(oid)
+                if memo is not None:
+                    return memo
+                waiting = self._inflight.get(oid)
+                if waiting is None:
+                    self._inflight[oid] = threading.Event()  # this thread fetches it; others wait
+                    break
+            waiting.wait()
+        try:
+            data = self._fetch(rec, oid)
+            if small:
+                with self._lock:
+                    if self._memo_bytes + len(data) <= self.MEMO_BYTES:
+                        self._memo[oid] = data
+                        self._memo_bytes += len(data)
+            return data
+        finally:
+            if small:
+                with self._lock:
+                    event = self._inflight.pop(oid, None)
+                if event is not None:
+                    event.set()
+
+    def _fetch(self, rec: ChunkRef, oid: str) -> bytes:
         if self.cache_dir:
             path = os.path.join(self.cache_dir, oid)
             try:
                 with open(path, "rb") as fh:
-                    data = fh.read()
-                if hashlib.sha256(data).hexdigest() == oid:
-                    with self._lock:
-                        self.cache_hits += 1
+                    data = fh.read(rec.stored + 1)
+                if len(data) == rec.stored and hashlib.sha256(data).hexdigest() == oid:
                     return data
             except OSError:
                 pass
-        data = self.repo.get_chunk(oid)  # verifies the sha256
+        data = self.repo.get_chunk(oid, rec.stored)  # verifies size and sha256, refetching a damaged one
         with self._lock:
             self.bytes_read += len(data)
         if self.cache_dir:
@@ -139,10 +158,14 @@ class _Task:
 
 
 @dataclass
-class BuildReport:
-    files_built: int = 0
-    files_linked: int = 0
-    bytes_out: int = 0
+class _FileOut:
+    """A file being rebuilt: chunk digests land here from any thread; complete when `left` reaches 0."""
+
+    entry: FileEntry
+    fd: int | None
+    left: int
+    chunk_digests: dict[str, list[bytes | None]] = field(default_factory=dict)
+    seg_left: dict[str, int] = field(default_factory=dict)
 
 
 class Builder:
@@ -153,27 +176,39 @@ class Builder:
         self.repo = repo
         self.chain = chain
         self.source = source
-        # Remote stores are latency-bound: keep many fetches in flight (decoding releases the GIL).
-        self.threads = threads or (default_threads() if isinstance(repo.objects, LocalObjectStore) else 16)
+        # Remote stores are latency-bound (capabilities.concurrency fetches in flight), local work is
+        # CPU-bound: decoding, hashing and writing release the GIL, so one thread per core at least.
+        self.threads = threads or max(repo.objects.capabilities.concurrency, os.cpu_count() or 1)
         self.on_bytes = on_bytes or (lambda n: None)
         self.chunk_bytes = chain.target.chunk_bytes
         self._per_step = [m.segments() for m in chain.steps]
         self._local_segments = chain.local.manifest.segments() if chain.local else {}
         self._local_checked: dict[str, bool] = {}
         self._local_lock = threading.Lock()
+        self._local_fds: dict[str, int] = {}
 
     # --- local base ----------------------------------------------------------------------
-    def _local_bytes(self, key: str, index: int, size: int) -> np.ndarray:
+    def _local_fd(self, path: str) -> int:
+        with self._local_lock:
+            fd = self._local_fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise LocalBaseError(f"local base file {path} unreadable: {exc}") from None
+                self._local_fds[path] = fd
+            return fd
+
+    def _local_bytes(self, key: str, index: int, size: int, check: bool) -> np.ndarray:
         local = self.chain.local
         if local is None or key not in self._local_segments:
             raise LocalBaseError(f"local base lacks {key[2:]}")
         fentry, seg = self._local_segments[key]
         path = os.path.join(local.path, fentry.path)
-        self._check_local_segment(key, path, seg)
-        start = seg.offset + index * self.chunk_bytes
+        if check:
+            self._check_local_segment(key, path, seg)
         try:
-            with open(path, "rb") as fh:
-                data = os.pread(fh.fileno(), size, start)
+            data = os.pread(self._local_fd(path), size, seg.offset + index * self.chunk_bytes)
         except OSError as exc:
             raise LocalBaseError(f"local base file {path} unreadable: {exc}") from None
         if len(data) != size:
@@ -183,17 +218,31 @@ class Builder:
     def _check_local_segment(self, key: str, path: str, seg: Segment) -> None:
         with self._local_lock:
             ok = self._local_checked.get(key)
-            if ok is None:
-                try:
-                    ok = _range_xxh3(path, seg.offset, seg.size) == seg.digest
-                except OSError:
-                    ok = False
+        if ok is None:
+            try:
+                ok = _range_digest(path, seg, self.chain.local.manifest.chunk_bytes) == seg.digest  # type: ignore[union-attr]
+            except OSError:
+                ok = False
+            with self._local_lock:
                 self._local_checked[key] = ok
         if not ok:
             raise LocalBaseError(f"local base {path} does not match its manifest at {seg.key[2:]}")
 
+    def _blame_local(self, key: str) -> None:
+        """After a segment came out wrong: raise LocalBaseError if the local base it was built on is damaged."""
+        local = self.chain.local
+        if local is not None and key in self._local_segments:
+            fentry, seg = self._local_segments[key]
+            self._check_local_segment(key, os.path.join(local.path, fentry.path), seg)
+
+    def _close_local(self) -> None:
+        with self._local_lock:
+            for fd in self._local_fds.values():
+                os.close(fd)
+            self._local_fds.clear()
+
     # --- one chunk ----------------------------------------------------------------------------
-    def _chunk(self, task: _Task) -> np.ndarray:
+    def _chunk(self, task: _Task, check_base: bool = True) -> np.ndarray:
         key, i = task.seg.key, task.index
         size = task.seg.chunks[i].size
         records = []
@@ -208,16 +257,17 @@ class Builder:
                 start_from_local = False
                 break
         records.reverse()
-        value: np.ndarray | None = self._local_bytes(key, i, size) if start_from_local else None
         if start_from_local and self.chain.local is None:
             raise IntegrityError(f"{key[2:]}: chunk {i} needs a base that the chain does not provide")
+        value: np.ndarray | None = self._local_bytes(key, i, size, check_base) if start_from_local else None
         for rec in records:
             payload = None
             if rec.object is not None:
                 try:
-                    payload = self.source.get(rec.object)
+                    payload = self.source.get(rec)
                 except ObjectNotFoundError:
-                    raise ChunkNotFoundError(f"chunk {rec.object} of {key[2:]} is missing") from None
+                    raise ChunkNotFoundError(f"chunk {rec.object} of {key[2:]} (version {self.chain.target.version}) "
+                                             f"is missing from {self.repo.url}") from None
             try:
                 value = codec.decode(rec.codec, payload, value, size, task.seg.itemsize)
             except DeltafsError as exc:
@@ -232,60 +282,158 @@ class Builder:
                 for i in range(len(seg.chunks)):
                     yield _Task(f, seg, i)
 
-    def build(self, out_dir: str | None) -> BuildReport:
+    def build(self, out_dir: str | None) -> None:
         """Write (or hash) every file of the target; raise IntegrityError on the first mismatch."""
-        report = BuildReport()
         to_build = []
         for f in self.chain.target.files:
             if out_dir is not None and self._link_unchanged(f, out_dir):
-                report.files_linked += 1
                 self.on_bytes(f.size)
                 continue
             to_build.append(f)
+        try:
+            if self.chain.target.format_version >= 2:
+                self._build_parallel(to_build, out_dir)
+            else:
+                self._build_in_order(to_build, out_dir)
+        finally:
+            self._close_local()
+
+    # v2: every chunk of every file in parallel, written at its offset, verified by its chunk digest.
+    def _build_parallel(self, to_build: list[FileEntry], out_dir: str | None) -> None:
+        outs = [self._open_out(f, out_dir) for f in to_build]
+        by_path = {o.entry.path: o for o in outs}
+        lock = threading.Lock()
+        tasks = self._tasks(to_build)
+        failure: list[BaseException] = []
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if failure:
+                        return
+                    task = next(tasks, None)
+                if task is None:
+                    return
+                try:
+                    # The output digest covers the base: a damaged base shows as a segment mismatch
+                    # and is only then looked at (_blame_local), not hashed up front.
+                    data = self._chunk(task, check_base=False)
+                    view = data.data
+                    out = by_path[task.file.path]
+                    if out.fd is not None:
+                        _pwrite_all(out.fd, view, task.seg.offset + task.index * self.chunk_bytes)
+                    digest = digests.chunk_digest(view)
+                    self.on_bytes(data.size)
+                    with lock:
+                        slots = out.chunk_digests[task.seg.key]
+                        slots[task.index] = digest
+                        out.seg_left[task.seg.key] -= 1
+                        seg_done = out.seg_left[task.seg.key] == 0
+                        out.left -= 1
+                        file_done = out.left == 0
+                    if seg_done:
+                        self._check_segment(out, task.seg)
+                    if file_done:
+                        self._finish_file(out)
+                except BaseException as exc:
+                    with lock:
+                        failure.append(exc)
+                    return
+
+        try:
+            for out in outs:  # files and segments without chunks are complete already
+                for seg in out.entry.segments:
+                    if not seg.chunks:
+                        self._check_segment(out, seg)
+                if out.left == 0:
+                    self._finish_file(out)
+            workers = [threading.Thread(target=worker, name=f"deltafs-pull-{n}", daemon=True)
+                       for n in range(max(1, self.threads))]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            if failure:
+                raise failure[0]
+        finally:
+            for out in outs:
+                if out.fd is not None:
+                    os.close(out.fd)
+
+    def _open_out(self, f: FileEntry, out_dir: str | None) -> _FileOut:
+        fd = None
+        if out_dir is not None:
+            path = _mkparents(out_dir, f.path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                _preallocate(fd, f.size)
+            except BaseException:
+                os.close(fd)
+                raise
+        out = _FileOut(f, fd, sum(len(s.chunks) for s in f.segments))
+        for seg in f.segments:
+            out.chunk_digests[seg.key] = [None] * len(seg.chunks)
+            out.seg_left[seg.key] = len(seg.chunks)
+        return out
+
+    def _check_segment(self, out: _FileOut, seg: Segment) -> None:
+        got = digests.segment_digest(out.chunk_digests[seg.key], seg.size)  # type: ignore[arg-type]
+        if got != seg.digest:
+            self._blame_local(seg.key)
+            raise IntegrityError(f"version {self.chain.target.version}: {out.entry.path}: {_what(seg)} digest mismatch",
+                                 expected=seg.digest, actual=got)
+
+    def _finish_file(self, out: _FileOut) -> None:
+        f = out.entry
+        got = digests.file_digest([s.digest for s in f.segments], f.size)  # each segment already checked
+        if got != f.digest:
+            raise IntegrityError(f"version {self.chain.target.version}: file {f.path} digest mismatch",
+                                 expected=f.digest, actual=got)
+        if out.fd is not None:
+            os.fsync(out.fd)
+
+    # v1: segment and file digests are streams over the bytes, so chunks are hashed in file order.
+    def _build_in_order(self, to_build: list[FileEntry], out_dir: str | None) -> None:
         results: Generator[tuple[_Task, np.ndarray], None, None] = ordered_map(
             lambda t: (t, self._chunk(t)), self._tasks(to_build), self.threads, self.threads * 2)
-        # Empty files and empty segments have no chunks: walk files and segments explicitly.
         results_iter = iter(results)
         try:
-            self._write_files(to_build, results_iter, out_dir, report)
+            for f in to_build:
+                self._write_v1_file(f, results_iter, out_dir)
         finally:
             results.close()  # stop the workers if a file failed its digest check
-        return report
 
-    def _write_files(self, to_build: list[FileEntry], results_iter: Iterator[tuple[_Task, np.ndarray]],
-                     out_dir: str | None, report: BuildReport) -> None:
-        for f in to_build:
-            fh = open(os.path.join(_mkparents(out_dir, f.path)), "wb") if out_dir is not None else None
-            fhash = hashlib.sha256()
-            written = 0
-            try:
-                for seg in f.segments:
-                    shash = xxhash.xxh3_128()
-                    for _ in seg.chunks:
-                        task, data = next(results_iter)
-                        assert task.seg is seg
-                        view = data.data  # a memoryview: hashing and writing without copies
-                        shash.update(view)
-                        fhash.update(view)
-                        if fh is not None:
-                            fh.write(view)
-                        written += data.size
-                        self.on_bytes(data.size)
-                    got = "xxh3-128:" + shash.hexdigest()
-                    if got != seg.digest:
-                        raise IntegrityError(f"version {self.chain.target.version}: {f.path}: {_what(seg)} digest mismatch",
-                                             expected=seg.digest, actual=got)
-                if fh is not None:
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            finally:
-                if fh is not None:
-                    fh.close()
-            if written != f.size or fhash.hexdigest() != f.sha256:
-                raise IntegrityError(f"version {self.chain.target.version}: file {f.path} digest mismatch",
-                                     expected=f.sha256, actual=fhash.hexdigest())
-            report.files_built += 1
-            report.bytes_out += written
+    def _write_v1_file(self, f: FileEntry, results_iter: Iterator[tuple[_Task, np.ndarray]], out_dir: str | None) -> None:
+        fh = open(os.path.join(_mkparents(out_dir, f.path)), "wb") if out_dir is not None else None
+        fhash = hashlib.sha256()
+        written = 0
+        try:
+            for seg in f.segments:
+                shash = xxhash.xxh3_128()
+                for _ in seg.chunks:
+                    task, data = next(results_iter)
+                    assert task.seg is seg
+                    view = data.data  # a memoryview: hashing and writing without copies
+                    shash.update(view)
+                    fhash.update(view)
+                    if fh is not None:
+                        fh.write(view)
+                    written += data.size
+                    self.on_bytes(data.size)
+                got = "xxh3-128:" + shash.hexdigest()
+                if got != seg.digest:
+                    raise IntegrityError(f"version {self.chain.target.version}: {f.path}: {_what(seg)} digest mismatch",
+                                         expected=seg.digest, actual=got)
+            if fh is not None:
+                fh.flush()
+                os.fsync(fh.fileno())
+        finally:
+            if fh is not None:
+                fh.close()
+        actual = "sha256:" + fhash.hexdigest()
+        if written != f.size or actual != f.digest:
+            raise IntegrityError(f"version {self.chain.target.version}: file {f.path} digest mismatch",
+                                 expected=f.digest, actual=actual)
 
     def _link_unchanged(self, f: FileEntry, out_dir: str) -> bool:
         """Reuse an identical local file (hard link, else copy) after re-hashing it."""
@@ -293,10 +441,10 @@ class Builder:
         if local is None:
             return False
         for lf in local.manifest.files:
-            if lf.sha256 == f.sha256 and lf.size == f.size:
+            if lf.digest == f.digest and lf.size == f.size:
                 src = os.path.join(local.path, lf.path)
                 try:
-                    if file_sha256(src) != f.sha256:
+                    if file_digest_on_disk(src, f, self.chunk_bytes) != f.digest:
                         return False
                     dst = _mkparents(out_dir, f.path)
                     try:
@@ -309,6 +457,39 @@ class Builder:
                 except OSError:
                     return False
         return False
+
+
+def _range_digest(path: str, seg: Segment, chunk_bytes: int) -> str | None:
+    """A segment's digest computed from a file on disk, in the scheme of seg.digest."""
+    if not digests.is_tree_digest(seg.digest):
+        return _range_xxh3(path, seg.offset, seg.size)
+    chunk_digests = []
+    with open(path, "rb") as fh:
+        for i in range(len(seg.chunks)):
+            size = seg.chunks[i].size
+            data = os.pread(fh.fileno(), size, seg.offset + i * chunk_bytes)
+            if len(data) != size:
+                return None
+            chunk_digests.append(digests.chunk_digest(data))
+    return digests.segment_digest(chunk_digests, seg.size)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks up front (a full disk fails here, before any work), else just size it."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except (AttributeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC
+            raise
+        os.ftruncate(fd, size)
 
 
 def _what(seg: Segment) -> str:

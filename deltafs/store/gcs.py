@@ -20,7 +20,8 @@ import re
 from typing import Any
 
 from deltafs.errors import ObjectNotFoundError, StoreError, StoreNotFoundError, UsageError
-from deltafs.store.objects import Capabilities, ObjectStore, RetryPolicy, _Kind, classify
+from deltafs.store.base import Capabilities, RetryPolicy, _Kind, classify
+from deltafs.store.fsspec import FsspecObjectStore
 
 _TRANSIENT_CODES = {408, 429, 500, 502, 503, 504}
 # The URL of an object listing: b/BUCKET/o with nothing after it.
@@ -36,13 +37,14 @@ def _status(exc: BaseException) -> int | None:
         return None
 
 
-class GCSObjectStore(ObjectStore):
+class GCSObjectStore(FsspecObjectStore):
     """gs:// buckets (Google Cloud Storage, fake-gcs-server)."""
 
-    capabilities = Capabilities(atomic_put=True, atomic_create=True, durable=True, read_after_write=True)
+    capabilities = Capabilities(atomic_put=True, atomic_create=True, read_after_write=True)
+    default_workers = 32
 
     def __init__(self, fs: Any, root: str, url: str, *, retry: RetryPolicy | None = None,
-                 max_workers: int = 32) -> None:
+                 max_workers: int | None = None) -> None:
         super().__init__(fs, root, url, retry=retry, max_workers=max_workers)
         self.bucket = self.root.split("/", 1)[0]
         self._bucket_seen = False
@@ -75,7 +77,7 @@ class GCSObjectStore(ObjectStore):
             await self.fs._call("GET", "b/{}", self.bucket, json_out=True)
         except FileNotFoundError:
             return False
-        except Exception:  # noqa: BLE001 - anything else (403, a dropped connection) cannot tell: report the miss as it came
+        except Exception:
             return True
         self._bucket_seen = True
         return True
@@ -89,19 +91,11 @@ class GCSObjectStore(ObjectStore):
         if not sync(self.fs.loop, self._abucket_exists):
             raise self._no_bucket()
 
-    def get(self, key: str, *, referenced: bool = False) -> bytes:
+    def get(self, key: str, *, referenced: bool = False, limit: int | None = None) -> bytes:
         try:
-            return super().get(key, referenced=referenced)
+            return super().get(key, referenced=referenced, limit=limit)
         except ObjectNotFoundError:
             self._check_bucket()
-            raise
-
-    async def _aget(self, key: str, referenced: bool) -> tuple[str, bytes]:
-        try:
-            return await super()._aget(key, referenced)
-        except ObjectNotFoundError:
-            if not await self._abucket_exists():
-                raise self._no_bucket() from None
             raise
 
     # --- metadata: one GET of the object resource ----------------------------------------------
@@ -110,32 +104,25 @@ class GCSObjectStore(ObjectStore):
 
         return dict(sync(self.fs.loop, self.fs._get_object, self.path(key)))
 
-    def exists(self, key: str) -> bool:
+    def _isfile(self, key: str) -> bool:
         # gcsfs's isfile lists the prefix after a 404; one GET answers the question.
-        def check() -> bool:
-            try:
-                self._meta(key)
-                return True
-            except FileNotFoundError:
-                return False
-
-        return self._call("check", key, check)
-
-    def size(self, key: str) -> int:
         try:
-            return self._call("stat", key, lambda: int(self._meta(key)["size"]))
-        except ObjectNotFoundError:
-            self._check_bucket()
-            raise
+            self._meta(key)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _stat(self, key: str) -> tuple[int, float | None]:
+        meta = self._meta(key)
+        modified = meta.get("mtime")
+        return int(meta["size"]), modified.timestamp() if modified is not None else None
 
     def stat(self, key: str) -> tuple[int, float | None]:
         try:
-            meta = self._call("stat", key, lambda: self._meta(key))
+            return super().stat(key)
         except ObjectNotFoundError:
             self._check_bucket()
             raise
-        modified = meta.get("mtime")
-        return int(meta["size"]), modified.timestamp() if modified is not None else None
 
     # --- create-if-absent ------------------------------------------------------------------------
     async def _acreate(self, key: str, data: bytes) -> bool:
@@ -152,19 +139,14 @@ class GCSObjectStore(ObjectStore):
             await self.fs._pipe_file(path, data, mode="create", chunksize=len(data) + 1)
             return True
         except FileExistsError:
-            return await self._aread(key) == data
+            return bytes(await self.fs._cat_file(path)) == data
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: bytes) -> bool:
         if not self.capabilities.atomic_create:
-            return super().put_if_absent(key, data)
+            return super()._create(key, data)
         from fsspec.asyn import sync
 
-        return self._call("write", key, lambda: sync(self.fs.loop, self._acreate, key, data))
-
-    async def _aput(self, key: str, data: bytes, if_absent: bool) -> tuple[str, bool]:
-        if not if_absent or not self.capabilities.atomic_create:
-            return await super()._aput(key, data, if_absent)
-        return key, await self._acall("write", key, lambda: self._acreate(key, data))
+        return bool(sync(self.fs.loop, self._acreate, key, data))
 
 
 def _filesystem_class() -> Any:

@@ -9,20 +9,17 @@ removal re-reads the lock first so a fresh lock taken in between is not deleted 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from collections.abc import Iterator
 
-from deltafs.errors import LockHeldError, ObjectNotFoundError
-from deltafs.format.manifest import canonical_json
-from deltafs.store.objects import ObjectStore
-
-LOCK_FORMAT = "deltafs.lock"
-GC_LOCK_KEY = "locks/gc.json"
+from deltafs.errors import FormatError, LockHeldError, ObjectNotFoundError
+from deltafs.format.keys import GC_LOCK_KEY
+from deltafs.format.records import LOCK_MAX_BYTES, LockRecord
+from deltafs.store.base import ObjectStore
 DEFAULT_STALE_AFTER = 6 * 3600.0  # a gc of a very large store finishes well within this
 
 
@@ -47,15 +44,16 @@ class LockInfo:
 def read_lock(objects: ObjectStore, key: str = GC_LOCK_KEY) -> LockInfo | None:
     """The current holder of `key`, or None. An unreadable lock counts as held since now."""
     try:
-        data = objects.get(key)
+        data = objects.get(key, limit=LOCK_MAX_BYTES)
     except ObjectNotFoundError:
         return None
+    except FormatError:  # too large, or not a regular file: held, by nobody we can name
+        return LockInfo(key, "?", "?", -1, time.time(), "unreadable lock", b"")
     try:
-        raw = json.loads(data)
-        return LockInfo(key, str(raw["owner"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]),
-                        str(raw.get("purpose", "?")), data)
-    except (ValueError, KeyError, TypeError):
+        rec = LockRecord.from_bytes(data)
+    except FormatError:
         return LockInfo(key, "?", "?", -1, time.time(), "unreadable lock", data)
+    return LockInfo(key, rec.owner, rec.host, rec.pid, rec.created, rec.purpose, data)
 
 
 def is_stale(info: LockInfo, stale_after: float = DEFAULT_STALE_AFTER) -> bool:
@@ -89,9 +87,7 @@ class StoreLock:
         self.held = False
 
     def _record(self) -> bytes:
-        body: dict[str, Any] = {"format": LOCK_FORMAT, "owner": self.owner, "host": socket.gethostname(),
-                                "pid": os.getpid(), "created": time.time(), "purpose": self.purpose}
-        return canonical_json(body)
+        return LockRecord.mine(self.owner, self.purpose).to_bytes()
 
     def try_acquire(self) -> LockInfo | None:
         """Take the lock; return None on success, else the live holder."""

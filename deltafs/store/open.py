@@ -15,7 +15,10 @@ from typing import Any
 import fsspec
 
 from deltafs.errors import StoreError, UsageError
-from deltafs.store.objects import LocalObjectStore, MemoryObjectStore, ObjectStore, RetryPolicy
+from deltafs.store.base import ObjectStore, RetryPolicy
+from deltafs.store.fsspec import FsspecObjectStore
+from deltafs.store.local import LocalObjectStore
+from deltafs.store.memory import MemoryObjectStore
 from deltafs.store.options import check_option_names
 
 log = logging.getLogger("deltafs.store")
@@ -29,7 +32,7 @@ DELTAFS_OPTIONS = {
     "base_delay": "first backoff in seconds, doubled per retry (default 0.2)",
     "max_delay": "largest backoff in seconds (default 5)",
     "visibility_timeout": "seconds a referenced key may take to appear on an eventually consistent store (default 10)",
-    "max_workers": "parallel requests in get_many/put_many",
+    "max_workers": "parallel requests to the store (default: cores for a local path, 16-32 remote)",
     "read_after_write": "false for a store whose new objects may be invisible for a while",
     "atomic_create": "false for an S3-compatible server that ignores If-None-Match",
 }
@@ -81,7 +84,7 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
     store: ObjectStore
     if protocol in ("file", "local"):
         root = os.path.abspath(os.path.expanduser(rest))
-        store = LocalObjectStore(fsspec.filesystem("file"), root, url, retry=retry, **workers)
+        store = LocalObjectStore(root, url, retry=retry, **workers)
     elif protocol in ("gs", "gcs"):
         from deltafs.store.gcs import open_gcs
 
@@ -101,7 +104,7 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
         else:
             log.warning(f"{protocol}:// has no create-if-absent write: two pushers racing for one version could both "
                         "commit it; run one pusher per store (see manifests/FORMAT.md, backends)")
-            store = ObjectStore(fs, root, url, retry=retry, **workers)
+            store = FsspecObjectStore(fs, root, url, retry=retry, **workers)
     if flags:
         store.declare(**flags)
     return store
@@ -109,7 +112,8 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
 
 def _filesystem(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:
     try:
-        return fsspec.core.url_to_fs(url, **options)
+        fs, root = fsspec.core.url_to_fs(url, **options)
+        return fs, str(root)
     except ImportError as exc:
         extra = _EXTRAS.get(protocol)
         hint = f"pip install 'deltafs[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
+import logging
+import time
 import uuid
 from typing import Any
 
@@ -16,24 +17,22 @@ from deltafs.errors import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from deltafs.format.manifest import (
+from deltafs.format.keys import CONFIG_KEY, HEAD_KEY, MANIFEST_PREFIX, chunk_key, manifest_key, parse_manifest_key
+from deltafs.format.manifest import Manifest
+from deltafs.format.versions import check_version
+from deltafs.format.records import (
+    CONFIG_MAX_BYTES,
+    HEAD_MAX_BYTES,
+    MANIFEST_MAX_BYTES,
     Head,
-    Manifest,
     StoreConfig,
-    chunk_key,
-    manifest_key,
-    parse_manifest_key,
+    utcnow,
 )
-from deltafs.store.objects import ObjectStore
+from deltafs.store.base import ObjectStore
 from deltafs.store.open import open_objects
 
-CONFIG_KEY = "deltafs.json"
-HEAD_KEY = "HEAD"
 DEFAULT_CHUNK_BYTES = 4 << 20
-
-
-def utcnow() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+log = logging.getLogger("deltafs")
 
 
 class Repository:
@@ -59,19 +58,19 @@ class Repository:
         """Open the store at url; with create=True make it if it does not exist yet."""
         objects = open_objects(url, storage_options)
         try:
-            data = objects.get(CONFIG_KEY)
+            data = objects.get(CONFIG_KEY, limit=CONFIG_MAX_BYTES)
         except ObjectNotFoundError:
             if not create:
                 raise StoreNotFoundError(f"no deltafs store at {url} (push to it first)") from None
             config = StoreConfig(store_id=uuid.uuid4().hex, chunk_bytes=chunk_bytes, created=utcnow())
             objects.put_if_absent(CONFIG_KEY, config.to_bytes())
-            data = objects.get(CONFIG_KEY, referenced=True)  # another writer may have created it first
+            data = objects.get(CONFIG_KEY, referenced=True, limit=CONFIG_MAX_BYTES)  # another writer may have been first
         return cls(objects, StoreConfig.from_bytes(data))
 
     # --- HEAD and manifests ----------------------------------------------------------------
     def read_head(self) -> Head | None:
         try:
-            return Head.from_bytes(self.objects.get(HEAD_KEY))
+            return Head.from_bytes(self.objects.get(HEAD_KEY, limit=HEAD_MAX_BYTES))
         except ObjectNotFoundError:
             return None
 
@@ -96,12 +95,24 @@ class Repository:
 
     def versions(self, after: int | None = None) -> list[int]:
         """Committed version numbers, ascending (from the manifest listing)."""
-        out = []
-        for key in self.objects.list("manifests"):
+        found, _strays = self.list_manifests()
+        return [v for v in found if after is None or v > after]
+
+    def list_manifests(self) -> tuple[list[int], list[str]]:
+        """(committed version numbers ascending, keys under manifests/ that name no version).
+
+        Every number in the valid range is listed whatever its width; a stray key is something
+        this release would not write there (a tool's leftover, a foreign file) and is reported,
+        not guessed at: gc refuses to run while there are any.
+        """
+        versions, strays = [], []
+        for key in self.objects.list(MANIFEST_PREFIX):
             v = parse_manifest_key(key)
-            if v is not None and (after is None or v > after):
-                out.append(v)
-        return sorted(out)
+            if v is None:
+                strays.append(key)
+            else:
+                versions.append(v)
+        return sorted(versions), strays
 
     def manifest(self, version: int) -> Manifest:
         cached = self._manifests.get(version)
@@ -109,15 +120,27 @@ class Repository:
             return cached
         key = manifest_key(version)
         try:
-            data = self.objects.get(key, referenced=True)
+            data = self.objects.get(key, referenced=True, limit=MANIFEST_MAX_BYTES)
         except ObjectNotFoundError:
             raise VersionNotFoundError(f"version {version} is not in {self.url}") from None
-        man = Manifest.from_bytes(data, where=f"manifest of version {version}")
-        if man.version != version:
-            raise FormatError(f"manifest of version {version} claims to be version {man.version}")
-        if man.store_id != self.store_id:
-            raise FormatError(f"manifest of version {version} belongs to store {man.store_id}, not {self.store_id}")
+        man = self.check_manifest(Manifest.decode(data, where=f"manifest of version {version}"), version)
         self._manifests[version] = man
+        return man
+
+    def check_manifest(self, man: Manifest, version: int, what: str = "manifest") -> Manifest:
+        """A manifest read from this store must be the version its key names, of this store, with its chunk size.
+
+        The chunk size bounds every decompression of the version's chunks, so it is checked against
+        deltafs.json before any chunk is read.
+        """
+        where = f"{what} of version {version}"
+        if man.version != version:
+            raise FormatError(f"{where} claims to be version {man.version}")
+        if man.store_id != self.store_id:
+            raise FormatError(f"{where} belongs to store {man.store_id}, not {self.store_id}")
+        if man.chunk_bytes != self.config.chunk_bytes:
+            raise FormatError(f"{where} declares chunk_bytes {man.chunk_bytes}, but the store's deltafs.json says "
+                              f"{self.config.chunk_bytes}")
         return man
 
     def manifest_size(self, version: int) -> int:
@@ -129,7 +152,8 @@ class Repository:
         Returns the manifest's size in bytes. Raises VersionConflictError if another writer
         committed that version first.
         """
-        data = man.to_bytes()
+        check_version(man.version)
+        data = man.encode()
         if not self.objects.put_if_absent(manifest_key(man.version), data):
             raise VersionConflictError(
                 f"version {man.version} was committed by another writer; pull and push again"
@@ -150,15 +174,30 @@ class Repository:
         oid = oid or hashlib.sha256(data).hexdigest()
         return oid, self.objects.put_if_absent(chunk_key(oid), data)
 
-    def get_chunk(self, oid: str) -> bytes:
-        try:
-            data = self.objects.get(chunk_key(oid), referenced=True)
-        except ObjectNotFoundError:
-            raise ChunkNotFoundError(f"chunk {oid} is missing from {self.url}") from None
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != oid:
-            raise IntegrityError(f"chunk {oid} is corrupt", expected=oid, actual=actual)
-        return data
+    def get_chunk(self, oid: str, size: int | None = None) -> bytes:
+        """The chunk's bytes, checked against its id (and its size, when the manifest gives it).
+
+        A mismatch is first treated like a transient error (a bit flipped in transit, a torn
+        read): fetched again with the store's backoff, then reported as an IntegrityError.
+        """
+        key = chunk_key(oid)
+        attempts = max(1, self.objects.retry.attempts)
+        for attempt in range(attempts):
+            try:
+                data = self.objects.get(key, referenced=True, limit=size)
+            except ObjectNotFoundError:
+                raise ChunkNotFoundError(f"chunk {oid} is missing from {self.url}") from None
+            except FormatError:  # larger than the manifest says: not the chunk it names
+                data = b""
+                actual = "an object larger than " + str(size) + " bytes"
+            else:
+                actual = hashlib.sha256(data).hexdigest()
+            if actual == oid and (size is None or len(data) == size):
+                return data
+            if attempt + 1 < attempts:
+                log.warning("chunk %s arrived damaged (attempt %d of %d); fetching it again", oid, attempt + 1, attempts)
+                time.sleep(self.objects.retry.delay(attempt))
+        raise IntegrityError(f"chunk {oid} in {self.url} is corrupt (checked {attempts} times)", expected=oid, actual=actual)
 
     def has_chunk(self, oid: str) -> bool:
         return self.objects.exists(chunk_key(oid))

@@ -13,7 +13,8 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from deltafs.store.objects import Capabilities, ObjectStore, RetryPolicy, _Kind, classify
+from deltafs.store.base import Capabilities, _Kind, classify
+from deltafs.store.fsspec import FsspecObjectStore
 
 
 def _error_code(exc: BaseException) -> str:
@@ -25,15 +26,12 @@ def _error_code(exc: BaseException) -> str:
     return ""
 
 
-class S3ObjectStore(ObjectStore):
+class S3ObjectStore(FsspecObjectStore):
     """s3:// buckets (AWS, MinIO, moto, any S3-compatible server)."""
 
     # S3 has been strongly consistent for reads, overwrites and listings since December 2020.
-    capabilities = Capabilities(atomic_put=True, atomic_create=True, durable=True, read_after_write=True)
-
-    def __init__(self, fs: Any, root: str, url: str, *, retry: RetryPolicy | None = None,
-                 max_workers: int = 32) -> None:
-        super().__init__(fs, root, url, retry=retry, max_workers=max_workers)
+    capabilities = Capabilities(atomic_put=True, atomic_create=True, read_after_write=True)
+    default_workers = 32
 
     def _kind(self, exc: BaseException) -> _Kind | None:
         code = _error_code(exc)
@@ -45,32 +43,25 @@ class S3ObjectStore(ObjectStore):
         return classify(exc)
 
     # A plain GET: s3fs would otherwise HEAD every object first to decide on ranged reads.
-    def _read(self, key: str) -> bytes:
+    def _read(self, key: str, limit: int | None) -> bytes:
+        if limit is not None:
+            return super()._read(key, limit)  # a ranged GET
         return bytes(self.fs.cat_file(self.path(key), max_concurrency=1))
-
-    async def _aread(self, key: str) -> bytes:
-        return bytes(await self.fs._cat_file(self.path(key), max_concurrency=1))
 
     def _head(self, key: str) -> dict[str, Any]:
         bucket, name, _ = self.fs.split_path(self.path(key))
         return dict(self.fs.call_s3("head_object", Bucket=bucket, Key=name))
 
-    def exists(self, key: str) -> bool:
+    def _isfile(self, key: str) -> bool:
         # One HEAD; s3fs's exists/isfile also list the prefix when the key is missing.
-        def check() -> bool:
-            try:
-                self._head(key)
-                return True
-            except FileNotFoundError:
-                return False
+        try:
+            self._head(key)
+            return True
+        except FileNotFoundError:
+            return False
 
-        return self._call("check", key, check)
-
-    def size(self, key: str) -> int:
-        return self._call("stat", key, lambda: int(self._head(key)["ContentLength"]))
-
-    def stat(self, key: str) -> tuple[int, float | None]:
-        head = self._call("stat", key, lambda: self._head(key))
+    def _stat(self, key: str) -> tuple[int, float | None]:
+        head = self._head(key)
         modified = head.get("LastModified")
         return int(head["ContentLength"]), modified.timestamp() if modified is not None else None
 
@@ -86,52 +77,19 @@ class S3ObjectStore(ObjectStore):
         carry their creation time, so two writers never produce the same manifest bytes, and for
         content-addressed chunks equal bytes are the same chunk anyway.
         """
-        return self._read(key) == data
+        return self._read(key, None) == data
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: bytes) -> bool:
         """Create key with If-None-Match: *; False when another writer's object is there."""
         if not self.capabilities.atomic_create:
-            return super().put_if_absent(key, data)
-
-        def create() -> bool:
-            try:
-                self.fs.pipe_file(self.path(key), data, mode="create")
-                return True
-            except FileExistsError:
-                return self._ours(key, data)
-            except OSError as exc:
-                if self._unsupported(exc):
-                    raise _NoConditionalWrites() from exc
-                raise
-
+            return super()._create(key, data)
         try:
-            return self._call("write", key, create)
-        except _NoConditionalWrites:
-            self.declare(atomic_create=False)
-            return super().put_if_absent(key, data)
-
-    async def _aput(self, key: str, data: bytes, if_absent: bool) -> tuple[str, bool]:
-        if not if_absent or not self.capabilities.atomic_create:
-            return await super()._aput(key, data, if_absent)
-        path = self.path(key)
-
-        async def create() -> bool:
-            try:
-                await self.fs._pipe_file(path, data, mode="create")
-                return True
-            except FileExistsError:
-                return await self._aread(key) == data
-            except OSError as exc:
-                if self._unsupported(exc):
-                    raise _NoConditionalWrites() from exc
+            self.fs.pipe_file(self.path(key), data, mode="create")
+            return True
+        except FileExistsError:
+            return self._ours(key, data)
+        except OSError as exc:
+            if not self._unsupported(exc):
                 raise
-
-        try:
-            return key, await self._acall("write", key, create)
-        except _NoConditionalWrites:
-            self.declare(atomic_create=False)
-            return await super()._aput(key, data, if_absent)
-
-
-class _NoConditionalWrites(Exception):
-    """The server refused If-None-Match (501); never leaves this module."""
+        self.declare(atomic_create=False)  # the server refused If-None-Match (501): check then write
+        return super()._create(key, data)

@@ -15,12 +15,12 @@ import hashlib
 import os
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from deltafs.errors import ObjectNotFoundError
-from deltafs.store.objects import ObjectStore
+from deltafs.errors import FormatError, ObjectNotFoundError
+from deltafs.store.base import ObjectStore
 
 
 class StoreSuite:
@@ -53,6 +53,26 @@ class StoreSuite:
             assert before - 120 < mtime < time.time() + 120
         with pytest.raises(ObjectNotFoundError):
             store.stat("chunks/aa/missing")
+
+    def test_get_with_a_limit_refuses_larger_objects(self, store: ObjectStore) -> None:
+        # Control files are read with a size limit: a huge or endless object is refused, not read whole.
+        store.put("HEAD", b"x" * 100)
+        assert store.get("HEAD", limit=100) == b"x" * 100
+        with pytest.raises(FormatError, match="larger than the 99 bytes"):
+            store.get("HEAD", limit=99)
+        with pytest.raises(ObjectNotFoundError):
+            store.get("missing", limit=10)
+
+    def test_capabilities_are_consistent(self, store: ObjectStore) -> None:
+        caps = store.capabilities
+        assert caps.concurrency >= 1
+        if caps.file_events:  # events come from directories of a store on this machine
+            assert store.local_root is not None
+            store.put("HEAD", b"1")
+            assert store.event_dirs() and all(os.path.isdir(d) for d in store.event_dirs())
+        else:
+            assert store.event_dirs() == []
+        assert store.leftovers(older_than=0.0) == {}  # nothing was interrupted here
 
     def test_empty_object(self, store: ObjectStore) -> None:
         store.put("empty", b"")

@@ -15,7 +15,7 @@ import uuid
 
 from deltafs.errors import DeltafsError
 from deltafs.read.dest import LocalCheckpoint
-from deltafs.store.objects import ObjectStore
+from deltafs.store.base import ObjectStore
 from deltafs.watch.ledger import HostStatus, parse_time, read_statuses
 
 BY_VERSION = "by-version"

@@ -8,7 +8,6 @@ and compares each host with HEAD.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 import re
@@ -17,15 +16,14 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from deltafs.errors import DeltafsError, UsageError
-from deltafs.format.manifest import canonical_json
-from deltafs.store.objects import ObjectStore
+from deltafs.format.keys import FLEET_PREFIX, check_host_id, fleet_key
+from deltafs.format.records import FLEET_FORMAT, FLEET_MAX_BYTES, canonical_json, load_json, parse_timestamp, utcnow
+from deltafs.store.base import ObjectStore
 from deltafs.store.repo import Repository
 
 log = logging.getLogger("deltafs.watch")
 
-FLEET_PREFIX = "fleet"
-LEDGER_FORMAT = "deltafs.fleet"
-_HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+LEDGER_FORMAT = FLEET_FORMAT
 
 # Watcher states, in the order a healthy cycle goes through them, then the ones that need attention.
 STATES = ("starting", "serving", "staging", "waiting", "waiting-group", "switching", "needs-restart", "degraded",
@@ -33,17 +31,9 @@ STATES = ("starting", "serving", "staging", "waiting", "waiting-group", "switchi
 CHECKSUMS_KEPT = 8  # loaded-weight checksums per host, newest versions
 
 
-def utcnow() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def parse_time(text: str | None) -> _dt.datetime | None:
-    if not text:
-        return None
-    try:
-        return _dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc)
-    except ValueError:
-        return None
+    seconds = parse_timestamp(text)  # the one timestamp format (older records: whole seconds)
+    return None if seconds is None else _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc)
 
 
 def default_host_id() -> str:
@@ -52,14 +42,8 @@ def default_host_id() -> str:
     return name if name[0].isalnum() else "h" + name
 
 
-def check_host_id(host_id: str) -> str:
-    if not _HOST_ID.match(host_id):
-        raise UsageError(f"host id {host_id!r} must be 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit")
-    return host_id
-
-
 def ledger_key(host_id: str) -> str:
-    return f"{FLEET_PREFIX}/{check_host_id(host_id)}.json"
+    return fleet_key(host_id)
 
 
 @dataclass
@@ -94,7 +78,7 @@ class HostStatus:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> HostStatus:
-        raw = json.loads(data)
+        raw = load_json(data, "fleet record", max_bytes=FLEET_MAX_BYTES)  # FormatError when deep or huge
         if not isinstance(raw, dict) or raw.get("format") != LEDGER_FORMAT:
             raise ValueError("not a deltafs fleet record")
         known = {f.name for f in fields(cls)}
@@ -117,7 +101,7 @@ def read_statuses(objects: ObjectStore) -> list[tuple[str, HostStatus | None, st
         if not key.endswith(".json"):
             continue
         try:
-            out.append((key, HostStatus.from_bytes(objects.get(key)), None))
+            out.append((key, HostStatus.from_bytes(objects.get(key, limit=FLEET_MAX_BYTES)), None))
         except (ValueError, TypeError, DeltafsError) as exc:
             out.append((key, None, str(exc)))
     return out
@@ -232,3 +216,9 @@ def _checksum_disagreements(statuses: list[HostStatus]) -> dict[str, str]:
             out.update({h: f"loaded weights of version {version} differ from {', '.join(others)} "
                            f"(checksum {checksum[:12]})" for h in hosts})
     return out
+
+
+# Keys, the timestamp and host-id rules live in deltafs.format; the watcher's callers use them from here.
+__all__ = ["CHECKSUMS_KEPT", "FLEET_PREFIX", "LEDGER_FORMAT", "STATES", "FleetReport", "FleetRow", "HostStatus",
+           "check_host_id", "default_host_id", "fleet_report", "ledger_key", "parse_time", "prune_statuses",
+           "read_statuses", "record_checksum", "utcnow", "write_status"]

@@ -7,41 +7,15 @@ covers mounts where events never arrive (NFS, FUSE) and dropped events.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 from typing import Any
 
-from deltafs.store.objects import LocalObjectStore, ObjectStore
+from deltafs.store.base import ObjectStore
+from deltafs.store.local import NETWORK_FS as NO_EVENTS_FS  # noqa: F401 - re-exported
+from deltafs.store.local import mount_fstype  # noqa: F401 - re-exported for the watcher's callers
 
 log = logging.getLogger("deltafs.watch")
-
-
-# Filesystems whose changes made on other machines raise no inotify events here.
-NO_EVENTS_FS = ("nfs", "cifs", "smb", "fuse", "9p", "ceph", "lustre", "gpfs", "beegfs", "glusterfs", "afs")
-
-
-def mount_fstype(path: str, mounts: str | None = None) -> str | None:
-    """The filesystem type of the mount holding path (from /proc/mounts), or None if unknown."""
-    if mounts is None:
-        try:
-            with open("/proc/mounts") as fh:
-                mounts = fh.read()
-        except OSError:
-            return None
-    path = os.path.realpath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)  # the store may not exist yet: judge by its parent
-    best, fstype = "", None
-    for line in mounts.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = parts[1].replace("\\040", " ")
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > len(best):
-            best, fstype = point, parts[2]
-    return fstype
 
 
 def jittered(seconds: float, spread: float = 0.2) -> float:
@@ -58,16 +32,15 @@ class Notifier:
         self._observer: Any = None
         self.mode = "poll"
         self.interval = poll if poll is not None else fallback_poll
-        if poll is None and isinstance(objects, LocalObjectStore):
-            fstype = mount_fstype(objects.root)
-            if fstype is not None and fstype.startswith(NO_EVENTS_FS):
-                log.info("%s is on %s, where file events from other hosts never arrive; polling", objects.root, fstype)
-            else:
-                self._start_inotify()
+        if poll is None and objects.capabilities.file_events:
+            self._start_inotify(objects.event_dirs())
+        elif poll is None and objects.local_root is not None:
+            log.info("%s is on a network filesystem, where file events from other hosts never arrive; polling",
+                     objects.local_root)
         if self.mode == "poll" and poll is None:
             self.interval = 5.0  # remote store and no --poll: a sensible default
 
-    def _start_inotify(self) -> None:
+    def _start_inotify(self, dirs: list[str]) -> None:
         try:
             from watchdog.events import FileSystemEventHandler
             from watchdog.observers import Observer
@@ -79,19 +52,16 @@ class Notifier:
             def on_any_event(self, event: Any) -> None:
                 changed.set()
 
-        root = self.objects.root
+        if not dirs:
+            return
         observer = Observer()
         try:
-            # Non-recursive: HEAD is replaced in the root and manifests are created in manifests/;
-            # chunks/ would flood us with events during every push.
-            observer.schedule(Handler(), root, recursive=False)
-            manifests = os.path.join(root, "manifests")
-            if os.path.isdir(manifests):
-                observer.schedule(Handler(), manifests, recursive=False)
+            for directory in dirs:  # non-recursive, each: the store says which directories matter
+                observer.schedule(Handler(), directory, recursive=False)
             observer.daemon = True
             observer.start()
         except OSError as exc:
-            log.info("no file events for %s (%s); polling instead", root, exc)
+            log.info("no file events for %s (%s); polling instead", self.objects.url, exc)
             return
         self._observer = observer
         self.mode = "inotify"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from deltafs.errors import (
 )
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.pull import PullResult, pull
+from deltafs.store.base import backoff
 from deltafs.store.repo import CONFIG_KEY, Repository
 from deltafs.watch.boundary import Boundary, Immediate
 from deltafs.watch.group import GroupNotReadyError, ready_hosts, stable_path
@@ -501,8 +501,7 @@ class Subscriber:
         return delay
 
     def _backoff(self, failures: int) -> float:
-        base = min(self.retry_max, self.retry_base * float(2 ** max(0, failures - 1)))
-        return base * random.uniform(0.5, 1.0)  # full jitter: a fleet must not retry in lockstep
+        return backoff(max(0, failures - 1), self.retry_base, self.retry_max, floor=0.5)  # a fleet must not retry in lockstep
 
     def _set_state(self, state: str) -> None:
         self.status.state = state

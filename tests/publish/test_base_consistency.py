@@ -137,7 +137,7 @@ def test_delta_whose_recorded_base_digest_mismatches_is_refused(tmp_path, maker)
     from dataclasses import replace
 
     bad = replace(repo.manifest(2), version=3, parent=2, parent_digest="sha256:" + "0" * 64).seal()
-    repo.objects.put(manifest_key(3), bad.to_bytes())
+    repo.objects.put(manifest_key(3), bad.encode())
     with pytest.raises(IntegrityError, match="base digest mismatch"):
         pull(store, str(dest), version=3)
     assert files_of(dest) == files_of(srcs[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deltafs.read.pull import local_version, pull
-from deltafs.read.rebuild import plan_chain
+from deltafs.read.chain import plan_chain
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of
 

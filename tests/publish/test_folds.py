@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from deltafs.read.folds import chain_cost, fold_key, load_fold
+from deltafs.format.manifest import manifest_json, stored_manifest
+from deltafs.read.chain import chain_cost, fold_key, load_fold, plan_chain
 from deltafs.maintenance.gc import gc
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read.pull import local_version, pull
-from deltafs.read.rebuild import plan_chain
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, write_safetensors
 
@@ -97,9 +97,9 @@ def test_a_damaged_or_foreign_fold_is_not_trusted(tmp_path, history):
     res = pull(store, str(tmp_path / "d4"), version=4)
     assert res.fallback and files_of(tmp_path / "d4") == files_of(srcs[4])
     # A fold that names another version's digest is ignored.
-    raw = json.loads(repo.objects.get(fold_key(5)))
+    raw = json.loads(manifest_json(repo.objects.get(fold_key(5))))
     raw["stats"]["fold_of"] = repo.manifest(4).digest
-    repo.objects.put(fold_key(5), json.dumps(raw).encode())
+    repo.objects.put(fold_key(5), stored_manifest(json.dumps(raw).encode()))
     assert load_fold(repo, repo.manifest(5)) is None
     res = pull(store, str(tmp_path / "d5"), version=5)
     assert res.bytes_read == chain_cost(plan_chain(repo, 5, None).steps)

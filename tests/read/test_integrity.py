@@ -10,7 +10,7 @@ import pytest
 import zstandard
 
 from deltafs.errors import FormatError, IntegrityError, DestinationError
-from deltafs.format.manifest import Manifest, chunk_key, manifest_key
+from deltafs.format.manifest import chunk_key, manifest_json, manifest_key, stored_manifest
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read.pull import local_version, pull
@@ -62,9 +62,9 @@ def test_missing_chunk_fails_cleanly(tmp_path, maker):
 def test_edited_manifest_is_refused(tmp_path, maker):
     store = _two_versions(tmp_path, maker)
     path = os.path.join(store, manifest_key(2))
-    raw = json.loads(open(path).read())
+    raw = json.loads(manifest_json(open(path, "rb").read()))
     raw["files"][0]["size"] += 1
-    open(path, "w").write(json.dumps(raw))
+    open(path, "wb").write(stored_manifest(json.dumps(raw).encode()))
     with pytest.raises(FormatError, match="version 2"):
         pull(store, str(tmp_path / "dest"))
     assert not verify(store, all_versions=True).ok
@@ -73,9 +73,9 @@ def test_edited_manifest_is_refused(tmp_path, maker):
 def test_unknown_format_version_is_refused(tmp_path, maker):
     store = _two_versions(tmp_path, maker)
     path = os.path.join(store, manifest_key(2))
-    raw = json.loads(open(path).read())
+    raw = json.loads(manifest_json(open(path, "rb").read()))
     raw["format_version"] = 99
-    open(path, "w").write(json.dumps(raw))
+    open(path, "wb").write(stored_manifest(json.dumps(raw).encode()))
     with pytest.raises(FormatError, match="unknown manifest format version 99"):
         Repository.open(store).manifest(2)
 
@@ -91,13 +91,13 @@ def _forge(store: str, version: int, edit) -> None:
     """Rewrite a manifest with a valid self-digest, as a buggy or malicious writer could."""
     repo = Repository.open(store)
     path = os.path.join(store, manifest_key(version))
-    raw = json.loads(open(path).read())
+    raw = json.loads(manifest_json(open(path, "rb").read()))
     edit(raw)
     raw.pop("digest")
     from deltafs.format.manifest import canonical_json, sha256_hex
 
     raw["digest"] = "sha256:" + sha256_hex(canonical_json(raw))
-    open(path, "wb").write(canonical_json(raw))
+    open(path, "wb").write(stored_manifest(canonical_json(raw)))
     repo._manifests.clear()
 
 

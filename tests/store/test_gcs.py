@@ -21,7 +21,7 @@ from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read.pull import pull
 from deltafs.store.gcs import GCSObjectStore
-from deltafs.store.objects import ObjectStore
+from deltafs.store.base import ObjectStore
 from deltafs.store.open import open_objects
 from deltafs.store.repo import Repository
 from deltafs.testing import gcsserver

@@ -8,7 +8,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from deltafs.store.objects import LocalObjectStore, MemoryObjectStore, ObjectStore
+from deltafs.store.base import ObjectStore
+from deltafs.store.local import LocalObjectStore
+from deltafs.store.memory import MemoryObjectStore
 from deltafs.store.open import open_objects
 from deltafs.store.s3 import S3ObjectStore
 from deltafs.testing.store_suite import StoreSuite

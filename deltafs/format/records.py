@@ -1,0 +1,215 @@
+"""The small records deltafs writes besides manifests, one timestamp format, and bounded JSON. No I/O.
+
+Every control file is read with a size limit (the *_MAX_BYTES constants; the store refuses anything
+larger before reading it whole) and parsed by load_json, which fails with FormatError (exit 5) on
+bad or too deeply nested JSON instead of recursing until Python gives up.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from deltafs.errors import FormatError
+from deltafs.format.keys import is_valid_version
+
+# Size limits of control files, in bytes (stored and, for compressed manifests, decoded).
+HEAD_MAX_BYTES = 4 << 10
+CONFIG_MAX_BYTES = 64 << 10
+LOCK_MAX_BYTES = 64 << 10
+FLEET_MAX_BYTES = 1 << 20
+MANIFEST_MAX_BYTES = 256 << 20  # decoded canonical JSON; a 70B model at 4 MiB chunks needs ~10 MiB
+DEST_STATE_MAX_BYTES = MANIFEST_MAX_BYTES + (64 << 10)
+MAX_JSON_DEPTH = 32
+
+STORE_FORMAT = "deltafs.store"
+HEAD_FORMAT = "deltafs.head"
+LOCK_FORMAT = "deltafs.lock"
+FLEET_FORMAT = "deltafs.fleet"  # the record itself: deltafs.watch.ledger.HostStatus
+DEST_STATE_FORMAT = "deltafs.read.dest"
+
+# Store config: 2 is written by this release (its manifests are v2); 1 is still read.
+STORE_FORMAT_VERSION = 2
+STORE_FORMAT_VERSIONS = (1, 2)
+HEAD_FORMAT_VERSION = 1
+
+
+_MANIFEST_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def is_manifest_digest(value: object) -> bool:
+    """A manifest's digest: sha256 of its canonical JSON without the digest field."""
+    return isinstance(value, str) and bool(_MANIFEST_DIGEST.match(value))
+
+
+# --- time ----------------------------------------------------------------------------------------
+def utcnow() -> str:
+    """Now as RFC 3339 UTC with microseconds, the one timestamp format of every record: 2026-01-31T12:00:00.000000Z."""
+    return format_timestamp(time.time())
+
+
+def format_timestamp(seconds: float) -> str:
+    return _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_timestamp(text: object) -> float | None:
+    """Seconds since the epoch of a record's timestamp (also the second-resolution form of older records), or None."""
+    if not isinstance(text, str):
+        return None
+    for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return _dt.datetime.strptime(text, fmt).replace(tzinfo=_dt.timezone.utc).timestamp()
+        except ValueError:
+            continue
+    return None
+
+
+# --- JSON ------------------------------------------------------------------------------------------
+def canonical_json(obj: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: the same record always gives the same bytes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse data as JSON; FormatError naming `what` when it is too large, malformed or nested deeper than max_depth."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise FormatError(f"{what} is {len(data)} bytes, more than the {max_bytes} a valid one can be")
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise FormatError(f"{what} is nested too deeply to be a deltafs record") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{what} is not valid JSON: {exc}") from None
+    if json_depth(value, max_depth) > max_depth:
+        raise FormatError(f"{what} is nested more than {max_depth} levels deep")
+    return value
+
+
+def json_depth(value: Any, stop_at: int) -> int:
+    """Nesting depth of a parsed JSON value (iterative, stops counting past stop_at)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > stop_at:
+            return deepest
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def _object(data: bytes, what: str, fmt: str, max_bytes: int) -> dict[str, Any]:
+    raw = load_json(data, what, max_bytes=max_bytes)
+    if not isinstance(raw, dict) or raw.get("format") != fmt:
+        raise FormatError(f"{what} is not a {fmt} record")
+    return raw
+
+
+# --- store config and HEAD ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class StoreConfig:
+    """The store's fixed identity and parameters, written once at creation (deltafs.json)."""
+
+    store_id: str
+    chunk_bytes: int
+    created: str
+    format_version: int = STORE_FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        return canonical_json({"format": STORE_FORMAT, "format_version": self.format_version, "store_id": self.store_id,
+                               "chunk_bytes": self.chunk_bytes, "created": self.created})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StoreConfig:
+        raw = _object(data, "store config deltafs.json", STORE_FORMAT, CONFIG_MAX_BYTES)
+        fv = raw.get("format_version")
+        if fv not in STORE_FORMAT_VERSIONS or isinstance(fv, bool):
+            raise FormatError(f"unknown store format version {fv!r} (this deltafs reads {', '.join(map(str, STORE_FORMAT_VERSIONS))})")
+        cb = raw.get("chunk_bytes")
+        if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or cb % 8:
+            raise FormatError("deltafs.json: chunk_bytes must be a positive multiple of 8")
+        sid = raw.get("store_id")
+        if not isinstance(sid, str) or not sid:
+            raise FormatError("deltafs.json: store_id must be a non-empty string")
+        return cls(store_id=sid, chunk_bytes=cb, created=str(raw.get("created")), format_version=fv)
+
+
+@dataclass(frozen=True)
+class Head:
+    """The one mutable pointer: the newest committed version and its manifest digest."""
+
+    version: int
+    digest: str
+
+    def to_bytes(self) -> bytes:
+        return canonical_json({"format": HEAD_FORMAT, "format_version": HEAD_FORMAT_VERSION, "version": self.version,
+                               "digest": self.digest})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Head:
+        raw = _object(data, "HEAD", HEAD_FORMAT, HEAD_MAX_BYTES)
+        if raw.get("format_version") != HEAD_FORMAT_VERSION:
+            raise FormatError(f"unknown HEAD format version {raw.get('format_version')!r}")
+        v, d = raw.get("version"), raw.get("digest")
+        if not is_valid_version(v) or not is_manifest_digest(d):
+            raise FormatError("HEAD is malformed")
+        return cls(version=v, digest=d)  # type: ignore[arg-type]
+
+
+# --- store lock -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LockRecord:
+    """Who holds a store lock (locks/<name>.json) and since when (seconds since the epoch)."""
+
+    owner: str  # random id of this acquisition
+    host: str
+    pid: int
+    created: float
+    purpose: str
+
+    @classmethod
+    def mine(cls, owner: str, purpose: str) -> LockRecord:
+        return cls(owner, socket.gethostname(), os.getpid(), time.time(), purpose)
+
+    def to_bytes(self) -> bytes:
+        return canonical_json({"format": LOCK_FORMAT, "owner": self.owner, "host": self.host, "pid": self.pid,
+                               "created": self.created, "purpose": self.purpose})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LockRecord:
+        raw = load_json(data, "lock record", max_bytes=LOCK_MAX_BYTES)
+        if not isinstance(raw, dict):
+            raise FormatError("lock record is not a JSON object")
+        try:
+            return cls(str(raw["owner"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]),
+                       str(raw.get("purpose", "?")))
+        except (KeyError, TypeError, ValueError):
+            raise FormatError("lock record is malformed") from None
+
+
+# --- DEST state (beside a pulled version directory) ------------------------------------------------
+def dest_state_bytes(*, store_id: str, store_url: str, version: int, digest: str, manifest_json: Any) -> bytes:
+    """The state record written next to an installed version directory (vNNNNNNNNNN-xxxxxxxx.json)."""
+    return canonical_json({"format": DEST_STATE_FORMAT, "store_id": store_id, "store_url": store_url,
+                           "version": version, "digest": digest, "installed": utcnow(), "manifest": manifest_json})
+
+
+def parse_dest_state(data: bytes) -> dict[str, Any]:
+    """A DEST state record as a dict with store_id, store_url, version, digest and manifest; FormatError otherwise."""
+    raw = _object(data, "DEST state record", DEST_STATE_FORMAT, DEST_STATE_MAX_BYTES)
+    if not all(isinstance(raw.get(k), str) for k in ("store_id", "store_url", "digest")) \
+            or not isinstance(raw.get("version"), int) or not isinstance(raw.get("manifest"), dict):
+        raise FormatError("DEST state record is malformed")
+    return raw

@@ -1,0 +1,228 @@
+"""A store in a local or network-mounted directory, written with temp file + fsync + rename."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+import uuid
+
+from deltafs.errors import FormatError, StoreError
+from deltafs.store.base import Capabilities, ObjectStore, RetryPolicy
+
+TEMP_PREFIX = ".tmp-"
+
+# Mount types whose changes made on other machines are late in listings and raise no file events
+# here (NFS attribute cache up to acdirmax=60 s, FUSE, cluster filesystems). Matched as prefixes.
+NETWORK_FS = ("nfs", "cifs", "smb", "fuse", "9p", "ceph", "lustre", "gpfs", "beegfs", "glusterfs", "afs")
+
+
+def mount_fstype(path: str, mounts: str | None = None) -> str | None:
+    """The filesystem type of the mount holding path (from /proc/mounts), or None if unknown.
+
+    A path that does not exist yet is judged by its nearest existing parent.
+    """
+    if mounts is None:
+        try:
+            with open("/proc/mounts", encoding="utf-8", errors="replace") as fh:
+                mounts = fh.read()
+        except OSError:
+            return None
+    path = os.path.realpath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    best, fstype = "", None
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, parts[2]
+    return fstype
+
+
+def is_network_fs(fstype: str | None) -> bool:
+    return fstype is not None and fstype.startswith(NETWORK_FS)
+
+
+class LocalObjectStore(ObjectStore):
+    """A directory tree: key a/b/c is the file ROOT/a/b/c."""
+
+    capabilities = Capabilities(atomic_put=True, atomic_create=True, file_events=True)
+
+    def __init__(self, root: str, url: str, *, retry: RetryPolicy | None = None, max_workers: int | None = None) -> None:
+        # A local disk is bandwidth-bound: about one request per core keeps it busy.
+        super().__init__(url, retry=retry, max_workers=max_workers or os.cpu_count() or 1)
+        self.root = os.path.abspath(root).rstrip("/") or "/"
+        self.fstype = mount_fstype(self.root)
+        if is_network_fs(self.fstype):
+            self.declare(read_after_write=False, file_events=False)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    @property
+    def local_root(self) -> str | None:
+        return self.root
+
+    def event_dirs(self) -> list[str]:
+        if not self.capabilities.file_events:
+            return []
+        # HEAD is replaced in the root and manifests are created in manifests/; chunks/ would
+        # flood a watcher with events during every push.
+        return [d for d in (self.root, os.path.join(self.root, "manifests")) if os.path.isdir(d)]
+
+    def _denied_hint(self) -> str:
+        return "check file permissions"
+
+    # --- primitives ------------------------------------------------------------------------------
+    def _read(self, key: str, limit: int | None) -> bytes:
+        path = self.path(key)
+        # O_NONBLOCK: opening a FIFO planted as HEAD must not hang; O_NOFOLLOW: never read through a planted link.
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise FormatError(f"{key} in {self.url} is a symbolic link, not an object deltafs wrote") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "a directory, not an object", path)  # a key prefix: not found
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"{key} in {self.url} is not a regular file")
+            want = st.st_size if limit is None else min(st.st_size, limit) + 1
+            parts, got = [], 0
+            while got < want:
+                block = os.read(fd, min(want - got, 16 << 20))
+                if not block:
+                    break
+                parts.append(block)
+                got += len(block)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
+
+    def _write_temp(self, key: str, data: bytes) -> str:
+        final = self.path(key)
+        directory = os.path.dirname(final)
+        _refuse_symlinked_dirs(self.root, directory)  # before makedirs, which would create through one
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)  # a failed write (disk full) leaves no temp file behind
+            raise
+        os.close(fd)
+        return tmp
+
+    def _fsync_dir(self, key: str) -> None:
+        fd = os.open(os.path.dirname(self.path(key)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write(self, key: str, data: bytes) -> None:
+        tmp = self._write_temp(key, data)
+        try:
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        self._fsync_dir(key)
+
+    def _create(self, key: str, data: bytes) -> bool:
+        # link(2) fails with EEXIST if the name is taken: an atomic create of a complete file.
+        tmp = self._write_temp(key, data)
+        try:
+            try:
+                os.link(tmp, self.path(key))
+            except FileExistsError:
+                # NFSv3 may retransmit a LINK that already succeeded and answer EEXIST; the link
+                # count of our temp file tells whether the name is ours (the classic NFS lock trick).
+                if os.stat(tmp).st_nlink != 2:
+                    return False
+        finally:
+            _unlink_quietly(tmp)
+        self._fsync_dir(key)
+        return True
+
+    def _isfile(self, key: str) -> bool:
+        return os.path.isfile(self.path(key))
+
+    def _stat(self, key: str) -> tuple[int, float | None]:
+        st = os.stat(self.path(key))
+        return st.st_size, st.st_mtime
+
+    def _find(self, prefix: str) -> list[str]:
+        base = self.path(prefix.rstrip("/"))
+        keys = []
+
+        def fail(exc: OSError) -> None:
+            if not isinstance(exc, FileNotFoundError):
+                raise exc
+
+        for dirpath, _dirs, files in os.walk(base, onerror=fail):
+            for name in files:
+                if name.startswith(TEMP_PREFIX):
+                    continue
+                full = os.path.join(dirpath, name)
+                keys.append(os.path.relpath(full, self.root).replace(os.sep, "/"))
+        return keys
+
+    def _remove(self, key: str) -> None:
+        os.unlink(self.path(key))
+
+    # --- leftovers of killed writers -----------------------------------------------------------
+    def leftovers(self, older_than: float) -> dict[str, int]:
+        """`.tmp-*` files (a writer killed mid-write) older than `older_than` seconds: path -> size."""
+        now = time.time()
+        out = {}
+        dirs = [self.root]  # HEAD and the store config are written through temp files at the top
+        for top in ("chunks", "manifests", "folds", "locks", "fleet"):
+            dirs += [d for d, _sub, _files in os.walk(os.path.join(self.root, top))]
+        for directory in dirs:
+            try:
+                names = [n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX)]
+            except OSError:
+                continue
+            for name in names:
+                path = os.path.join(directory, name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if now - st.st_mtime >= older_than:
+                    out[path] = st.st_size
+        return out
+
+    def remove_leftover(self, name: str) -> None:
+        if os.path.basename(name).startswith(TEMP_PREFIX) and os.path.dirname(os.path.abspath(name)).startswith(self.root):
+            _unlink_quietly(name)
+
+
+def _refuse_symlinked_dirs(root: str, directory: str) -> None:
+    """Refuse to write below root through a symlinked directory (e.g. a planted chunks/ab -> /etc)."""
+    rel = os.path.relpath(directory, root)
+    probe = root
+    for part in ([] if rel == "." else rel.split(os.sep)):
+        probe = os.path.join(probe, part)
+        if os.path.islink(probe):
+            raise StoreError(f"{probe} is a symlink; deltafs writes only into real directories of the store (remove it)")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,28 @@
+"""A chunk whose bytes do not match its id is fetched again like a transient error, then reported as exit 6."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from deltafs.publish import push
+from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import run_cli
+
+FAST = json.dumps({"deltafs": {"attempts": 3, "base_delay": 0.01, "max_delay": 0.02}})
+
+
+def test_damaged_chunk_is_retried_then_an_integrity_failure(tmp_path, maker):
+    url = str(tmp_path / "store")
+    push(url, maker.write())
+    man = Repository.open(url).manifest(1)
+    victim = next(c.object for f in man.files for s in f.segments for c in s.chunks if c.object)
+    path = os.path.join(url, "chunks", victim[:2], victim)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    proc = run_cli("pull", url, tmp_path / "dest", "--storage-options", FAST)
+    assert proc.returncode == 6, (proc.returncode, proc.stdout, proc.stderr)
+    assert victim in proc.stderr and "corrupt" in proc.stderr and "checked 3 times" in proc.stderr, proc.stderr
+    assert proc.stderr.count("arrived damaged") == 2, proc.stderr  # fetched 3 times in all
+    assert not os.path.lexists(tmp_path / "dest")
