@@ -101,7 +101,10 @@ def fail_then_succeed(rank: int, world: int, args: dict[str, Any]) -> dict[str, 
     first = _push(rank, world, {**args, "step": 0})["result"]
     failed: dict[str, Any] = {}
     try:
-        kw = {"tmp_dir": "/nonexistent/deltafs-tmp"} if rank == 1 else {}
+        # Rank 1's push cache cannot be created (its parent is a file): it fails, the others must not commit.
+        blocker = os.path.join(os.path.dirname(args["store"]), "not-a-directory")
+        open(blocker, "w").close()
+        kw = {"cache_dir": os.path.join(blocker, "cache")} if rank == 1 else {}
         _push(rank, world, {**args, "step": 1}, **kw)
     except Exception as exc:  # noqa: BLE001
         failed = {"error": type(exc).__name__, "message": str(exc)}
