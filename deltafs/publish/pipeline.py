@@ -317,11 +317,12 @@ class _Rank:
             extra["ranks"] = self.world.world
         man = seal_manifest(repo, version=self.decision.version, kind=kind, parent=parent, files=entries,
                             metadata=self.opts.metadata, stats=stats, extra_stats=extra)
+        lapsed = any(r.lapsed for r in reports)
         if self.guard is not None:
             self.guard.refresh()
+            lapsed = lapsed or self.guard.lapsed
         try:
-            size = commit_version(repo, man, head_seen=self.decision.head, stats=stats,
-                                  lapsed=any(r.lapsed for r in reports))
+            size = commit_version(repo, man, head_seen=self.decision.head, stats=stats, lapsed=lapsed)
         except ChunksGoneError:
             if last:
                 raise

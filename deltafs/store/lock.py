@@ -195,9 +195,10 @@ class PushGuard:
     check them all before it commits.
     """
 
-    def __init__(self, objects: ObjectStore, *, ttl: float = DEFAULT_PUSH_MARKER_TTL) -> None:
+    def __init__(self, objects: ObjectStore, *, ttl: float | None = None) -> None:
         self.objects = objects
-        self.ttl = ttl
+        # DELTAFS_PUSH_MARKER_TTL: for stores whose writes can stall longer than the default (and for tests).
+        self.ttl = ttl if ttl is not None else float(os.environ.get("DELTAFS_PUSH_MARKER_TTL") or DEFAULT_PUSH_MARKER_TTL)
         self.key = f"{PUSH_MARKER_PREFIX}{uuid.uuid4().hex}.json"
         self._t0 = time.monotonic()
         self._last_ok: float | None = None
