@@ -100,7 +100,7 @@ def ensure_chunks(repo: Repository, files: Iterable[FileEntry], stats: EncodeSta
             raise LockHeldError(f"a gc has held {repo.url} for {holder.age:.0f}s ({holder.describe()}); push again later")
         time.sleep(0.5)
     ids = sorted(check)
-    missing = [oid for oid, ok in zip(ids, ordered_map(repo.has_chunk, ids, 8)) if not ok]
+    missing = [oid for oid, ok in zip(ids, ordered_map(repo.has_chunk, ids, 8), strict=True) if not ok]
     if missing:
         raise ChunksGoneError(f"a gc removed {len(missing)} chunks this push references (e.g. {missing[0]})")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 from deltafs.errors import UsageError
-from deltafs.publish.hf import INDEX_FILE, collect_tensors, index_bytes, make_shard, shard_file_name, torch_dtype_name
+from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_bytes, make_shard, shard_file_name
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.publish.pipeline import DistributedPushError, RankWork, World, collective, run
 from deltafs.publish.source import memory_source
@@ -97,18 +97,7 @@ class _Owned:
 
 
 def _describe(tensors: Mapping[str, Any], extra_files: Mapping[str, bytes]) -> _Owned:
-    import torch
-
-    out = []
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise UsageError(f"tensor names must be non-empty strings, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise UsageError(f"{name} is not a torch.Tensor")
-        dtype = torch_dtype_name(t.dtype)
-        if dtype is None:
-            raise UsageError(f"{name} has dtype {t.dtype}, which safetensors cannot store")
-        out.append((name, dtype, tuple(t.shape), t.numel() * t.element_size()))
+    out = [(name, check_tensor(name, t), tuple(t.shape), t.numel() * t.element_size()) for name, t in tensors.items()]
     files = {}
     for path, data in extra_files.items():
         if not isinstance(data, (bytes, bytearray, memoryview)):

@@ -64,7 +64,8 @@ def host_bytes(t: Any) -> np.ndarray:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat: np.ndarray = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return flat
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class HfShard:
         out = [(0, memoryview(self.header))]
         pos = len(self.header)
         for t in self.tensors:
-            out.append((pos, memoryview(t.data)))
+            out.append((pos, memoryview(t.data)))  # type: ignore[arg-type]  # numpy arrays are buffers
             pos += t.nbytes
         return out
 
@@ -133,21 +134,23 @@ class HfCheckpoint:
         return out
 
 
-def collect_tensors(tensors: Mapping[str, Any]) -> list[HfTensor]:
-    """Check names and dtypes and take each tensor's host bytes, in the mapping's order."""
+def check_tensor(name: Any, t: Any) -> str:
+    """The safetensors dtype of t; UsageError if name or t cannot go into a shard."""
     import torch
 
-    out = []
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise UsageError(f"tensor names must be non-empty strings, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise UsageError(f"{name} is not a torch.Tensor")
-        dtype = torch_dtype_name(t.dtype)
-        if dtype is None:
-            raise UsageError(f"{name} has dtype {t.dtype}, which safetensors cannot store")
-        out.append(HfTensor(name, dtype, tuple(t.shape), host_bytes(t)))
-    return out
+    if not isinstance(name, str) or not name:
+        raise UsageError(f"tensor names must be non-empty strings, got {name!r}")
+    if not isinstance(t, torch.Tensor):
+        raise UsageError(f"{name} is not a torch.Tensor")
+    dtype = torch_dtype_name(t.dtype)
+    if dtype is None:
+        raise UsageError(f"{name} has dtype {t.dtype}, which safetensors cannot store")
+    return dtype
+
+
+def collect_tensors(tensors: Mapping[str, Any]) -> list[HfTensor]:
+    """Check names and dtypes and take each tensor's host bytes, in the mapping's order."""
+    return [HfTensor(name, check_tensor(name, t), tuple(t.shape), host_bytes(t)) for name, t in tensors.items()]
 
 
 def make_shard(name: str, tensors: list[HfTensor], metadata: Mapping[str, str] | None = None) -> HfShard:
@@ -175,6 +178,7 @@ def plan_checkpoint(tensors: Mapping[str, Any] | list[HfTensor], *, max_shard_by
         size += t.nbytes
     meta = dict(metadata) if metadata is not None else {"format": "pt"}
     extra = dict(extra_files or {})
+    shards: tuple[HfShard, ...]
     if len(groups) == 1:
         shards = (make_shard(SINGLE_FILE, groups[0], meta),)
         index = None
@@ -207,6 +211,6 @@ def write_hf_checkpoint(tensors: Mapping[str, Any], out_dir: str, *, extra_files
     return write_files(plan.files(), out_dir)
 
 
-__all__ = ["DEFAULT_SHARD_BYTES", "HfCheckpoint", "HfShard", "HfTensor", "INDEX_FILE", "collect_tensors",
+__all__ = ["DEFAULT_SHARD_BYTES", "HfCheckpoint", "HfShard", "HfTensor", "INDEX_FILE", "check_tensor", "collect_tensors",
            "host_bytes", "index_bytes", "make_shard", "plan_checkpoint", "safetensors_header", "shard_file_name",
            "torch_dtype_name", "write_files", "write_hf_checkpoint"]

@@ -17,6 +17,7 @@ no visible version.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -100,7 +101,7 @@ def collective(world: World, what: str, fn: Callable[[], T]) -> list[T]:
     value: Any
     try:
         value = fn()
-    except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then re-raised
+    except Exception as exc:  # sent to the other ranks, then re-raised
         own, value = exc, _Failure(world.rank, type(exc).__name__, str(exc))
     if world.world == 1 and own is not None:
         raise own
@@ -116,7 +117,7 @@ def from_root(world: World, what: str, fn: Callable[[], T]) -> T:
     if world.is_root:
         try:
             value = fn()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if world.world == 1:
                 raise
             own, value = exc, _Failure(world.rank, type(exc).__name__, str(exc))
@@ -172,9 +173,11 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
     with contextlib.ExitStack() as stack:
         rank = _Rank(world, open_repo, decision, work, opts, stack)
         collective(world, "opening the push cache", rank.open)
+        progress = opts.progress and world.world == 1
         for attempt in range(ENCODE_ATTEMPTS):
-            reports = collective(world, "writing chunks", lambda: rank.encode(progress=opts.progress and world.world == 1))
-            outcome = from_root(world, "committing", lambda: rank.commit(reports, last=attempt == ENCODE_ATTEMPTS - 1, t0=t0))
+            reports = collective(world, "writing chunks", lambda: rank.encode(progress=progress))
+            last = attempt == ENCODE_ATTEMPTS - 1
+            outcome = from_root(world, "committing", functools.partial(rank.commit, reports, last=last, t0=t0))
             if outcome.manifest is not None:
                 break
             rank.discard()

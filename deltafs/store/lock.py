@@ -215,7 +215,7 @@ class PushGuard:
         before = time.monotonic()
         try:
             self.objects.put(self.key, self._record())
-        except Exception:  # noqa: BLE001 - a missed rewrite only makes the commit check more
+        except Exception:  # a missed rewrite only makes the commit check more
             self._lapsed = True
             return
         if self._last_ok is not None and before - self._last_ok > self.ttl / 2:

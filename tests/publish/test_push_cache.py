@@ -34,7 +34,7 @@ def test_the_cache_links_new_files_and_copies_once_a_file_is_rewritten_in_place(
     # On a filesystem with reflinks the cache file is a clone (another inode); else a hard link.
     linked = (_cache_file(cache).st_dev, _cache_file(cache).st_ino) == (st.st_dev, st.st_ino)
     # The trainer rewrites the same file in place (same inode): the base the cache held is gone.
-    for step in range(3):
+    for _step in range(3):
         data = perturb(data, 2, 0.01, rng)
         with open(src / "model.safetensors", "r+b") as fh:
             fh.seek(os.path.getsize(src / "model.safetensors") - len(data))
