@@ -169,7 +169,7 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
             continue
         plan.chunks[oid] = size
         plan.chunk_mtimes[oid] = mtime if mtime is not None else float("inf")
-    plan.temp_files = _stale_temp_files(repo.objects, now, grace)
+    plan.temp_files = _stale_temp_files(repo.objects, now, grace, protect_since)
     return plan
 
 
@@ -186,8 +186,10 @@ def _read_markers(repo: Repository, plan: GcPlan, now: float) -> float:
     return since
 
 
-def _stale_temp_files(objects: ObjectStore, now: float, grace: float) -> dict[str, int]:
+def _stale_temp_files(objects: ObjectStore, now: float, grace: float, protect_since: float) -> dict[str, int]:
     """A local store's `.tmp-*` files (a writer killed mid-write) older than `grace`: path -> size.
+
+    A temp file written since a live push began (protect_since) may be that push's write in progress.
 
     Object stores have no such leftovers (an interrupted upload never becomes an object).
     """
@@ -210,7 +212,7 @@ def _stale_temp_files(objects: ObjectStore, now: float, grace: float) -> dict[st
                 st = os.stat(path)
             except OSError:
                 continue
-            if now - st.st_mtime >= grace:
+            if now - st.st_mtime >= grace and st.st_mtime < protect_since:
                 out[path] = st.st_size
     return out
 

@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 
 from deltafs import codec
-from deltafs.errors import DeltafsError
+from deltafs.errors import DeltafsError, ObjectNotFoundError
 from deltafs.format.manifest import ChunkRef, FileEntry, Segment
 from deltafs.publish.source import FileReader, SourceFile, SourceSegment
 from deltafs.read.dest import LocalState
@@ -248,7 +248,15 @@ class Encoder:
 
     def _put(self, oid: str, payload: bytes) -> bool:
         try:
-            return self.repo.put_chunk(payload, oid=oid)[1]
+            for attempt in range(3):
+                try:
+                    return self.repo.put_chunk(payload, oid=oid)[1]
+                except ObjectNotFoundError:
+                    # A gc took this push for dead (frozen past its marker's ttl) and removed its partial
+                    # write: the write is idempotent, so write again.
+                    if attempt == 2:
+                        raise
+            raise AssertionError("unreachable")
         finally:
             self._put_slots.release()
 
