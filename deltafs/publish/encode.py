@@ -32,7 +32,7 @@ import xxhash
 from deltafs import codec
 from deltafs.errors import DeltafsError, ObjectNotFoundError
 from deltafs.format.manifest import ChunkRef, FileEntry, Segment
-from deltafs.publish.source import FileReader, SourceFile, SourceSegment
+from deltafs.publish.source import DiskReader, FileReader, SourceFile, SourceSegment
 from deltafs.read.dest import LocalState
 from deltafs.read.rebuild import LocalBaseError
 from deltafs.store.objects import LocalObjectStore
@@ -128,6 +128,7 @@ class Encoder:
         self._put_slots = threading.BoundedSemaphore(MAX_PUT_QUEUE)
         self._lock = threading.Lock()
         self._failed = threading.Event()
+        self._free: list[bytearray] = []  # read buffers; at most 2 per chunk in flight exist (bounded by the windows)
 
     def encode(self, files: list[SourceFile], advance: Callable[[int], None] = lambda n: None) -> list[FileEntry]:
         """Encode every file; returns once every chunk object it wrote is durable in the store."""
@@ -213,18 +214,22 @@ class Encoder:
         return fd
 
     def _chunk(self, reader: FileReader, seg: SourceSegment, i: int, base_fd: int | None, base_offset: int,
-               stage_fd: int | None, ctx: _Context) -> tuple[Any, bytes | None, codec.Encoded, str | None]:
+               stage_fd: int | None, ctx: _Context) -> tuple[Any, Any, codec.Encoded, str | None, list[bytearray]]:
         """One chunk: read it (and its base), encode, queue the payload for the store. Runs in a worker."""
         if self._failed.is_set():
             raise DeltafsError("push aborted")
         start = i * self.cb
         size = min(self.cb, seg.size - start)
-        new = reader.read(seg.offset + start, size)
+        held: list[bytearray] = []
+        if isinstance(reader, DiskReader):
+            new: Any = self._read_into(reader.fd, size, seg.offset + start, held)
+        else:
+            new = reader.read(seg.offset + start, size)
         if len(new) != size:
             raise DeltafsError("a source file shrank while it was being pushed")
         old = None
         if base_fd is not None:
-            old = os.pread(base_fd, size, base_offset + start)
+            old = self._read_into(base_fd, size, base_offset + start, held)
             if len(old) != size:
                 raise LocalBaseError("push cache file is truncated")
         if stage_fd is not None:
@@ -244,7 +249,20 @@ class Encoder:
                 raise
             with self._lock:
                 ctx.puts.append((oid, len(enc.payload), fut))
-        return new, old, enc, oid
+        return new, old, enc, oid, held
+
+    def _read_into(self, fd: int, size: int, offset: int, held: list[bytearray]) -> memoryview:
+        """pread into a recycled buffer: a fresh 4 MiB bytes object per read costs page faults, more than the read."""
+        with self._lock:
+            buf = self._free.pop() if self._free else bytearray(self.cb)
+        held.append(buf)
+        view = memoryview(buf)[:size]
+        n = os.preadv(fd, [view], offset)
+        return view[:n]
+
+    def recycle(self, held: list[bytearray]) -> None:
+        with self._lock:
+            self._free.extend(held)
 
     def _put(self, oid: str, payload: bytes) -> bool:
         try:
@@ -322,21 +340,24 @@ class _Lane:
         bhash = xxhash.xxh3_128() if hit is not None else None
         chunks = []
         for i in range((seg.size + cb - 1) // cb):
-            new, old, enc, oid = next(stream)
+            new, old, enc, oid, held = next(stream)
             fhash.update(new)
             shash.update(new)
             if bhash is not None:
                 bhash.update(old)
+            size = len(new)
+            del new, old
+            self.enc.recycle(held)  # the bytes are hashed: the buffers can take the next reads
             self.stats.chunks_total += 1
             if enc.payload is not None:
                 self.stats.chunks_written += 1
             if seg.kind == "tensor":
-                self.stats.elements_total += len(new) // seg.itemsize
+                self.stats.elements_total += size // seg.itemsize
                 self.stats.elements_changed += enc.changed
-            chunks.append(ChunkRef(index=i, size=len(new), codec=enc.codec, object=oid,
+            chunks.append(ChunkRef(index=i, size=size, codec=enc.codec, object=oid,
                                    stored=len(enc.payload) if enc.payload is not None else 0))
             with self.ctx.lock:
-                self.ctx.advance(len(new))
+                self.ctx.advance(size)
         if hit is not None and bhash is not None and "xxh3-128:" + bhash.hexdigest() != hit[1].digest:
             version = self.enc.base.version if self.enc.base else "?"
             raise LocalBaseError(f"push cache does not match version {version} at {seg.key[2:]}")
