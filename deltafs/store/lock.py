@@ -162,6 +162,8 @@ class PushMarker:
     mtime: float | None  # when the store last saw the marker written (None: the backend does not say)
 
     def live(self, now: float) -> bool:
+        if self.host == socket.gethostname() and self.pid > 0 and not _pid_alive(self.pid):
+            return False  # its process is gone (killed): nothing will commit what it wrote
         return self.mtime is None or now - self.mtime < self.ttl
 
     @property
