@@ -17,6 +17,7 @@ _EXPORTS = {
     "push_tensors": "deltafs.publish",
     "push_distributed": "deltafs.publish",
     "PushResult": "deltafs.publish",
+    "PushOptions": "deltafs.publish",
     "pull": "deltafs.read",
     "PullResult": "deltafs.read",
     "verify": "deltafs.maintenance.verify",
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
     from deltafs.maintenance.log import log
     from deltafs.maintenance.verify import verify
     from deltafs.publish.distributed import push_distributed
-    from deltafs.publish.push import PushResult, push, push_tensors
+    from deltafs.publish.options import PushOptions, PushResult
+    from deltafs.publish.push import push, push_tensors
     from deltafs.read.pull import PullResult, pull
     from deltafs.store.repo import Repository
 

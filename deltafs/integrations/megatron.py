@@ -21,11 +21,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Unpack
 
 import torch
 
 from deltafs.errors import UsageError
+from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.integrations.megatron_gather import Groups, Plan, gather_model, gather_stage, groups_of, plan
 from deltafs.integrations.megatron_layout import Arch, MegatronLayoutError, check_complete, is_skipped
 
@@ -313,44 +314,43 @@ def megatron_to_hf(model_or_chunks: Any, *, vocab_size: int | None = None, group
     return full
 
 
-def push_megatron(model_or_chunks: Any, store: Any, *, hf_arch: str | None = None,
+def push_megatron(model_or_chunks: Any, store: Any, options: PushOptions | None = None, *, hf_arch: str | None = None,
                   config: Mapping[str, Any] | None = None, vocab_size: int | None = None,
-                  version: int | None = None, metadata: Mapping[str, Any] | None = None,
-                  storage_options: dict[str, Any] | None = None, extra_files: Mapping[str, bytes] | None = None,
-                  groups: Groups | None = None, multi_rank: bool = False, **push_kwargs: Any) -> Any:
+                  extra_files: Mapping[str, bytes] | None = None, groups: Groups | None = None,
+                  multi_rank: bool = False, **kw: Unpack[PushKeywords]) -> PushResult | None:
     """Convert the model to an HF checkpoint and push it as the store's next version.
 
     Collective: call on every rank. config: the model's original HF config.json as a dict (keeps
     token ids etc.; its vocab_size is the default for `vocab_size`). extra_files: more files for the
-    version (tokenizer files ...). Other keyword arguments go to deltafs.publish.push (cache_dir,
-    keyframe_every, level, ...).
+    version (tokenizer files ...). options: deltafs.publish.PushOptions, or its fields as keywords
+    (version, metadata, cache_dir, keyframe_every, level, fold, ...).
 
     multi_rank=False: the model is gathered on one rank, which pushes; it gets the PushResult and the
     other ranks None. multi_rank=True: each pipeline stage's first TP rank encodes and writes its own
-    layers in parallel (deltafs.publish.distributed.push_distributed over the default group, so every rank of
-    the job must call); every rank gets the PushResult.
+    layers in parallel (deltafs.publish.push_distributed over the default group, so every rank of
+    the job must call); every rank gets the PushResult. Both run the same push pipeline (folds too).
     """
+    opts = PushOptions.of(options, **kw)
     if vocab_size is None and config is not None and config.get("vocab_size"):
         vocab_size = int(config["vocab_size"])
     info = describe(model_or_chunks, vocab_size=vocab_size)
     cfg = hf_config(info, hf_arch=hf_arch, base=config)  # refuse a bad config before any collective
     files = {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}
     files |= dict(extra_files or {})
-    options = dict(version=version, metadata=metadata, storage_options=storage_options, **push_kwargs)
     if multi_rank:
-        from deltafs.publish.distributed import push_distributed
+        from deltafs.publish import push_distributed
 
         stage, _, stage_groups, _ = _stage(model_or_chunks, vocab_size, groups, info)
         # Only the rank holding the embeddings names the extra files, so they are written once.
         mine = files if stage is not None and stage_groups.pp_rank == 0 else None
-        return push_distributed(store, stage or {}, extra_files=mine, **options)
+        return push_distributed(store, stage or {}, opts, extra_files=mine)
 
     from deltafs.publish import push_tensors
 
     tensors = megatron_to_hf(model_or_chunks, groups=groups, info=info)
     if tensors is None:
         return None
-    return push_tensors(store, tensors, extra_files=files, **options)
+    return push_tensors(store, tensors, opts, extra_files=files)
 
 
 __all__ = ["HF_ARCHS", "ModelInfo", "UnsupportedModelError", "check_supported", "describe", "hf_config",

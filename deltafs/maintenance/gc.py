@@ -5,7 +5,10 @@ Rules (FORMAT.md, "gc and locking"):
   version that stopped being HEAD less than `grace` seconds ago (a reader that read HEAD then is
   still pulling it); plus, for each of those, its chain back to its full version.
 - A chunk is deleted only if no kept version references it AND the object is older than `grace`
-  seconds: a push in flight has written chunks its manifest does not reference yet.
+  seconds AND it was written before every push in flight began: a push in flight has written
+  chunks its manifest does not reference yet, however long it has been running. A push announces
+  itself with a marker (locks/push-<id>.json, deltafs.store.lock.PushGuard) that it rewrites while
+  it runs; a marker not rewritten for its ttl is a dead push's, and gc removes it.
 - One gc at a time: `locks/gc.json`, created with put_if_absent; a stale lock (dead pid on this
   host, or older than its stale age) is taken over.
 - Order: manifests newest first, then chunks. A gc killed at any point leaves a store in which
@@ -24,7 +27,7 @@ from typing import Any, Callable
 from deltafs.errors import DeltafsError, IntegrityError, UsageError
 from deltafs.read.chain import FOLD_PREFIX, fold_key, load_fold, parse_fold_key, plan_chain
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key
-from deltafs.store.lock import DEFAULT_STALE_AFTER, StoreLock
+from deltafs.store.lock import DEFAULT_STALE_AFTER, StoreLock, read_push_markers
 from deltafs.parallel import ordered_map
 from deltafs.format.records import parse_timestamp
 from deltafs.store.base import ObjectStore
@@ -48,6 +51,10 @@ class GcPlan:
     manifest_bytes: dict[int, int] = field(default_factory=dict)  # size of each removed manifest
     chunks_referenced: int = 0
     chunks_too_young: int = 0  # unreferenced, but written less than `grace` ago (a push in flight?)
+    chunks_in_flight: int = 0  # unreferenced, but written since a live push began (its marker protects them)
+    push_markers: list[str] = field(default_factory=list)  # live in-flight push markers seen
+    dead_markers: list[str] = field(default_factory=list)  # markers of dead pushes, removed with the chunks
+    chunk_mtimes: dict[str, float] = field(default_factory=dict)  # mtime of each chunk that goes
     temp_files: dict[str, int] = field(default_factory=dict)  # local stores: partial writes of killed processes
     folds: dict[int, int] = field(default_factory=dict)  # folded deltas that go: version -> size
     grace: float = DEFAULT_GRACE
@@ -63,6 +70,7 @@ class GcPlan:
         out["manifest_bytes"] = {str(k): v for k, v in sorted(self.manifest_bytes.items())}
         out["folds"] = {str(k): v for k, v in sorted(self.folds.items())}
         out["bytes_freed"] = self.bytes_freed
+        del out["chunk_mtimes"]
         return out
 
 
@@ -144,6 +152,7 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
             plan.folds[v] = repo.objects.size(key)
     plan.chunks_referenced = len(referenced)
     plan.manifest_bytes = {v: repo.manifest_size(v) for v in plan.remove}
+    protect_since = _read_markers(repo, plan, now)  # before the chunk listing: a push starting later writes after it
     for key in repo.objects.list("chunks"):
         oid = key.rsplit("/", 1)[-1]
         if key != chunk_key(oid) or oid in referenced:
@@ -152,9 +161,27 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
         if grace > 0 and (mtime is None or now - mtime < grace):
             plan.chunks_too_young += 1
             continue
+        if protect_since < float("inf") and (mtime is None or mtime >= protect_since):
+            plan.chunks_in_flight += 1
+            continue
         plan.chunks[oid] = size
-    plan.temp_files = repo.objects.leftovers(older_than=grace)  # partial writes of killed writers (local stores)
+        plan.chunk_mtimes[oid] = mtime if mtime is not None else float("inf")
+    # partial writes of killed writers (local stores), but not one a live push may still be writing
+    plan.temp_files = repo.objects.leftovers(older_than=grace, written_before=protect_since)
     return plan
+
+
+def _read_markers(repo: Repository, plan: GcPlan, now: float) -> float:
+    """Record live and dead push markers; return the time since which chunks may belong to a live push."""
+    since = float("inf")
+    plan.push_markers, plan.dead_markers = [], []
+    for marker in read_push_markers(repo.objects):
+        if marker.live(now):
+            plan.push_markers.append(marker.key)
+            since = min(since, marker.protects_since)
+        else:
+            plan.dead_markers.append(marker.key)
+    return since
 
 
 def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float, threads: int,
@@ -174,6 +201,12 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
     # Last look at the manifests, no sooner than `settle` after taking the lock (see DEFAULT_SETTLE).
     time.sleep(max(0.0, settle - (time.monotonic() - locked_at)))
     _absorb_new_versions(repo, plan)
+    # ... and at the pushes: one that began since planning (or whose marker came back) keeps its chunks.
+    since = _read_markers(repo, plan, time.time())
+    spared = [oid for oid, mtime in plan.chunk_mtimes.items() if mtime >= since and oid in plan.chunks]
+    for oid in spared:
+        del plan.chunks[oid]
+    plan.chunks_in_flight += len(spared)
 
     def delete(oid: str) -> None:
         key = chunk_key(oid)
@@ -185,6 +218,10 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
         result.chunks_removed += 1
     for name in plan.temp_files:
         repo.objects.remove_leftover(name)
+    for key in plan.dead_markers:
+        if on_delete:
+            on_delete(key)
+        repo.objects.delete(key)
     result.bytes_freed = plan.bytes_freed
     return result
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from deltafs.errors import FormatError, SourceError
@@ -38,6 +39,62 @@ class SourceFile:
     size: int
     format: str  # "safetensors" | "blob"
     segments: tuple[SourceSegment, ...]
+    # In-memory files (push_tensors): (offset, bytes) pieces covering the file in order; None: read abspath.
+    pieces: tuple[tuple[int, memoryview], ...] | None = None
+
+    def open(self) -> FileReader:
+        return MemoryReader(self.pieces) if self.pieces is not None else DiskReader(self.abspath)
+
+
+class DiskReader:
+    """Positional reads of a file on disk (os.pread: no shared offset, safe from many threads)."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read(self, offset: int, size: int) -> bytes | memoryview:
+        return os.pread(self.fd, size, offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class MemoryReader:
+    """Reads of an in-memory file; a read never crosses a segment, so it is a view of one piece (no copy)."""
+
+    def __init__(self, pieces: tuple[tuple[int, memoryview], ...]) -> None:
+        self.pieces = pieces
+        self.starts = [off for off, _ in pieces]
+
+    def read(self, offset: int, size: int) -> bytes | memoryview:
+        i = bisect.bisect_right(self.starts, offset) - 1
+        start, data = self.pieces[i]
+        return data[offset - start : offset - start + size]
+
+    def close(self) -> None:
+        pass
+
+
+FileReader = DiskReader | MemoryReader
+
+
+def memory_source(files: Mapping[str, list[tuple[int, memoryview]]]) -> list[SourceFile]:
+    """SourceFiles for files held in memory as (offset, bytes) pieces (see deltafs.publish.hf)."""
+    out = []
+    for rel in sorted(files):
+        pieces = tuple((off, memoryview(data).cast("B")) for off, data in files[rel])
+        size = sum(len(d) for _, d in pieces)
+        try:
+            check_relpath(rel)
+        except FormatError:
+            raise SourceError(f"unsupported file name {rel!r}") from None
+        if rel.endswith(".safetensors"):
+            out.append(SourceFile(rel, f"<memory>/{rel}", size, "safetensors",
+                                  safetensors_segments(rel, bytes(pieces[0][1]), size), pieces))
+        else:
+            out.append(SourceFile(rel, f"<memory>/{rel}", size, "blob", (SourceSegment(f"f:{rel}", "blob", 0, size),),
+                                  pieces))
+    return out
 
 
 def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
@@ -53,7 +110,7 @@ def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequ
     if os.path.isfile(src):
         if not src.endswith(".safetensors"):
             raise SourceError(f"{src} is not a .safetensors file or a checkpoint directory")
-        return [_scan_file(os.path.basename(src), src)]
+        return [scan_file(os.path.basename(src), src)]
     if not os.path.isdir(src):
         raise SourceError(f"{src} is neither a file nor a directory")
     files = []
@@ -66,7 +123,7 @@ def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequ
                 continue
             if not os.path.isfile(full):  # dangling link, socket, fifo
                 raise SourceError(f"{full} is not a regular file")
-            files.append(_scan_file(rel, full))
+            files.append(scan_file(rel, full))
     if not files:
         raise SourceError(f"{src} holds no files to publish" + (" (after --include/--exclude)" if include or exclude else ""))
     seen: dict[str, str] = {}
@@ -79,7 +136,8 @@ def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequ
     return files
 
 
-def _scan_file(rel: str, full: str) -> SourceFile:
+def scan_file(rel: str, full: str) -> SourceFile:
+    """One file on disk as a SourceFile (safetensors split into header and tensors, anything else one blob)."""
     try:
         check_relpath(rel)
     except FormatError:

@@ -145,8 +145,9 @@ class ObjectStore(abc.ABC):
         """Directories whose file events mean HEAD or a manifest may have changed; [] without file_events."""
         return []
 
-    def leftovers(self, older_than: float) -> dict[str, int]:
-        """Partial writes of killed writers older than `older_than` seconds: name -> bytes (only local stores have them)."""
+    def leftovers(self, older_than: float, written_before: float = float("inf")) -> dict[str, int]:
+        """Partial writes of killed writers older than `older_than` seconds and last written before the
+        time `written_before`: name -> bytes (only local stores have them)."""
         return {}
 
     def remove_leftover(self, name: str) -> None:  # noqa: B027 - optional: most backends have no leftovers

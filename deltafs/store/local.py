@@ -184,7 +184,7 @@ class LocalObjectStore(ObjectStore):
         os.unlink(self.path(key))
 
     # --- leftovers of killed writers -----------------------------------------------------------
-    def leftovers(self, older_than: float) -> dict[str, int]:
+    def leftovers(self, older_than: float, written_before: float = float("inf")) -> dict[str, int]:
         """`.tmp-*` files (a writer killed mid-write) older than `older_than` seconds: path -> size."""
         now = time.time()
         out = {}
@@ -202,7 +202,7 @@ class LocalObjectStore(ObjectStore):
                     st = os.lstat(path)
                 except OSError:
                     continue
-                if now - st.st_mtime >= older_than:
+                if now - st.st_mtime >= older_than and st.st_mtime < written_before:
                     out[path] = st.st_size
         return out
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from collections.abc import Iterator
 
 from deltafs.errors import FormatError, LockHeldError, ObjectNotFoundError
-from deltafs.format.keys import GC_LOCK_KEY
-from deltafs.format.records import LOCK_MAX_BYTES, LockRecord
+from deltafs.format.keys import GC_LOCK_KEY, LOCK_PREFIX
+from deltafs.format.records import LOCK_FORMAT, LOCK_MAX_BYTES, LockRecord, canonical_json, load_json
 from deltafs.store.base import ObjectStore
 DEFAULT_STALE_AFTER = 6 * 3600.0  # a gc of a very large store finishes well within this
 
@@ -135,3 +136,109 @@ class StoreLock:
             yield self
         finally:
             self.release()
+
+
+# --- in-flight push markers ----------------------------------------------------------------------
+# A push keeps locks/push-<id>.json alive (rewritten every ttl/4) from before its first chunk until
+# after its commit. gc spares every unreferenced chunk written since the oldest live marker's push
+# began (FORMAT.md, "gc and locking"). Times are the store's own clock (the marker object's mtime)
+# plus durations measured by the pusher, so clock skew between hosts does not matter.
+PUSH_MARKER_PREFIX = LOCK_PREFIX + "/push-"
+DEFAULT_PUSH_MARKER_TTL = 600.0  # a marker not rewritten for this long belongs to a dead (or frozen) push
+MARKER_MARGIN = 60.0  # slack for the store's mtime granularity and the time between a write and its mtime
+
+
+@dataclass(frozen=True)
+class PushMarker:
+    key: str
+    host: str
+    pid: int
+    elapsed: float  # seconds the push had been running when it last rewrote the marker
+    ttl: float
+    mtime: float | None  # when the store last saw the marker written (None: the backend does not say)
+
+    def live(self, now: float) -> bool:
+        if self.host == socket.gethostname() and self.pid > 0 and not _pid_alive(self.pid):
+            return False  # its process is gone (killed): nothing will commit what it wrote
+        return self.mtime is None or now - self.mtime < self.ttl
+
+    @property
+    def protects_since(self) -> float:
+        """Chunks modified at or after this time (store clock) may belong to this push."""
+        return float("-inf") if self.mtime is None else self.mtime - self.elapsed - MARKER_MARGIN
+
+
+def read_push_markers(objects: ObjectStore) -> list[PushMarker]:
+    """Every push marker in the store; an unreadable one counts as a live push that began long ago."""
+    out = []
+    for key in objects.list(LOCK_PREFIX):
+        if not key.startswith(PUSH_MARKER_PREFIX):
+            continue
+        try:
+            _size, mtime = objects.stat(key)
+            raw = load_json(objects.get(key, limit=LOCK_MAX_BYTES), key, max_bytes=LOCK_MAX_BYTES)
+            out.append(PushMarker(key, str(raw["host"]), int(raw["pid"]), float(raw["elapsed"]), float(raw["ttl"]), mtime))
+        except ObjectNotFoundError:
+            continue  # finished in between
+        except (ValueError, KeyError, TypeError, FormatError):
+            out.append(PushMarker(key, "?", -1, float("inf"), DEFAULT_PUSH_MARKER_TTL, None))
+    return out
+
+
+class PushGuard:
+    """Keeps this push's marker alive from a background thread while the push writes chunks.
+
+    `lapsed` says whether the marker may have expired at some point (the process was frozen, or the
+    store refused the rewrite): gc may then have removed chunks this push wrote, and the push must
+    check them all before it commits.
+    """
+
+    def __init__(self, objects: ObjectStore, *, ttl: float | None = None) -> None:
+        self.objects = objects
+        # DELTAFS_PUSH_MARKER_TTL: for stores whose writes can stall longer than the default (and for tests).
+        self.ttl = ttl if ttl is not None else float(os.environ.get("DELTAFS_PUSH_MARKER_TTL") or DEFAULT_PUSH_MARKER_TTL)
+        self.key = f"{PUSH_MARKER_PREFIX}{uuid.uuid4().hex}.json"
+        self._t0 = time.monotonic()
+        self._last_ok: float | None = None
+        self._lapsed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return canonical_json({"format": LOCK_FORMAT, "host": socket.gethostname(), "pid": os.getpid(),
+                               "elapsed": time.monotonic() - self._t0, "ttl": self.ttl, "purpose": "push"})
+
+    def refresh(self) -> None:
+        """Rewrite the marker now (it then protects the push for another ttl)."""
+        before = time.monotonic()
+        try:
+            self.objects.put(self.key, self._record())
+        except Exception:  # a missed rewrite only makes the commit check more
+            self._lapsed = True
+            return
+        if self._last_ok is not None and before - self._last_ok > self.ttl / 2:
+            self._lapsed = True
+        self._last_ok = before
+
+    @property
+    def lapsed(self) -> bool:
+        if self._last_ok is None or time.monotonic() - self._last_ok > self.ttl / 2:
+            return True
+        return self._lapsed
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.05, self.ttl / 4)):
+            self.refresh()
+
+    def __enter__(self) -> PushGuard:
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name="deltafs-push-marker", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with contextlib.suppress(Exception):
+            self.objects.delete(self.key)

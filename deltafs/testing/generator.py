@@ -263,36 +263,13 @@ def write_checkpoint(
     One `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json` when
     the tensors exceed `shard_bytes`. Also config.json, generation_config.json and small tokenizer files.
     """
-    from safetensors.torch import save_file  # local: only this helper needs it
+    from deltafs.publish.hf import plan_checkpoint, write_files  # the one shard writer
 
     out = os.fspath(out_dir)
     os.makedirs(out, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shard_bytes is not None and shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += nbytes
     meta = {"format": "pt"} if step is None else {"format": "pt", "step": str(step)}
-    written: list[str] = []
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out, "model.safetensors"), metadata=meta)
-        written.append("model.safetensors")
-    else:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out, fname), metadata=meta)
-            written.append(fname)
-            for name, t in shard.items():
-                weight_map[name] = fname
-                total += t.numel() * t.element_size()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write(out, "model.safetensors.index.json", _json_bytes(index), written)
+    plan = plan_checkpoint(tensors, max_shard_bytes=shard_bytes, metadata=meta)
+    written: list[str] = write_files(plan.files(), out)
     _write(out, "config.json", _json_bytes(config.hf_config()), written)
     gen = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 1.0, "top_p": 1.0}
     _write(out, "generation_config.json", _json_bytes(gen), written)

@@ -101,7 +101,10 @@ def fail_then_succeed(rank: int, world: int, args: dict[str, Any]) -> dict[str, 
     first = _push(rank, world, {**args, "step": 0})["result"]
     failed: dict[str, Any] = {}
     try:
-        kw = {"tmp_dir": "/nonexistent/deltafs-tmp"} if rank == 1 else {}
+        # Rank 1's push cache cannot be created (its parent is a file): it fails, the others must not commit.
+        blocker = os.path.join(os.path.dirname(args["store"]), "not-a-directory")
+        open(blocker, "w").close()
+        kw = {"cache_dir": os.path.join(blocker, "cache")} if rank == 1 else {}
         _push(rank, world, {**args, "step": 1}, **kw)
     except Exception as exc:  # noqa: BLE001
         failed = {"error": type(exc).__name__, "message": str(exc)}
@@ -131,7 +134,25 @@ def die_while_writing(rank: int, world: int, args: dict[str, Any]) -> dict[str, 
     return _push(rank, world, {**args, "step": args["step"]}, threads=1)
 
 
+def dtensor_state_dict(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Every rank passes the same names as DTensors sharded over all ranks (an FSDP2 state dict)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from deltafs.publish.distributed import push_distributed
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+    for step in args["steps"]:
+        state = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in model_at(step).items()}
+        res = push_distributed(args["store"], state, extra_files={"config.json": CONFIG}, metadata={"step": step},
+                               fold=True)
+        out.append(res.to_json())
+    return {"results": out}
+
+
 SCENARIOS = {
+    "dtensor_state_dict": dtensor_state_dict,
     "push_steps": push_steps,
     "duplicate_owner": duplicate_owner,
     "fail_then_succeed": fail_then_succeed,

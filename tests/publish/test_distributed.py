@@ -120,7 +120,7 @@ def test_a_rank_that_fails_while_writing_aborts_the_version_everywhere(tmp_path)
     store = str(tmp_path / "store")
     reports = run_ranks(tmp_path, 3, "fail_then_succeed", store=store)
     assert all(r and r["ok"] for r in reports), reports
-    assert reports[1]["failed"]["error"] == "FileNotFoundError"
+    assert reports[1]["failed"]["error"] == "NotADirectoryError"
     for r in (reports[0], reports[2]):
         assert r["failed"]["error"] == "DistributedPushError", r
         assert "rank 1 failed" in r["failed"]["message"] and "not committed" in r["failed"]["message"]
@@ -167,3 +167,21 @@ def test_without_a_process_group_it_is_a_world_of_one(tmp_path, monkeypatch):
         push_distributed(store, {"x": [1, 2]})
     with pytest.raises(UsageError, match="clashes"):
         push_distributed(store, model_at(1), extra_files={"model.safetensors.index.json": b"{}"})
+
+
+def test_ranks_push_an_fsdp2_dtensor_state_dict_and_fold(tmp_path):
+    """DTensors with the same names on every rank are gathered and written once; a multi-rank push folds too."""
+    store = str(tmp_path / "store")
+    reports = run_ranks(tmp_path, 2, "dtensor_state_dict", store=store, steps=[0, 1, 2])
+    assert all(r and r["ok"] for r in reports), reports
+    results = reports[0]["results"]
+    assert [res["kind"] for res in results] == ["full", "delta", "delta"]
+    assert results[2]["fold_bytes"] > 0  # v3 is two deltas past v1: folded
+    same = [{k: v for k, v in r.items() if k != "seconds"} for r in results]
+    assert same == [{k: v for k, v in r.items() if k != "seconds"} for r in reports[1]["results"]]
+    from deltafs.read.folds import fold_key
+
+    assert Repository.open(store).objects.exists(fold_key(3))
+    pull(store, str(tmp_path / "dest"))
+    assert_same(load_pulled(tmp_path / "dest"), model_at(2))
+    assert verify(store, all_versions=True).ok

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
 
 import numpy as np
 
-from deltafs.publish import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, push
+from deltafs.publish import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, PushOptions, push
 from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, perturb, run_cli, write_safetensors
@@ -50,8 +49,8 @@ def test_a_full_version_once_the_chain_exceeds_the_budget(tmp_path, maker):
 
 def test_defaults_are_documented_values_in_api_and_cli(tmp_path):
     assert (DEFAULT_KEYFRAME_EVERY, DEFAULT_KEYFRAME_BUDGET) == (50, 1.0)
-    sig = inspect.signature(push).parameters
-    assert sig["keyframe_every"].default == 50 and sig["keyframe_budget"].default == 1.0
+    defaults = PushOptions()
+    assert defaults.keyframe_every == 50 and defaults.keyframe_budget == 1.0
     help_text = " ".join(run_cli("push", "--help", check=0).stdout.split())
     assert "--keyframe-every" in help_text and "--keyframe-budget" in help_text and "[default: 50]" in help_text
 

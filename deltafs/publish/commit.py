@@ -1,0 +1,110 @@
+"""The commit: every chunk durable and present, then the manifest (the commit point), then HEAD.
+
+A gc may run while a push writes. Two rules keep it from deleting what the push will reference
+(FORMAT.md, "gc and locking"):
+- chunks this push wrote are protected by its in-flight marker (deltafs.store.lock.PushGuard);
+  if the marker may have lapsed (the process was frozen longer than the marker's ttl), every one of
+  them is checked again before the commit;
+- chunks it found already stored (deduplicated) are older than the push, so the marker does not
+  cover them: they are always checked again, after any running gc has finished.
+A chunk found missing makes the push encode again (ChunksGoneError, retried by the pipeline).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from deltafs.errors import LockHeldError, VersionConflictError
+from deltafs.format.manifest import FileEntry, Head, Manifest
+from deltafs.parallel import ordered_map
+from deltafs.publish.encode import EncodeStats
+from deltafs.store.lock import is_stale, read_lock
+from deltafs.format.records import utcnow
+from deltafs.store.repo import Repository
+
+# How long a push waits for a running gc before giving up (a gc of a large store takes minutes).
+GC_WAIT_SECONDS = 900.0
+
+
+class ChunksGoneError(VersionConflictError):
+    """A gc removed chunks this push references; the push encodes again and writes them anew."""
+
+
+ReusedChunksGoneError = ChunksGoneError  # the name before in-flight markers also covered written chunks
+
+
+def referenced_chunks(files: Iterable[FileEntry]) -> set[str]:
+    return {ch.object for f in files for seg in f.segments for ch in seg.chunks if ch.object is not None}
+
+
+def seal_manifest(repo: Repository, *, version: int, kind: str, parent: Manifest | None, files: list[FileEntry],
+                  metadata: Mapping[str, Any], stats: EncodeStats,
+                  extra_stats: Mapping[str, Any] | None = None) -> Manifest:
+    """The new version's manifest, with the stats the keyframe policy and `log` read."""
+    delta = kind == "delta" and parent is not None
+    record: dict[str, Any] = {
+        "full_bytes": sum(f.size for f in files),
+        "chunk_bytes_stored": stats.stored,
+        "chunks_total": stats.chunks_total,
+        "chunks_stored": stats.chunks_written,
+        "elements_total": stats.elements_total,
+        "elements_changed": stats.elements_changed,
+        # Delta bytes since the last full version (0 for a full version): what the keyframe budget compares.
+        "chain_bytes": stats.stored + int(parent.stats.get("chain_bytes", 0)) if delta and parent else 0,
+        "since_full": int(parent.stats.get("since_full", 0)) + 1 if delta and parent else 0,
+        **(extra_stats or {}),
+    }
+    return Manifest(
+        store_id=repo.store_id,
+        version=version,
+        parent=parent.version if parent else None,
+        parent_digest=parent.digest if parent else None,
+        kind=kind,
+        chunk_bytes=repo.config.chunk_bytes,
+        created=utcnow(),
+        files=tuple(files),
+        metadata=dict(metadata),
+        stats=record,
+    ).seal()
+
+
+def commit_version(repo: Repository, man: Manifest, *, head_seen: Head | None, stats: EncodeStats,
+                   lapsed: bool) -> int:
+    """Check the chunks (see the module docstring), refuse if HEAD moved, then commit. Returns the manifest's size.
+
+    lapsed: some rank's in-flight marker may have expired while it wrote, so check every chunk.
+    """
+    ensure_chunks(repo, man.files, stats, lapsed=lapsed)
+    now = repo.head()
+    if (now is None) != (head_seen is None) or (now is not None and head_seen is not None and now.digest != head_seen.digest):
+        raise VersionConflictError(
+            f"HEAD of {repo.url} moved to version {now.version if now else None} during this push; another writer is publishing"
+        )
+    return repo.commit(man)
+
+
+def ensure_chunks(repo: Repository, files: Iterable[FileEntry], stats: EncodeStats, *, lapsed: bool,
+                  timeout: float = GC_WAIT_SECONDS) -> None:
+    """Right before a manifest write: wait out a running gc, then check the chunks gc may have removed.
+
+    gc looks at the manifests again no sooner than its settle time after taking its lock, so a
+    manifest written right after this check is seen by any gc that starts after it.
+    """
+    check = referenced_chunks(files) if lapsed else set(stats.reused)
+    if not check:
+        return
+    deadline = time.monotonic() + timeout
+    while (holder := read_lock(repo.objects)) is not None and not is_stale(holder):
+        if time.monotonic() > deadline:
+            raise LockHeldError(f"a gc has held {repo.url} for {holder.age:.0f}s ({holder.describe()}); push again later")
+        time.sleep(0.5)
+    ids = sorted(check)
+    missing = [oid for oid, ok in zip(ids, ordered_map(repo.has_chunk, ids, 8), strict=True) if not ok]
+    if missing:
+        raise ChunksGoneError(f"a gc removed {len(missing)} chunks this push references (e.g. {missing[0]})")
+
+
+__all__ = ["GC_WAIT_SECONDS", "ChunksGoneError", "ReusedChunksGoneError", "commit_version", "ensure_chunks",
+           "referenced_chunks", "seal_manifest"]

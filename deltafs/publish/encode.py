@@ -1,0 +1,396 @@
+"""Encode a source's files against a base: chunks to the store, file entries for the manifest, the new push cache.
+
+Work per chunk (read, compare and encode, hash the payload, store it) runs in a thread pool; what
+must see a file's bytes in order (its v1 digests: SHA-256 of the file, XXH3 of each segment and of
+the base segment it is checked against) runs in one "lane" per file, several files at a time. Every
+step keeps to code that releases the GIL (os.pread, numpy, zstd, hashlib, xxhash). Memory is
+bounded: each lane has at most `window` chunks in flight, and at most MAX_PUT_QUEUE payloads wait
+for the store.
+
+The push cache's copy of a file on disk is made without reading it: a reflink (copy-on-write clone)
+or a hard link, else an in-kernel copy (copy_file_range); an in-memory file (push_tensors) is
+written by the workers at the chunks' offsets as they go.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import shutil
+import threading
+from collections import deque
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from deltafs import codec
+from deltafs.errors import DeltafsError, ObjectNotFoundError
+from deltafs.format import digests
+from deltafs.format.manifest import ChunkRef, FileEntry, Segment
+from deltafs.publish.source import DiskReader, FileReader, SourceFile, SourceSegment
+from deltafs.read.dest import LocalState
+from deltafs.read.rebuild import LocalBaseError
+from deltafs.store.repo import Repository
+
+MAX_PUT_QUEUE = 32  # encoded payloads waiting for the store, at most
+_FICLONE = 0x40049409  # linux/fs.h: clone a whole file (btrfs, XFS, bcachefs, overlayfs on those)
+
+
+@dataclass
+class EncodeStats:
+    """What one encoder (one rank) wrote and saw; summed over ranks for the manifest's stats."""
+
+    stored: int = 0  # payload bytes newly written to the store
+    chunks_written: int = 0
+    chunks_total: int = 0
+    elements_total: int = 0
+    elements_changed: int = 0
+    reused: set[str] = field(default_factory=set)  # chunks found already stored (deduplicated)
+
+    def add(self, other: EncodeStats) -> None:
+        self.stored += other.stored
+        self.chunks_written += other.chunks_written
+        self.chunks_total += other.chunks_total
+        self.elements_total += other.elements_total
+        self.elements_changed += other.elements_changed
+        self.reused |= other.reused
+
+
+def place_file(src: str, dst: str, *, allow_link: bool) -> str:
+    """Give dst the bytes of src without reading them through Python; returns how: reflink, link or copy."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+            return "reflink"
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                raise
+        if not allow_link:
+            _kernel_copy(fin.fileno(), fout.fileno(), os.fstat(fin.fileno()).st_size)
+            os.fsync(fout.fileno())
+            return "copy"
+    os.unlink(dst)
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError:
+        pass
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        _kernel_copy(fin.fileno(), fout.fileno(), os.fstat(fin.fileno()).st_size)
+        os.fsync(fout.fileno())
+    return "copy"
+
+
+def _kernel_copy(fin: int, fout: int, size: int) -> None:
+    done = 0
+    try:
+        while done < size:
+            n = os.copy_file_range(fin, fout, size - done, done, done)
+            if n == 0:
+                break
+            done += n
+    except OSError:
+        os.lseek(fin, done, os.SEEK_SET)
+        os.lseek(fout, done, os.SEEK_SET)
+        while block := os.read(fin, 8 << 20):
+            os.write(fout, block)
+        return
+    if done != size:
+        raise DeltafsError(f"copy of {size} bytes stopped at {done}: the file shrank while it was being pushed")
+
+
+class Encoder:
+    """Encodes files against a base (None: a full version) and writes their chunks to the store.
+
+    stage_dir: where the new push cache is assembled (None: encode only, e.g. a fold).
+    """
+
+    def __init__(self, repo: Repository, base: LocalState | None, *, level: int, threads: int,
+                 stage_dir: str | None, allow_link: bool = True) -> None:
+        self.repo = repo
+        self.base = base
+        self.base_segments = base.manifest.segments() if base else {}
+        self.level = level
+        self.threads = max(1, threads)
+        self.stage_dir = stage_dir
+        self.allow_link = allow_link
+        self.cb = repo.config.chunk_bytes
+        self.stats = EncodeStats()
+        self.placed: dict[str, str] = {}  # file → how its cache copy was made
+        # Remote stores are latency-bound: many uploads in flight; a local disk is fsync-bound.
+        self.io_threads = min(4, repo.objects.capabilities.concurrency) if repo.objects.local_root else 16
+        self._put_slots = threading.BoundedSemaphore(MAX_PUT_QUEUE)
+        self._lock = threading.Lock()
+        self._failed = threading.Event()
+        self._free: list[bytearray] = []  # read buffers; at most 2 per chunk in flight exist (bounded by the windows)
+
+    def encode(self, files: list[SourceFile], advance: Callable[[int], None] = lambda n: None) -> list[FileEntry]:
+        """Encode every file; returns once every chunk object it wrote is durable in the store."""
+        lanes = max(1, min(len(files), 4, self.threads))
+        window = max(2, (2 * self.threads) // lanes + 1)
+        puts: list[tuple[str, int, Future[bool]]] = []
+        placing: list[Future[None]] = []
+        work = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltafs-encode")
+        io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="deltafs-put")
+        lane_pool = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="deltafs-lane")
+        ctx = _Context(work, io, puts, placing, window, advance)
+        try:
+            # Biggest files first, so a large shard is not left to run alone at the end.
+            order = sorted(range(len(files)), key=lambda i: -files[i].size)
+            futures = {i: lane_pool.submit(self._encode_file, files[i], ctx) for i in order}
+            wait(futures.values(), return_when=FIRST_EXCEPTION)
+            entries = [futures[i].result() for i in range(len(files))]
+            for fut in placing:
+                fut.result()
+            for oid, size, put in puts:
+                if put.result():
+                    self.stats.stored += size
+                else:
+                    self.stats.reused.add(oid)
+            return entries
+        except BaseException:
+            self._failed.set()
+            for _oid, _size, put in puts:
+                put.cancel()
+            raise
+        finally:
+            lane_pool.shutdown(wait=True)
+            work.shutdown(wait=True, cancel_futures=True)
+            io.shutdown(wait=True)
+
+    # --- one file -------------------------------------------------------------------------
+    def _base_of(self, seg: SourceSegment) -> tuple[str, Segment] | None:
+        if self.base is None:
+            return None
+        hit = self.base_segments.get(seg.key)
+        if hit is None:
+            return None
+        bfile, bseg = hit
+        if bseg.kind != seg.kind or bseg.size != seg.size or bseg.itemsize != seg.itemsize:
+            return None
+        return os.path.join(self.base.path, bfile.path), bseg
+
+    def _encode_file(self, f: SourceFile, ctx: _Context) -> FileEntry:
+        stage_fd = self._stage(f, ctx)
+        reader = f.open()
+        bases = {seg.key: self._base_of(seg) for seg in f.segments}
+        base_fds: dict[str, int] = {}
+        try:
+            for hit in bases.values():
+                if hit is not None and hit[0] not in base_fds:
+                    base_fds[hit[0]] = os.open(hit[0], os.O_RDONLY)
+            lane = _Lane(self, f, reader, bases, base_fds, stage_fd, ctx)
+            entry = lane.run()
+            if stage_fd is not None:
+                os.fsync(stage_fd)
+            return entry
+        finally:
+            reader.close()
+            for fd in base_fds.values():
+                os.close(fd)
+            if stage_fd is not None:
+                os.close(stage_fd)
+
+    def _stage(self, f: SourceFile, ctx: _Context) -> int | None:
+        """Start the cache copy of f: placed in the background (a file on disk) or an fd the workers fill."""
+        if self.stage_dir is None:
+            return None
+        dst = os.path.join(self.stage_dir, f.path)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if f.pieces is None:
+            def place() -> None:
+                self.placed[f.path] = place_file(f.abspath, dst, allow_link=self.allow_link)
+            ctx.placing.append(ctx.io.submit(place))
+            return None
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, f.size)
+        self.placed[f.path] = "write"
+        return fd
+
+    def _chunk(self, reader: FileReader, seg: SourceSegment, i: int, base_fd: int | None, base_offset: int,
+               stage_fd: int | None, ctx: _Context) -> _Chunk:
+        """One chunk: read it (and its base), encode, queue the payload for the store. Runs in a worker."""
+        if self._failed.is_set():
+            raise DeltafsError("push aborted")
+        start = i * self.cb
+        size = min(self.cb, seg.size - start)
+        held: list[bytearray] = []
+        if isinstance(reader, DiskReader):
+            new: Any = self._read_into(reader.fd, size, seg.offset + start, held)
+        else:
+            new = reader.read(seg.offset + start, size)
+        if len(new) != size:
+            raise DeltafsError("a source file shrank while it was being pushed")
+        old = None
+        if base_fd is not None:
+            old = self._read_into(base_fd, size, base_offset + start, held)
+            if len(old) != size:
+                raise LocalBaseError("push cache file is truncated")
+        if stage_fd is not None:
+            os.pwrite(stage_fd, new, seg.offset + start)
+        enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
+                           seg.itemsize, level=self.level)
+        oid = None
+        if enc.payload is not None:
+            # Uploads run in their own pool, so store latency overlaps encoding; the semaphore bounds
+            # the payload bytes waiting for it.
+            oid = hashlib.sha256(enc.payload).hexdigest()
+            self._put_slots.acquire()
+            try:
+                fut = ctx.io.submit(self._put, oid, enc.payload)
+            except BaseException:
+                self._put_slots.release()
+                raise
+            with self._lock:
+                ctx.puts.append((oid, len(enc.payload), fut))
+        # Digests per chunk, here in the workers: nothing hashes a whole file serially (format v2).
+        return _Chunk(new, old, enc, oid, held, digests.chunk_digest(new),
+                      digests.chunk_digest(old) if old is not None else None)
+
+    def _read_into(self, fd: int, size: int, offset: int, held: list[bytearray]) -> memoryview:
+        """pread into a recycled buffer: a fresh 4 MiB bytes object per read costs page faults, more than the read."""
+        with self._lock:
+            buf = self._free.pop() if self._free else bytearray(self.cb)
+        held.append(buf)
+        view = memoryview(buf)[:size]
+        n = os.preadv(fd, [view], offset)
+        return view[:n]
+
+    def recycle(self, held: list[bytearray]) -> None:
+        with self._lock:
+            self._free.extend(held)
+
+    def _put(self, oid: str, payload: bytes) -> bool:
+        try:
+            for attempt in range(3):
+                try:
+                    return self.repo.put_chunk(payload, oid=oid)[1]
+                except ObjectNotFoundError:
+                    # A gc took this push for dead (frozen past its marker's ttl) and removed its partial
+                    # write: the write is idempotent, so write again.
+                    if attempt == 2:
+                        raise
+            raise AssertionError("unreachable")
+        finally:
+            self._put_slots.release()
+
+
+@dataclass
+class _Chunk:
+    """One encoded chunk, as a worker hands it back to its file's lane."""
+
+    new: Any
+    old: Any
+    enc: codec.Encoded
+    oid: str | None
+    held: list[bytearray]
+    digest: bytes  # format v2 chunk digest of new
+    base_digest: bytes | None  # of old, to check the push cache against its manifest
+
+
+@dataclass
+class _Context:
+    work: ThreadPoolExecutor
+    io: ThreadPoolExecutor
+    puts: list[tuple[str, int, Future[bool]]]
+    placing: list[Future[None]]
+    window: int
+    advance: Callable[[int], None]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Lane:
+    """One file: submits its chunks to the workers (at most `window` in flight) and takes them back in order."""
+
+    def __init__(self, enc: Encoder, f: SourceFile, reader: FileReader, bases: dict[str, tuple[str, Segment] | None],
+                 base_fds: dict[str, int], stage_fd: int | None, ctx: _Context) -> None:
+        self.enc, self.f, self.reader, self.bases, self.base_fds = enc, f, reader, bases, base_fds
+        self.stage_fd, self.ctx = stage_fd, ctx
+        self.stats = EncodeStats()
+
+    def _tasks(self) -> Any:
+        cb = self.enc.cb
+        for seg in self.f.segments:
+            hit = self.bases[seg.key]
+            base_fd = self.base_fds[hit[0]] if hit is not None else None
+            base_offset = hit[1].offset if hit is not None else 0
+            for i in range((seg.size + cb - 1) // cb):
+                yield self.ctx.work.submit(self.enc._chunk, self.reader, seg, i, base_fd, base_offset, self.stage_fd,
+                                           self.ctx)
+
+    def run(self) -> FileEntry:
+        pending: deque[Future[Any]] = deque()
+        tasks = self._tasks()
+
+        def results() -> Any:
+            for fut in tasks:
+                pending.append(fut)
+                if len(pending) >= self.ctx.window:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+        stream = results()
+        try:
+            segments = [self._segment(seg, stream) for seg in self.f.segments]
+        finally:
+            for fut in pending:
+                fut.cancel()
+        with self.ctx.lock:
+            self.enc.stats.add(self.stats)
+        return FileEntry(self.f.path, self.f.size, digests.file_digest([s.digest for s in segments], self.f.size),
+                         self.f.format, tuple(segments))
+
+    def _segment(self, seg: SourceSegment, stream: Any) -> Segment:
+        """Take this segment's chunks in order: combine their digests, count, record."""
+        cb = self.enc.cb
+        hit = self.bases[seg.key]
+        tree_base = hit is not None and digests.is_tree_digest(hit[1].digest)
+        # A v1 base (a store written by deltafs 0.1) has one xxh3 stream per segment: hash it in order.
+        bhash = xxhash.xxh3_128() if hit is not None and not tree_base else None
+        chunk_digests: list[bytes] = []
+        base_digests: list[bytes] = []
+        chunks = []
+        for i in range((seg.size + cb - 1) // cb):
+            got = next(stream)
+            new, old, enc, oid, held = got.new, got.old, got.enc, got.oid, got.held
+            chunk_digests.append(got.digest)
+            if got.base_digest is not None:
+                base_digests.append(got.base_digest)
+            if bhash is not None:
+                bhash.update(old)
+            size = len(new)
+            del new, old
+            self.enc.recycle(held)  # the bytes are hashed: the buffers can take the next reads
+            self.stats.chunks_total += 1
+            if enc.payload is not None:
+                self.stats.chunks_written += 1
+            if seg.kind == "tensor":
+                self.stats.elements_total += size // seg.itemsize
+                self.stats.elements_changed += enc.changed
+            chunks.append(ChunkRef(index=i, size=size, codec=enc.codec, object=oid,
+                                   stored=len(enc.payload) if enc.payload is not None else 0))
+            with self.ctx.lock:
+                self.ctx.advance(size)
+        base_ok = hit is None or hit[1].digest == (digests.segment_digest(base_digests, seg.size) if tree_base
+                                                   else "xxh3-128:" + (bhash.hexdigest() if bhash else ""))
+        if not base_ok:
+            version = self.enc.base.version if self.enc.base else "?"
+            raise LocalBaseError(f"push cache does not match version {version} at {seg.key[2:]}")
+        return Segment(key=seg.key, kind=seg.kind, offset=seg.offset, size=seg.size,
+                       digest=digests.segment_digest(chunk_digests, seg.size), chunks=tuple(chunks), dtype=seg.dtype,
+                       shape=seg.shape)
+
+
+def discard(stage_dir: str | None) -> None:
+    if stage_dir is not None:
+        shutil.rmtree(stage_dir, ignore_errors=True)
+
+
+__all__ = ["EncodeStats", "Encoder", "MAX_PUT_QUEUE", "discard", "place_file"]

@@ -1,0 +1,216 @@
+"""The one HF safetensors shard writer: name → tensor in, safetensors shards (+ index) as files or as bytes.
+
+`plan_checkpoint` lays the tensors out once; the same plan is either written to a directory
+(`write_hf_checkpoint`) or streamed into a push without touching the disk (`HfCheckpoint.pieces`).
+A shard's bytes are what `safetensors.torch.save_file` writes for the same tensors (dtype-descending,
+then name order; header padded with spaces to 8 bytes), except that tensors sharing storage (tied
+weights) are accepted and written once per name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deltafs.errors import UsageError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_SHARD_BYTES = 5 << 30
+
+# safetensors' Dtype enum order (safetensors/src/tensor.rs); shards list tensors by it, descending, so
+# every tensor is aligned to its own item size.
+_DTYPE_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
+                "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
+_RANK = {name: i for i, name in enumerate(_DTYPE_ORDER)}
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """HF's sharded-checkpoint file name, 1-based: model-00001-of-00003.safetensors."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def torch_dtype_name(dtype: Any) -> str | None:
+    """The safetensors name of a torch dtype, or None if safetensors cannot store it."""
+    import torch
+
+    table = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+             torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+             torch.float64: "F64", torch.complex64: "C64"}
+    for attr, name in (("float8_e5m2", "F8_E5M2"), ("float8_e4m3fn", "F8_E4M3"), ("uint16", "U16"),
+                       ("uint32", "U32"), ("uint64", "U64"), ("float8_e8m0fnu", "F8_E8M0")):
+        if hasattr(torch, attr):
+            table[getattr(torch, attr)] = name
+    return table.get(dtype)
+
+
+def host_bytes(t: Any) -> np.ndarray:
+    """A tensor's bytes on the host as a flat uint8 array (no copy for a contiguous CPU tensor).
+
+    A DTensor (FSDP2, tensor parallel) is gathered with full_tensor(): a collective over its mesh.
+    """
+    import torch
+
+    if type(t).__name__ == "DTensor":
+        t = t.full_tensor()
+    if not isinstance(t, torch.Tensor):
+        raise UsageError(f"expected a torch.Tensor, got {type(t).__name__}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    flat: np.ndarray = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return flat
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    data: np.ndarray  # flat uint8, host memory
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+@dataclass(frozen=True)
+class HfShard:
+    """One safetensors file: its header bytes (length prefix included) and its tensors in file order."""
+
+    name: str
+    header: bytes
+    tensors: tuple[HfTensor, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+    def pieces(self) -> list[tuple[int, memoryview]]:
+        """(offset, bytes) of the header and of every tensor, in file order: the file without writing it."""
+        out = [(0, memoryview(self.header))]
+        pos = len(self.header)
+        for t in self.tensors:
+            out.append((pos, memoryview(t.data)))  # type: ignore[arg-type]  # numpy arrays are buffers
+            pos += t.nbytes
+        return out
+
+
+def safetensors_header(tensors: list[HfTensor], metadata: Mapping[str, str] | None) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file whose data holds `tensors` in this order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    pos = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+@dataclass(frozen=True)
+class HfCheckpoint:
+    """The planned files of an HF checkpoint: shards, the index (when sharded) and extra files."""
+
+    shards: tuple[HfShard, ...]
+    index: bytes | None
+    extra_files: Mapping[str, bytes]
+
+    def files(self) -> dict[str, list[tuple[int, memoryview]]]:
+        """Relative path → (offset, bytes) pieces, for every file of the checkpoint."""
+        out: dict[str, list[tuple[int, memoryview]]] = {s.name: s.pieces() for s in self.shards}
+        if self.index is not None:
+            out[INDEX_FILE] = [(0, memoryview(self.index))]
+        for rel, data in self.extra_files.items():
+            out[rel] = [(0, memoryview(bytes(data)))]
+        return out
+
+
+def check_tensor(name: Any, t: Any) -> str:
+    """The safetensors dtype of t; UsageError if name or t cannot go into a shard."""
+    import torch
+
+    if not isinstance(name, str) or not name:
+        raise UsageError(f"tensor names must be non-empty strings, got {name!r}")
+    if not isinstance(t, torch.Tensor):
+        raise UsageError(f"{name} is not a torch.Tensor")
+    dtype = torch_dtype_name(t.dtype)
+    if dtype is None:
+        raise UsageError(f"{name} has dtype {t.dtype}, which safetensors cannot store")
+    return dtype
+
+
+def collect_tensors(tensors: Mapping[str, Any]) -> list[HfTensor]:
+    """Check names and dtypes and take each tensor's host bytes, in the mapping's order."""
+    return [HfTensor(name, check_tensor(name, t), tuple(t.shape), host_bytes(t)) for name, t in tensors.items()]
+
+
+def make_shard(name: str, tensors: list[HfTensor], metadata: Mapping[str, str] | None = None) -> HfShard:
+    ordered = sorted(tensors, key=lambda t: (-_RANK.get(t.dtype, -1), t.name))
+    return HfShard(name, safetensors_header(ordered, metadata), tuple(ordered))
+
+
+def index_bytes(weight_map: Mapping[str, str], total_size: int) -> bytes:
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
+def plan_checkpoint(tensors: Mapping[str, Any] | list[HfTensor], *, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+                    metadata: Mapping[str, str] | None = None,
+                    extra_files: Mapping[str, bytes] | None = None) -> HfCheckpoint:
+    """Cut the tensors (in order) into shards of at most max_shard_bytes (one file when they fit)."""
+    items = tensors if isinstance(tensors, list) else collect_tensors(tensors)
+    groups: list[list[HfTensor]] = [[]]
+    size = 0
+    for t in items:
+        if max_shard_bytes is not None and groups[-1] and size + t.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    meta = dict(metadata) if metadata is not None else {"format": "pt"}
+    extra = dict(extra_files or {})
+    shards: tuple[HfShard, ...]
+    if len(groups) == 1:
+        shards = (make_shard(SINGLE_FILE, groups[0], meta),)
+        index = None
+    else:
+        shards = tuple(make_shard(shard_file_name(i, len(groups)), g, meta) for i, g in enumerate(groups, 1))
+        index = index_bytes({t.name: s.name for s in shards for t in s.tensors}, sum(t.nbytes for t in items))
+    clash = set(extra) & ({s.name for s in shards} | ({INDEX_FILE} if index else set()))
+    if clash:
+        raise UsageError(f"extra file {sorted(clash)[0]} clashes with a file of the checkpoint")
+    return HfCheckpoint(shards, index, extra)
+
+
+def write_files(files: Mapping[str, list[tuple[int, memoryview]]], out_dir: str) -> list[str]:
+    """Write planned files under out_dir; returns their relative paths."""
+    for rel, pieces in files.items():
+        path = os.path.join(out_dir, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as fh:
+            for _offset, data in pieces:
+                fh.write(data)
+    return list(files)
+
+
+def write_hf_checkpoint(tensors: Mapping[str, Any], out_dir: str, *, extra_files: Mapping[str, bytes] | None = None,
+                        max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+                        metadata: Mapping[str, str] | None = None) -> list[str]:
+    """Serialize name → torch tensor (any device, any layout) as HF-style safetensors shards; returns the paths."""
+    plan = plan_checkpoint(tensors, max_shard_bytes=max_shard_bytes, metadata=metadata, extra_files=extra_files)
+    os.makedirs(out_dir, exist_ok=True)
+    return write_files(plan.files(), out_dir)
+
+
+__all__ = ["DEFAULT_SHARD_BYTES", "HfCheckpoint", "HfShard", "HfTensor", "INDEX_FILE", "check_tensor", "collect_tensors",
+           "host_bytes", "index_bytes", "make_shard", "plan_checkpoint", "safetensors_header", "shard_file_name",
+           "torch_dtype_name", "write_files", "write_hf_checkpoint"]

@@ -1,0 +1,101 @@
+"""What a push is asked to do (PushOptions) and what it did (PushResult)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, TypedDict
+
+from deltafs import codec
+from deltafs.errors import UsageError
+from deltafs.format.manifest import canonical_json
+
+# Keyframe policy defaults: a full version every 50 versions, or sooner once the deltas since the
+# last full version add up to the size of a full version (a reader then reads at most ~2x full).
+DEFAULT_KEYFRAME_EVERY = 50
+DEFAULT_KEYFRAME_BUDGET = 1.0
+
+# How the push cache takes a pushed file: "auto" tries a reflink (copy-on-write clone), then a hard
+# link, then an in-kernel copy; "copy" never links (for trainers that rewrite checkpoint files in
+# place; deltafs also falls back to it by itself once it sees that happen).
+LINK_MODES = ("auto", "copy")
+
+
+@dataclass(frozen=True)
+class PushOptions:
+    """Everything a push can be told besides the store and the source; shared by every push entry point."""
+
+    version: int | None = None  # the new version's number; default: HEAD + 1
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # JSON, stored in the manifest (e.g. the step)
+    full: bool = False  # write a full version even if a delta is possible
+    keyframe_every: int | None = DEFAULT_KEYFRAME_EVERY  # a full version at least every N versions
+    keyframe_budget: float | None = DEFAULT_KEYFRAME_BUDGET  # ... or once deltas since the last one reach this x full
+    level: int = codec.DEFAULT_LEVEL  # zstd level of the chunk payloads
+    threads: int | None = None  # encoding threads; default deltafs.parallel.default_threads()
+    fold: bool = False  # also write a folded delta from the last full version (deltafs.read.chain)
+    cache_dir: str | None = None  # the push cache; default $DELTAFS_CACHE or ~/.cache/deltafs/push/<store id>
+    storage_options: Mapping[str, Any] | None = None  # fsspec options when the store is given as a URL
+    progress: bool = False  # a progress bar on stderr
+    link: str = "auto"  # see LINK_MODES
+
+    def __post_init__(self) -> None:
+        try:
+            canonical_json(dict(self.metadata))
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"metadata is not JSON: {exc}") from None
+        if self.link not in LINK_MODES:
+            raise UsageError(f"link must be one of {', '.join(LINK_MODES)}, not {self.link!r}")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError("threads must be at least 1")
+
+    @classmethod
+    def of(cls, options: PushOptions | None = None, **overrides: Any) -> PushOptions:
+        """options (or the defaults) with keyword overrides; an unknown keyword is a TypeError, as for a function."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unexpected push option {unknown[0]!r}")
+        overrides = {k: v for k, v in overrides.items() if not (k == "metadata" and v is None)}
+        return replace(options or cls(), **overrides)
+
+
+class PushKeywords(TypedDict, total=False):
+    """PushOptions' fields as keyword arguments: push(store, src, version=3, fold=True) still works."""
+
+    version: int | None
+    metadata: Mapping[str, Any] | None
+    full: bool
+    keyframe_every: int | None
+    keyframe_budget: float | None
+    level: int
+    threads: int | None
+    fold: bool
+    cache_dir: str | None
+    storage_options: Mapping[str, Any] | None
+    progress: bool
+    link: str
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    kind: str
+    parent: int | None
+    bytes_written: int  # new bytes stored for this version: chunks plus manifest
+    full_bytes: int  # size of the checkpoint's files
+    chunks_written: int
+    changed_fraction: float  # elements that differ from the parent version
+    seconds: float
+    store: str
+    base_rederived: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+    fold_bytes: int = 0  # bytes of the folded delta written after the commit (fold=True)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ratio"] = round(self.full_bytes / self.bytes_written, 2) if self.bytes_written else None
+        return out
+
+
+__all__ = ["DEFAULT_KEYFRAME_BUDGET", "DEFAULT_KEYFRAME_EVERY", "LINK_MODES", "PushKeywords", "PushOptions",
+           "PushResult"]

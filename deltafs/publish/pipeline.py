@@ -1,0 +1,381 @@
+"""The one push pipeline, for a world of 1..N ranks: plan, encode, commit, fold.
+
+Every step that must agree across ranks is a collective over a `World` (a single process is a
+world of one; deltafs.publish.distributed supplies one over torch.distributed):
+1. every rank reports the size of its files; the root reads HEAD, picks the version number and its
+   kind (plan.decide) and broadcasts the decision;
+2. every rank encodes its own files against its base (its push cache, re-derived from the store
+   when missing or stale) and writes their chunks, under an in-flight marker that gc honours;
+3. only if every rank succeeded does the root write the manifest (the commit point) and HEAD; a gc
+   that removed chunks meanwhile makes every rank encode again;
+4. every rank installs its new push cache; with fold=True the ranks encode their files against
+   the last full version and the root writes the fold.
+A rank that fails or dies before step 3 leaves chunks no manifest references (gc removes them) and
+no visible version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from deltafs.errors import DeltafsError
+from deltafs.format.manifest import FileEntry, Manifest
+from deltafs.parallel import default_threads
+from deltafs.progress import Progress
+from deltafs.publish.commit import ChunksGoneError, commit_version, seal_manifest
+from deltafs.publish.encode import EncodeStats, Encoder, discard
+from deltafs.publish.fold import FoldPart, encode_fold_part, fold_needed, write_fold
+from deltafs.publish.options import PushOptions, PushResult
+from deltafs.publish.plan import Decision, base_for, decide, default_cache_dir, drop_cache
+from deltafs.publish.source import SourceFile, scan_file
+from deltafs.read.dest import LocalCheckpoint, LocalState
+from deltafs.read.rebuild import LocalBaseError
+from deltafs.store.lock import PushGuard
+from deltafs.store.repo import Repository
+
+T = TypeVar("T")
+ENCODE_ATTEMPTS = 3  # a gc that removed chunks under a push makes it encode again, this often at most
+NO_LINK_FLAG = "no-link"  # in the cache root: this trainer rewrites files in place; copy, never hard-link
+
+
+class DistributedPushError(DeltafsError, RuntimeError):
+    """Another rank failed, so this version was not committed."""
+
+
+class World(Protocol):
+    """The collectives the pipeline needs."""
+
+    rank: int
+    world: int
+
+    @property
+    def is_root(self) -> bool: ...
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+
+class Solo:
+    """A world of one: a single-process push."""
+
+    rank, world = 0, 1
+    is_root = True
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+
+@dataclass
+class _Failure:
+    """A rank's exception, as sent to the other ranks."""
+
+    rank: int
+    kind: str
+    message: str
+
+
+def _raise_first(results: list[Any], own: BaseException | None, what: str) -> None:
+    """If any rank failed: re-raise this rank's own error, or a DistributedPushError naming the first failure."""
+    failures = [r for r in results if isinstance(r, _Failure)]
+    if not failures:
+        return
+    if own is not None:
+        raise own
+    f = failures[0]
+    raise DistributedPushError(f"{what}: rank {f.rank} failed ({f.kind}: {f.message}); version not committed")
+
+
+def collective(world: World, what: str, fn: Callable[[], T]) -> list[T]:
+    """Run fn on every rank and all-gather the results; any failure raises on every rank."""
+    own: BaseException | None = None
+    value: Any
+    try:
+        value = fn()
+    except Exception as exc:  # sent to the other ranks, then re-raised
+        own, value = exc, _Failure(world.rank, type(exc).__name__, str(exc))
+    if world.world == 1 and own is not None:
+        raise own
+    results = world.all_gather(value)
+    _raise_first(results, own, what)
+    return results
+
+
+def from_root(world: World, what: str, fn: Callable[[], T]) -> T:
+    """Run fn on the root and broadcast its result; a failure there raises on every rank."""
+    own: BaseException | None = None
+    value: Any = None
+    if world.is_root:
+        try:
+            value = fn()
+        except Exception as exc:
+            if world.world == 1:
+                raise
+            own, value = exc, _Failure(world.rank, type(exc).__name__, str(exc))
+    value = world.broadcast(value)
+    _raise_first([value], own, what)
+    return value  # type: ignore[no-any-return]
+
+
+@dataclass
+class RankReport:
+    """What a rank sends the root after encoding."""
+
+    files: list[dict[str, Any]]
+    stats: EncodeStats
+    rederived: bool
+    lapsed: bool  # its in-flight marker may have expired: the root checks every chunk
+
+
+@dataclass
+class Outcome:
+    """The root's commit outcome, broadcast to every rank."""
+
+    manifest: bytes | None  # None: chunks were gone, encode again
+    manifest_size: int = 0
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RankWork:
+    """One rank's part of a push: its files and where its caches live."""
+
+    files: list[SourceFile]
+    cache_root: str | None = None  # default: opts.cache_dir or ~/.cache/deltafs/push/<store id>
+    cache_name: str = ""  # "rank-3" in a multi-rank push: each rank has its own caches
+    inherit_files: bool = False  # also keep the parent's non-tensor files this push does not name
+    extra_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions, *,
+        t0: float | None = None) -> PushResult:
+    """Push this rank's files as part of one version; every rank of `world` must call it. See the module docstring."""
+    t0 = time.monotonic() if t0 is None else t0
+    sizes = collective(world, "sizing the checkpoint", lambda: sum(f.size for f in work.files))
+    repo_box: list[Repository] = []
+
+    def open_repo(create: bool = False) -> Repository:
+        if not repo_box:
+            repo_box.append(store if isinstance(store, Repository) else
+                            Repository.open(store, dict(opts.storage_options or {}) or None, create=create))
+        return repo_box[0]
+
+    decision: Decision = from_root(world, "reading the store", lambda: decide(open_repo(create=True), opts, sum(sizes)))
+    with contextlib.ExitStack() as stack:
+        rank = _Rank(world, open_repo, decision, work, opts, stack)
+        collective(world, "opening the push cache", rank.open)
+        progress = opts.progress and world.world == 1
+        for attempt in range(ENCODE_ATTEMPTS):
+            reports = collective(world, "writing chunks", lambda: rank.encode(progress=progress))
+            last = attempt == ENCODE_ATTEMPTS - 1
+            outcome = from_root(world, "committing", functools.partial(rank.commit, reports, last=last, t0=t0))
+            if outcome.manifest is not None:
+                break
+            rank.discard()
+        assert outcome.manifest is not None
+        man = Manifest.from_bytes(outcome.manifest, where=f"manifest of version {decision.version}")
+        rank.install(man)
+        rank.close_guard()
+        fold_bytes = rank.fold(man) if opts.fold else 0
+    return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes,
+                         "base_rederived": any(r.rederived for r in reports)})
+
+
+class _Rank:
+    """This rank's state through one push: cache, base, encoder, marker."""
+
+    def __init__(self, world: World, open_repo: Callable[[], Repository], decision: Decision, work: RankWork,
+                 opts: PushOptions, stack: contextlib.ExitStack) -> None:
+        self.world, self.open_repo, self.decision, self.work, self.opts, self.stack = \
+            world, open_repo, decision, work, opts, stack
+        self.threads = opts.threads or default_threads()
+        self.files = list(work.files)
+        self.stage: str | None = None
+        self.base: LocalState | None = None
+        self.rederive = False
+        self.guard: PushGuard | None = None
+        self.encoded: list[SourceFile] = []  # the files of the last encode, inherited ones included
+
+    # --- caches ----------------------------------------------------------------------------
+    def open(self) -> None:
+        repo = self.open_repo()
+        if repo.store_id != self.decision.store_id:
+            raise DeltafsError(f"rank {self.world.rank} sees another store at {repo.url} than the root rank")
+        root = self.work.cache_root or self.opts.cache_dir or default_cache_dir(repo.store_id)
+        self.cache_root = os.path.join(root, self.work.cache_name) if self.work.cache_name else root
+        self.cache = LocalCheckpoint(os.path.join(self.cache_root, "base"))
+        self.keyframe = LocalCheckpoint(os.path.join(self.cache_root, "keyframe"))
+        self.stack.enter_context(self.cache.lock(wait=False, name="push.lock"))
+        self.stack.callback(self.discard)
+        if self.files:
+            self.guard = PushGuard(repo.objects).__enter__()
+            self.stack.callback(self.close_guard)
+
+    def close_guard(self) -> None:
+        if self.guard is not None:
+            self.guard.__exit__(None, None, None)
+            self.guard = None
+
+    def _parent(self) -> Manifest | None:
+        head = self.decision.head
+        return self.open_repo().manifest(head.version) if head is not None else None
+
+    def _inherited(self, parent: Manifest) -> list[str]:
+        """The parent's plain files (tokenizer, generation_config.json ...) that this push does not name."""
+        from deltafs.publish.hf import INDEX_FILE
+
+        named = {f.path for f in self.files}
+        return [f.path for f in parent.files if f.format == "blob" and f.path != INDEX_FILE and f.path not in named]
+
+    def _prepare_base(self) -> tuple[list[SourceFile], bool]:
+        """The files to encode (with inherited ones) and the base; rebuilt from the store when needed."""
+        files = list(self.files)
+        parent = self._parent()
+        inherit = self._inherited(parent) if parent is not None and self.work.inherit_files else []
+        keys = {seg.key for f in files for seg in f.segments} | {f"f:{p}" for p in inherit}
+        self.base, rederived = None, False
+        if parent is not None and (self.decision.kind == "delta" or inherit):
+            self.base, rederived = base_for(self.open_repo(), self.cache, parent, keys, rederive=self.rederive)
+            if not rederived and self._rewritten_in_place(files, self.base):
+                # The trainer rewrote a file the cache had hard-linked: the base is gone. Copy from now on.
+                open(os.path.join(self.cache_root, NO_LINK_FLAG), "a").close()
+                self.base, rederived = base_for(self.open_repo(), self.cache, parent, keys, rederive=True)
+        if inherit:
+            assert self.base is not None
+            files += [scan_file(p, os.path.join(self.base.path, p)) for p in inherit]
+        return files, rederived
+
+    @staticmethod
+    def _rewritten_in_place(files: list[SourceFile], base: LocalState) -> bool:
+        try:
+            installed = os.stat(base.path + ".json").st_mtime_ns
+        except OSError:
+            return False
+        for f in files:
+            if f.pieces is not None:
+                continue
+            try:
+                src, old = os.stat(f.abspath), os.stat(os.path.join(base.path, f.path))
+            except OSError:
+                continue
+            if (src.st_dev, src.st_ino) == (old.st_dev, old.st_ino) and src.st_mtime_ns > installed:
+                return True
+        return False
+
+    # --- encode ----------------------------------------------------------------------------
+    def encode(self, *, progress: bool) -> RankReport:
+        if not self.files:
+            return RankReport([], EncodeStats(), False, False)
+        rederived = False
+        for attempt in range(2):
+            files, fresh = self._prepare_base()
+            rederived = rederived or fresh
+            allow_link = self.opts.link == "auto" and not os.path.exists(os.path.join(self.cache_root, NO_LINK_FLAG))
+            self.stage = self.cache.new_staging()
+            enc = Encoder(self.open_repo(), self.base if self.decision.kind == "delta" else None,
+                          level=self.opts.level, threads=self.threads, stage_dir=self.stage, allow_link=allow_link)
+            try:
+                with Progress(f"push v{self.decision.version}", sum(f.size for f in files), enabled=progress) as bar:
+                    entries = enc.encode(files, bar.advance)
+            except LocalBaseError:
+                self.discard()
+                if attempt or self.rederive:
+                    raise  # the cache was just rebuilt from the store: something else is wrong
+                drop_cache(self.cache)
+                self.rederive = True
+                continue
+            self.rederive = False
+            self.encoded = files
+            assert self.guard is not None
+            self.guard.refresh()  # protected again from here, whatever happened while encoding
+            return RankReport([e.to_json() for e in entries], enc.stats, rederived, self.guard.lapsed)
+        raise AssertionError("unreachable")
+
+    def discard(self) -> None:
+        discard(self.stage)
+        self.stage = None
+
+    # --- commit (root) -----------------------------------------------------------------------
+    def commit(self, reports: list[RankReport], *, last: bool, t0: float) -> Outcome:
+        repo = self.open_repo()
+        entries = sorted((FileEntry.from_json(f) for r in reports for f in r.files), key=lambda f: f.path)
+        if not entries:
+            raise DeltafsError("no rank had a file to push")
+        stats = EncodeStats()
+        for r in reports:
+            stats.add(r.stats)
+        parent = self._parent()
+        kind = self.decision.kind
+        extra = dict(self.work.extra_stats)
+        if self.world.world > 1:
+            extra["ranks"] = self.world.world
+        man = seal_manifest(repo, version=self.decision.version, kind=kind, parent=parent, files=entries,
+                            metadata=self.opts.metadata, stats=stats, extra_stats=extra)
+        lapsed = any(r.lapsed for r in reports)
+        if self.guard is not None:
+            self.guard.refresh()
+            lapsed = lapsed or self.guard.lapsed
+        try:
+            size = commit_version(repo, man, head_seen=self.decision.head, stats=stats, lapsed=lapsed)
+        except ChunksGoneError:
+            if last:
+                raise
+            return Outcome(None)
+        changed = stats.elements_changed / stats.elements_total if stats.elements_total else 0.0
+        result = {
+            "version": man.version,
+            "kind": kind,
+            "parent": man.parent,
+            "bytes_written": stats.stored + size,
+            "full_bytes": man.raw_bytes,
+            "chunks_written": stats.chunks_written,
+            "changed_fraction": changed if kind == "delta" else 1.0,
+            "seconds": time.monotonic() - t0,
+            "store": repo.url,
+            "metadata": dict(self.opts.metadata),
+        }
+        return Outcome(man.to_bytes(), size, result)
+
+    def install(self, man: Manifest) -> None:
+        if self.stage is None:
+            return
+        self.cache.install(self.stage, store_id=man.store_id, store_url=self.open_repo().url, manifest=man)
+        self.stage = None
+        self.cache.cleanup(keep=1)
+
+    # --- fold ------------------------------------------------------------------------------
+    def fold(self, man: Manifest) -> int:
+        """Write the fold of the version just committed (see deltafs.publish.fold); 0 if none was written."""
+        import logging
+
+        def part() -> FoldPart | None:
+            if not self.encoded:
+                return FoldPart([], EncodeStats()) if fold_needed(man) else None
+            state = self.cache.state()
+            if state is None or state.digest != man.digest:
+                raise DeltafsError("the push cache does not hold the version just committed")
+            return encode_fold_part(self.open_repo(), man, state, self.keyframe, self.encoded,
+                                    level=self.opts.level, threads=self.threads)
+
+        try:
+            parts = collective(self.world, "folding", part)
+            real = [p for p in parts if p is not None]
+            if len(real) != len(parts):
+                return 0  # a full version (the keyframe caches were updated), or nothing to fold
+            return from_root(self.world, "writing the fold", lambda: write_fold(self.open_repo(), man, real))
+        except (DeltafsError, OSError) as exc:
+            logging.getLogger("deltafs").warning("version %s is committed, but its fold was not written: %s",
+                                                 man.version, exc)
+            return 0
+
+
+__all__ = ["DistributedPushError", "RankReport", "RankWork", "Solo", "World", "collective", "from_root", "run"]

@@ -1,0 +1,112 @@
+"""gc racing a real push that runs longer than gc's grace period (issue 10.3).
+
+The push runs in its own process and is frozen (SIGSTOP) after it has written some chunks; gc runs
+with grace 0, so every chunk no manifest references is old enough to go. The push's in-flight
+marker must keep its chunks, or, once the marker has expired, the push must notice and write them
+again: either way it commits a version that verifies and pulls back byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from deltafs.maintenance.gc import gc
+from deltafs.maintenance.verify import verify
+from deltafs.publish import push
+from deltafs.read.pull import pull
+from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import files_of, write_safetensors
+
+PUSH = "import sys; from deltafs.publish import push; push(sys.argv[1], sys.argv[2], cache_dir=sys.argv[3], threads=1, level=9)"
+
+
+def _chunks(store: str) -> set[str]:
+    out = set()
+    for _dir, _sub, files in os.walk(os.path.join(store, "chunks")):
+        out.update(f for f in files if not f.startswith(".tmp-"))
+    return out
+
+
+def _source(path: str, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 1 << 16, 8 << 20, dtype=np.uint16).tobytes()  # 16 MiB, 256 chunks of 64 KiB
+    write_safetensors(os.path.join(path, "model.safetensors"), {"w": ("BF16", (8 << 20,), data)})
+    return path
+
+
+def _frozen_push(tmp_path, env: dict[str, str]) -> tuple[str, str, subprocess.Popen[bytes], set[str]]:
+    """A store with version 1, and a push of an unrelated version 2 frozen after writing a few chunks."""
+    store = str(tmp_path / "store")
+    Repository.open(store, create=True, chunk_bytes=64 << 10)
+    push(store, _source(str(tmp_path / "v1"), 1), cache_dir=str(tmp_path / "cache-1"))
+    before = _chunks(store)
+    src = _source(str(tmp_path / "v2"), 2)
+    proc = subprocess.Popen([sys.executable, "-c", PUSH, store, src, str(tmp_path / "cache-2")],
+                            env={**os.environ, **env})
+    while len(_chunks(store) - before) < 4 and proc.poll() is None:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert proc.poll() is None, "the push finished before it could be frozen"
+    return store, src, proc, _chunks(store) - before
+
+
+def _resume_and_check(tmp_path, store: str, src: str, proc: subprocess.Popen[bytes]) -> None:
+    os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(timeout=600) == 0
+    repo = Repository.open(store)
+    assert repo.versions() == [1, 2]
+    assert verify(store, all_versions=True).ok
+    pull(store, str(tmp_path / "dest"))
+    assert files_of(tmp_path / "dest") == files_of(src)
+
+
+def test_gc_spares_the_chunks_of_a_push_in_flight(tmp_path):
+    store, src, proc, written = _frozen_push(tmp_path, {})
+    try:
+        res = gc(store, keep_last=1, grace=0, settle=0)
+        assert res.plan.push_markers and res.plan.chunks_in_flight >= len(written)
+        assert written <= _chunks(store)  # nothing the push wrote was removed
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    _resume_and_check(tmp_path, store, src, proc)
+
+
+def test_a_push_frozen_past_its_marker_writes_removed_chunks_again(tmp_path):
+    store, src, proc, written = _frozen_push(tmp_path, {"DELTAFS_PUSH_MARKER_TTL": "1"})
+    try:
+        time.sleep(1.5)  # the marker expires: to gc the push looks dead
+        res = gc(store, keep_last=1, grace=0, settle=0)
+        assert not res.plan.push_markers and res.plan.dead_markers
+        assert not written & _chunks(store)  # gc removed what the frozen push had written
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    _resume_and_check(tmp_path, store, src, proc)
+
+
+@pytest.mark.parametrize("grace", [0.0])
+def test_gc_removes_the_chunks_of_a_dead_push_once_its_marker_expired(tmp_path, grace):
+    """A push killed mid-way leaves a marker; after its ttl gc removes the marker and the push's chunks."""
+    store = str(tmp_path / "store")
+    Repository.open(store, create=True, chunk_bytes=64 << 10)
+    push(store, _source(str(tmp_path / "v1"), 1), cache_dir=str(tmp_path / "cache-1"))
+    before = _chunks(store)
+    src = _source(str(tmp_path / "v2"), 2)
+    proc = subprocess.Popen([sys.executable, "-c", PUSH, store, src, str(tmp_path / "cache-2")],
+                            env={**os.environ, "DELTAFS_PUSH_MARKER_TTL": "1"})
+    while len(_chunks(store) - before) < 4 and proc.poll() is None:
+        time.sleep(0.002)
+    proc.kill()
+    proc.wait()
+    time.sleep(1.5)
+    res = gc(store, keep_last=1, grace=grace, settle=0)
+    assert res.plan.dead_markers and not res.plan.push_markers
+    assert _chunks(store) == before
+    assert not [k for k in os.listdir(os.path.join(store, "locks")) if k.startswith("push-")]
+    assert verify(store, all_versions=True).ok

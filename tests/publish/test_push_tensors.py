@@ -1,0 +1,84 @@
+"""push_tensors: streamed without a temporary checkpoint, keeps the previous version's plain files, takes DTensors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deltafs.publish import PushOptions, push, push_tensors
+from deltafs.read.pull import pull
+from deltafs.store.repo import Repository
+
+
+def _weights(step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 64, generator=gen).bfloat16(), "b": torch.randn(64, generator=gen)}
+
+
+def test_no_temporary_checkpoint_is_written(tmp_path, monkeypatch):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    store = str(tmp_path / "store")
+    push_tensors(store, _weights(0), cache_dir=str(tmp_path / "cache"))
+    push_tensors(store, _weights(1), cache_dir=str(tmp_path / "cache"))
+    assert os.listdir(tmp) == []
+    pull(store, str(tmp_path / "dest"))
+    got = load_file(str(tmp_path / "dest" / "model.safetensors"))
+    assert all(torch.equal(got[n], t) for n, t in _weights(1).items())
+
+
+def test_plain_files_of_the_previous_version_are_kept_unless_told_otherwise(tmp_path):
+    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
+    first = {"config.json": b'{"v": 1}', "tokenizer.json": b'{"tok": 1}', "generation_config.json": b'{"t": 1}'}
+    push_tensors(store, _weights(0), extra_files=first, cache_dir=cache)
+    push_tensors(store, _weights(1), extra_files={"config.json": b'{"v": 2}'}, cache_dir=cache)
+    pull(store, str(tmp_path / "dest"))
+    dest = tmp_path / "dest"
+    assert sorted(os.listdir(dest)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert (dest / "config.json").read_bytes() == b'{"v": 2}' and (dest / "tokenizer.json").read_bytes() == b'{"tok": 1}'
+    # From a fresh cache too (the files come from the store), and keep_files=False drops them.
+    push_tensors(store, _weights(2), cache_dir=str(tmp_path / "other-cache"))
+    assert {f.path for f in Repository.open(store).manifest(3).files} == set(os.listdir(dest))
+    push_tensors(store, _weights(3), keep_files=False, cache_dir=cache)
+    assert [f.path for f in Repository.open(store).manifest(4).files] == ["model.safetensors"]
+
+
+def test_options_object_and_keywords(tmp_path):
+    store = str(tmp_path / "store")
+    res = push_tensors(store, _weights(0), PushOptions(version=10, metadata={"step": 3}), cache_dir=str(tmp_path / "c"))
+    assert (res.version, res.metadata) == (10, {"step": 3})
+    with pytest.raises(TypeError, match="unexpected push option 'tmp_dir'"):
+        push_tensors(store, _weights(1), tmp_dir=str(tmp_path))  # type: ignore[call-arg]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x" * 100)
+    assert push(store, str(src), PushOptions(full=True), level=1).kind == "full"
+
+
+def test_a_dtensor_state_dict_on_a_world_of_one(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain = _weights(0)
+        state = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in plain.items()}
+        store = str(tmp_path / "store")
+        push_tensors(store, state, cache_dir=str(tmp_path / "cache"))
+    finally:
+        dist.destroy_process_group()
+    pull(store, str(tmp_path / "dest"))
+    got = load_file(str(tmp_path / "dest" / "model.safetensors"))
+    assert all(torch.equal(got[n], t) for n, t in plain.items())
