@@ -35,6 +35,8 @@ from typing import Any, Callable, Mapping
 from deltafs import codec
 from deltafs.errors import DeltafsError, UsageError
 from deltafs.format.manifest import FileEntry, Head, Manifest, canonical_json
+from deltafs.format.versions import check_version
+from deltafs.read.pull import checked_head
 from deltafs.read.dest import LocalCheckpoint, LocalState
 from deltafs.parallel import default_threads
 from deltafs.publish.push import (
@@ -252,10 +254,10 @@ class _Decision:
 
 def _decide(repo: Repository, version: int | None, full: bool, every: int | None, budget: float | None,
             full_bytes: int) -> _Decision:
-    head = repo.head()
+    head = checked_head(repo)  # a HEAD naming a missing or different manifest is reported as such
     if version is not None and head is not None and version <= head.version:
         raise UsageError(f"version {version} is not newer than the store's newest version {head.version}")
-    new_version = version if version is not None else (head.version + 1 if head else 1)
+    new_version = check_version(version if version is not None else (head.version + 1 if head else 1))
     parent = repo.manifest(head.version) if head is not None else None
     kind = "full" if parent is None or full or _keyframe_due(parent, full_bytes, every, budget) else "delta"
     return _Decision(repo.store_id, head, new_version, kind)

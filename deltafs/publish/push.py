@@ -28,6 +28,8 @@ import xxhash
 from deltafs import codec
 from deltafs.errors import DeltafsError, IntegrityError, LockHeldError, UsageError, VersionConflictError
 from deltafs.format.manifest import ChunkRef, FileEntry, Head, Manifest, Segment, canonical_json
+from deltafs.format.versions import check_version
+from deltafs.read.pull import checked_head
 from deltafs.read.dest import LocalCheckpoint, LocalState
 from deltafs.parallel import default_threads, ordered_map
 from deltafs.progress import Progress
@@ -85,6 +87,8 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
     that full version straight to the new version (deltafs.read.folds), so lagging readers take one step.
     """
     t0 = time.monotonic()
+    if version is not None:
+        check_version(version)  # before anything is written: a bad number never reaches the store
     meta = dict(metadata or {})
     try:
         canonical_json(meta)
@@ -92,10 +96,10 @@ def push(store: str | Repository, src: str, *, version: int | None = None, metad
         raise UsageError(f"metadata is not JSON: {exc}") from None
     files = scan_source(src, include=include, exclude=exclude, default_excludes=default_excludes)  # before touching the store: a bad source writes nothing
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options, create=True)
-    head = repo.head()
+    head = checked_head(repo)  # a HEAD naming a missing or different manifest is reported as such
     if version is not None and head is not None and version <= head.version:
         raise UsageError(f"version {version} is not newer than the store's newest version {head.version}")
-    new_version = version if version is not None else (head.version + 1 if head else 1)
+    new_version = check_version(version if version is not None else (head.version + 1 if head else 1))
     cache_root = cache_dir or default_cache_dir(repo.store_id)
     cache = LocalCheckpoint(os.path.join(cache_root, "base"))
     with cache.lock(wait=False, name="push.lock"):

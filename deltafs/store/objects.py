@@ -412,16 +412,21 @@ class LocalObjectStore(ObjectStore):
     def _write_temp(self, key: str, data: bytes) -> str:
         final = self.path(key)
         directory = os.path.dirname(final)
+        _refuse_symlinked_dirs(self.root, directory)  # before makedirs, which would create through one
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            _unlink_quietly(tmp)  # a full disk must not leave partial files behind
+            raise
         return tmp
 
     def _fsync_dir(self, key: str) -> None:
@@ -493,6 +498,16 @@ class LocalObjectStore(ObjectStore):
             self._call("delete", key, lambda: os.unlink(self.path(key)))
         except ObjectNotFoundError:
             pass
+
+
+def _refuse_symlinked_dirs(root: str, directory: str) -> None:
+    """Refuse to write below root through a symlinked directory (e.g. a planted chunks/ab -> /etc)."""
+    rel = os.path.relpath(directory, root)
+    probe = root
+    for part in ([] if rel == "." else rel.split(os.sep)):
+        probe = os.path.join(probe, part)
+        if os.path.islink(probe):
+            raise StoreError(f"{probe} is a symlink; deltafs writes only into real directories of the store (remove it)")
 
 
 def _unlink_quietly(path: str) -> None:

@@ -30,10 +30,12 @@ from deltafs.errors import (
     DestinationError,
     EngineError,
     FormatError,
+    IntegrityError,
     LockHeldError,
     StoreError,
     StoreNotFoundError,
     VersionNotFoundError,
+    exit_code,
     short_problem,
 )
 from deltafs.read.dest import LocalCheckpoint
@@ -77,10 +79,8 @@ class Applied:
                 "sync_s": round(self.sync_seconds, 4), "fallback": self.fallback, "at": utcnow()}
 
 
-class NothingVerifiableError(DeltafsError):
-    """No newer version could be fetched and verified; the host keeps serving what it has."""
-
-    exit_code = 6
+class NothingVerifiableError(IntegrityError):
+    """No newer version could be fetched and verified; the host keeps serving what it has (exit 6)."""
 
 
 class Subscriber:
@@ -493,7 +493,7 @@ class Subscriber:
         self.status.failures += 1
         self.status.last_error = short_problem(exc)
         self.status.last_error_at = utcnow()
-        self._last_exit = getattr(exc, "exit_code", 1)
+        self._last_exit = exit_code(exc)
         delay = self._backoff(self.status.failures)
         log.error("sync failed (%d in a row; next try in %.1fs): %s", self.status.failures, delay, exc)
         self._set_state("degraded")

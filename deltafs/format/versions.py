@@ -1,0 +1,22 @@
+"""The valid range of version numbers: one definition, used on write (CLI, push) and on read (listing).
+
+Manifest keys are `manifests/v<version:010d>.json`, so a version is 0 .. 9 999 999 999: exactly ten
+digits in its key, and a lister matching ten digits can never miss a valid manifest. A millisecond
+timestamp (13 digits) is not a version; use it as metadata (`--meta step=...`).
+"""
+
+from __future__ import annotations
+
+from deltafs.errors import UsageError
+
+MIN_VERSION = 0
+MAX_VERSION = 9_999_999_999
+VERSION_DIGITS = 10
+
+
+def check_version(version: int, what: str = "version") -> int:
+    """version itself if it is in MIN_VERSION..MAX_VERSION; UsageError (exit 2) otherwise."""
+    if isinstance(version, bool) or not isinstance(version, int) or not MIN_VERSION <= version <= MAX_VERSION:
+        raise UsageError(f"{what} {version!r} is outside {MIN_VERSION}..{MAX_VERSION} "
+                         f"(at most {VERSION_DIGITS} digits; put timestamps in --meta)")
+    return version
