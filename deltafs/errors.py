@@ -73,6 +73,10 @@ class EngineError(DeltafsError, RuntimeError):
     """An inference engine refused or failed a weight update."""
 
 
+class NotReadyError(DeltafsError):
+    """Not every host of a multi-node engine has the version staged yet (`watch --once`)."""
+
+
 class LocalWriteError(DeltafsError, OSError):
     """A local file could not be written: disk full, a file where a directory must go, a name too long."""
 
@@ -97,14 +101,15 @@ EXIT_CODES: dict[type[BaseException], int] = {
     LockHeldError: 8,
     DestinationError: 9,
     EngineError: 10,
-    LocalWriteError: 11,
+    NotReadyError: 11,
+    LocalWriteError: 12,
 }
 
 # What each code means, for --help and the README (the same words).
 EXIT_MEANINGS: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_INTERNAL: "internal error (DELTAFS_DEBUG=1 shows the traceback); `status`: a host is unhealthy or silent",
-    2: "bad arguments or source (including --version outside 0..MAX_VERSION)",
+    2: "bad arguments or source (including a --version outside 0..9999999999)",
     3: "store unreachable, bucket missing, credentials refused or backend not installed",
     4: "version not found (including a HEAD that names a missing version)",
     5: "malformed or unknown-format manifest, HEAD or store config (including file paths that cannot coexist)",
@@ -112,8 +117,9 @@ EXIT_MEANINGS: dict[int, str] = {
     7: "version conflict (another writer committed first)",
     8: "lock held (another gc on the store, another pull on DEST)",
     9: "DEST refused: another store's checkpoint, foreign files, or a path beside DEST that deltafs did not make",
-    10: "the engine refused or failed an update",
-    11: "local write failed: disk full, a file where a directory must go, a name too long (the message names the path)",
+    10: "the engine refused or failed an update, or the version needs an engine restart",
+    11: "not every host of a multi-node engine has the version staged yet (`watch --once`)",
+    12: "local write failed: disk full, a file where a directory must go, a name too long (the message names the path)",
     EXIT_CURRENT: "`pull --once`: already current",
     EXIT_BUSY: "`pull --once`: another pull holds DEST's lock",
 }
