@@ -379,7 +379,10 @@ def _is_state(path: str) -> bool:
 def _file_stamps(directory: str, manifest: Manifest) -> dict[str, list[int]]:
     out = {}
     for f in manifest.files:
-        st = os.lstat(os.path.join(directory, f.path))
+        try:
+            st = os.lstat(os.path.join(directory, f.path))
+        except FileNotFoundError:
+            continue  # a partial copy (a rank's push cache holds only its own files)
         out[f.path] = [st.st_size, st.st_mtime_ns]
     return out
 
