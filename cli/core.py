@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Annotated, Any, Optional
 
 import typer
@@ -28,7 +29,7 @@ from deltafs.errors import EXIT_BUSY, EXIT_CODES, EXIT_CURRENT, EXIT_OK, Integri
 from deltafs.publish.push import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY
 
 
-def _non_negative(flag: str):  # type: ignore[no-untyped-def]
+def _non_negative(flag: str) -> Callable[[int], int]:
     def check(value: int) -> int:
         if value < 0:
             raise UsageError(f"{flag} cannot be negative, got {value}")
@@ -37,7 +38,7 @@ def _non_negative(flag: str):  # type: ignore[no-untyped-def]
     return check
 
 
-def _metadata(items: list[str] | None, text: str | None) -> dict:
+def _metadata(items: list[str] | None, text: str | None) -> dict[str, Any]:
     meta = json_object(text, "--metadata")
     for item in items or []:
         key, sep, value = item.partition("=")

@@ -22,6 +22,7 @@ import contextlib
 import datetime as _dt
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -192,8 +193,6 @@ class LocalCheckpoint:
         The quick check compares each file's size (and, when recorded at install, its mtime) with the
         manifest; full=True re-hashes every file.
         """
-        from deltafs.read.rebuild import file_sha256  # rebuild imports this module
-
         for f in state.manifest.files:
             path = os.path.join(state.path, f.path)
             try:
@@ -207,7 +206,7 @@ class LocalCheckpoint:
             recorded = (state.files or {}).get(f.path)
             if isinstance(recorded, list) and len(recorded) == 2 and recorded[1] != st.st_mtime_ns:
                 return f"{f.path} was modified after it was installed"
-            if full and file_sha256(path) != f.sha256:
+            if full and _sha256_of(path) != f.sha256:
                 return f"{f.path} does not match version {state.version}'s sha256"
         return None
 
@@ -349,6 +348,14 @@ class LocalCheckpoint:
             return []
         return sorted(os.path.join(self.sidecar, n) for n in os.listdir(self.sidecar)
                       if VERSION_DIR.match(n) and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode))
+
+
+def _sha256_of(path: str, block: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while data := fh.read(block):
+            h.update(data)
+    return h.hexdigest()
 
 
 def _read_state(path: str, limit: int = 64 << 20) -> dict[str, Any]:

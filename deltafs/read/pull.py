@@ -118,7 +118,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             fallback = False
         except (LocalBaseError, IntegrityError, ObjectNotFoundError) as exc:
             if state is None and (chain is None or chain.final is None):
-                raise _name_version(exc, target)  # already the plain path from a full version
+                raise _name_version(exc, target) from None  # already the plain path from a full version
             # The delta path is unusable (local base corrupt, chunk missing or bad): start over
             # from the nearest full version. A full-path failure is final.
             log.warning(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
@@ -178,11 +178,11 @@ def _materialize(repo: Repository, local: LocalCheckpoint, chain: Chain, progres
         path = local.install(staging, store_id=repo.store_id, store_url=repo.url, manifest=chain.target)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if is_local_write_failure(exc):
+        if isinstance(exc, OSError) and is_local_write_failure(exc):
             # Fetched chunks are kept for the retry unless the disk is full: then they are the space.
-            if not chunk_cache or getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            if not chunk_cache or exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 local.drop_chunk_cache()
-            raise local_write_error(exc, exc.filename or f"version {chain.target.version} into {staging}",  # type: ignore[union-attr]
+            raise local_write_error(exc, exc.filename or f"version {chain.target.version} into {staging}",
                                     hint=_space_hint(chain, chunk_cache)) from None
         raise
     return path, source, report
