@@ -10,9 +10,7 @@ import traceback
 
 import typer
 
-from deltafs.errors import EXIT_INTERNAL, EXIT_MEANINGS, DeltafsError, exit_code
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+from deltafs.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MEANINGS, DeltafsError, exit_code
 
 app = typer.Typer(
     name="deltafs",

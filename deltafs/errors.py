@@ -86,6 +86,7 @@ EXIT_OK = 0
 EXIT_INTERNAL = 1  # an unexpected error (a bug: set DELTAFS_DEBUG=1 for the traceback); `status`: a host has a problem
 EXIT_CURRENT = 100  # `pull --once`: DEST already holds the version (nothing done)
 EXIT_BUSY = 101  # `pull --once`: another pull holds DEST's lock (skipped)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 
 # Most specific first is not needed: exit_code() walks the exception's MRO, so a subclass listed
 # here wins over its base (ChunkNotFoundError is a StoreError in Python but a 6 to the user).
@@ -122,6 +123,7 @@ EXIT_MEANINGS: dict[int, str] = {
     12: "local write failed: disk full, a file where a directory must go, a name too long (the message names the path)",
     EXIT_CURRENT: "`pull --once`: already current",
     EXIT_BUSY: "`pull --once`: another pull holds DEST's lock",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
 # Local OS errors that are the user's disk, not a bug.
