@@ -394,6 +394,26 @@ def _file_stamps(directory: str, manifest: Manifest) -> dict[str, list[int]]:
     return out
 
 
+def precheck(local: LocalCheckpoint, force: bool) -> None:
+    """Refuse, before anything is created beside DEST, what is certainly not deltafs's to replace.
+
+    Only checks that no concurrent pull can change: the sidecar's ownership, and a DEST that is a
+    file, a non-empty directory, or a symlink pointing outside the sidecar. The full check
+    (refuse_foreign) runs again under the lock.
+    """
+    local.check_safe()
+    if force or not os.path.lexists(local.dest):
+        return
+    if os.path.islink(local.dest):
+        target = os.path.normpath(os.path.join(os.path.dirname(local.dest), os.readlink(local.dest)))
+        if os.path.dirname(target) != local.sidecar:
+            raise DestinationError(f"{local.dest} is a symlink deltafs did not make; use --force to move it aside into {local.sidecar}")
+        return
+    reason = local.describe_foreign()
+    if reason:
+        raise DestinationError(f"{reason}; use --force to move it aside into {local.sidecar}")
+
+
 def refuse_foreign(local: LocalCheckpoint, store_id: str, force: bool) -> LocalState | None:
     """The usable local state, or an error if DEST holds something that is not ours to replace."""
     local.check_safe()

@@ -26,7 +26,7 @@ from deltafs.errors import (
     local_write_error,
 )
 from deltafs.format.manifest import Head
-from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, refuse_foreign
+from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, precheck, refuse_foreign
 from deltafs.progress import Progress
 from deltafs.read.rebuild import Builder, Chain, ChunkSource, LocalBaseError, plan_chain
 from deltafs.store.repo import Repository
@@ -97,7 +97,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
     t0 = time.monotonic()
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     local = LocalCheckpoint(dest)
-    refuse_foreign(local, repo.store_id, force)  # before the lock creates anything beside DEST
+    precheck(local, force)  # before the lock creates anything beside DEST
     with local.lock(wait=wait_lock):
         state = refuse_foreign(local, repo.store_id, force)
         target = resolve_version(repo, version)
