@@ -107,7 +107,7 @@ def measure_tensor(n: np.ndarray, o: np.ndarray, itemsize: int, args: argparse.N
     t, encs = best(reps, lambda: [codec.encode(n[s:e], o[s:e], itemsize, level=args.level) for s, e in spans])
 
     def apply() -> None:
-        for (s, e), enc in zip(spans, encs):
+        for (s, e), enc in zip(spans, encs, strict=True):
             codec.decode(enc.codec, enc.payload, o[s:e], e - s, itemsize, out=out[s:e])
 
     out[:] = 0
@@ -116,7 +116,7 @@ def measure_tensor(n: np.ndarray, o: np.ndarray, itemsize: int, args: argparse.N
     add(OURS, sum(len(x.payload or b"") for x in encs), t, ta)
 
     def apply_in_place() -> None:
-        for (s, e), enc in zip(spans, encs):
+        for (s, e), enc in zip(spans, encs, strict=True):
             codec.decode(enc.codec, enc.payload, out[s:e], e - s, itemsize, out=out[s:e])
 
     ti, _ = best(reps, apply_in_place, setup=lambda: np.copyto(out, o))

@@ -32,7 +32,7 @@ def main() -> None:
         new[idx] += rng.choice(np.array([1, 65535], dtype=np.uint16), idx.size)  # one ulp up or down
         chunks.append((new.view(np.uint8), base.view(np.uint8)))
     encoded = [codec.encode(a, b, 2) for a, b in chunks]
-    for (a, b), e in zip(chunks, encoded):
+    for (a, b), e in zip(chunks, encoded, strict=True):
         assert np.array_equal(codec.decode(e.codec, e.payload, b, a.size, 2), a)
 
     def enc(i: int) -> object:

@@ -5,21 +5,40 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Annotated, Any, Optional
 
 import typer
 
-from deltafs.cli.options import Json, Quiet, StorageOptions, Version, json_object, parse_storage_options
+from deltafs.cli.options import (
+    Json,
+    Level,
+    PullVersion,
+    PushVersion,
+    Quiet,
+    StorageOptions,
+    Threads,
+    Version,
+    finite_seconds,
+    json_object,
+    parse_storage_options,
+)
 from deltafs.cli.output import Output, human_bytes
-from deltafs.errors import LockHeldError, UsageError
-
-# `pull --once` exit codes, for cron (documented in the README).
-EXIT_UPDATED = 0
-EXIT_CURRENT = 100
-EXIT_BUSY = 101
+from deltafs.codec import DEFAULT_LEVEL
+from deltafs.errors import EXIT_BUSY, EXIT_CODES, EXIT_CURRENT, EXIT_OK, IntegrityError, LockHeldError, UsageError
+from deltafs.publish.options import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY
 
 
-def _metadata(items: list[str] | None, text: str | None) -> dict:
+def _non_negative(flag: str) -> Callable[[int], int]:
+    def check(value: int) -> int:
+        if value < 0:
+            raise UsageError(f"{flag} cannot be negative, got {value}")
+        return value
+
+    return check
+
+
+def _metadata(items: list[str] | None, text: str | None) -> dict[str, Any]:
     meta = json_object(text, "--metadata")
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -35,17 +54,17 @@ def _metadata(items: list[str] | None, text: str | None) -> dict:
 def push_cmd(
     src: Annotated[str, typer.Argument(help="A .safetensors file or an HF checkpoint directory.")],
     store: Annotated[str, typer.Argument(help="Store URL: a path, file://, memory://, s3://bucket/prefix …")],
-    version: Version = None,
+    version: PushVersion = None,
     storage_options: StorageOptions = None,
     meta: Annotated[Optional[list[str]], typer.Option("--meta", help="KEY=VALUE metadata (repeatable), e.g. step=1200.")] = None,
     metadata: Annotated[Optional[str], typer.Option("--metadata", help="Metadata as a JSON object.")] = None,
     full: Annotated[bool, typer.Option("--full", help="Store a full version (keyframe) even if a delta is possible.")] = False,
-    keyframe_every: Annotated[int, typer.Option("--keyframe-every", help="A full version at least every N versions (0: never).")] = 50,
-    keyframe_budget: Annotated[float, typer.Option("--keyframe-budget", help="A full version once the deltas since the last one exceed this many full sizes (0: never).")] = 1.0,
+    keyframe_every: Annotated[int, typer.Option("--keyframe-every", callback=_non_negative("--keyframe-every"), help="A full version at least every N versions (0: never).")] = DEFAULT_KEYFRAME_EVERY,
+    keyframe_budget: Annotated[float, typer.Option("--keyframe-budget", callback=finite_seconds("--keyframe-budget"), help="A full version once the deltas since the last one exceed this many full sizes (0: never).")] = DEFAULT_KEYFRAME_BUDGET,
     fold: Annotated[bool, typer.Option("--fold", help="Also write a folded delta from the last full version, so lagging readers take one step.")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Push cache directory (default $DELTAFS_CACHE or ~/.cache/deltafs).")] = None,
-    level: Annotated[int, typer.Option("--level", help="zstd level of the codec streams; 5 and above also split elements by magnitude (~18% smaller bf16 deltas, slower).")] = 3,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="Encoding threads (default: CPU count, at most 8).")] = None,
+    level: Level = DEFAULT_LEVEL,
+    threads: Threads = None,
     include: Annotated[Optional[list[str]], typer.Option("--include", help="Publish only files matching this glob (repeatable), e.g. '*.safetensors'.")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Do not publish files matching this glob (repeatable), e.g. 'logs/*'.")] = None,
     no_default_excludes: Annotated[bool, typer.Option("--no-default-excludes", help="Also publish .cache/, .git/, *.lock, optimizer/scheduler/RNG states (see README).")] = False,
@@ -118,13 +137,15 @@ def _stored_per_file(store: str, version: int, options: dict[str, Any]) -> dict[
 def pull_cmd(
     store: Annotated[str, typer.Argument(help="Store URL.")],
     dest: Annotated[str, typer.Argument(help="Local checkpoint path (made a symlink to DEST.deltafs/<version>/).")],
-    version: Version = None,
+    version: PullVersion = None,
     storage_options: StorageOptions = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a DEST that holds another store's checkpoint or foreign files (moved aside, not deleted).")] = False,
-    once: Annotated[bool, typer.Option("--once", help="Cron mode: never wait for another pull's lock; exit 0 updated, 100 already current, 101 busy.")] = False,
+    once: Annotated[bool, typer.Option("--once", help=f"Cron mode: never wait for another pull's lock; exit {EXIT_OK} updated (or repaired), {EXIT_CURRENT} already current, {EXIT_BUSY} busy.")] = False,
+    full_check: Annotated[bool, typer.Option("--verify", help="Re-hash every file of the current DEST (default: compare sizes and mtimes recorded at install).")] = False,
+    no_chunk_cache: Annotated[bool, typer.Option("--no-chunk-cache", help="Do not keep fetched chunks beside DEST (less disk; a killed pull refetches).")] = False,
     engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine: sglang, vllm, one an installed package registers, or none (see `deltafs watch --help`).")] = None,
     engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="Download/decode threads.")] = None,
+    threads: Threads = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be read and from where; change nothing.")] = False,
     json_out: Json = False,
     quiet: Quiet = False,
@@ -149,7 +170,8 @@ def pull_cmd(
         make_engine(engine, engine_url)
     try:
         res = pull(store, dest, version=version, storage_options=parse_storage_options(storage_options), force=force,
-                   progress=out.progress, wait_lock=not once, threads=threads)
+                   progress=out.progress, wait_lock=not once, threads=threads, verify_files=full_check,
+                   chunk_cache=not no_chunk_cache)
     except LockHeldError as exc:
         if not once:
             raise
@@ -157,7 +179,7 @@ def pull_cmd(
         out.result({"status": "busy", "dest": dest}, None)
         return EXIT_BUSY
     data = res.to_json()
-    data["status"] = "updated" if res.updated else "current"
+    data["status"] = ("repaired" if res.repaired else "updated") if res.updated else "current"
     _pull_metrics(store, dest, res, parse_storage_options(storage_options))
     switched = None
     if engine:
@@ -167,13 +189,15 @@ def pull_cmd(
         # is repaired by the next run. reload_engine is a no-op when the engine serves the version.
         switched = reload_engine(engine, engine_url, dest=dest, api_key=os.environ.get("DELTAFS_ENGINE_API_KEY"))
         data["engine_reloaded"] = switched is not None
-    if res.updated:
+    if res.repaired:
+        human = f"repaired {dest} (version {res.version}): {res.repaired}; {human_bytes(res.bytes_read)} read, {res.seconds:.2f}s"
+    elif res.updated:
         how = "from a full version" if res.from_full else f"from version {res.previous}"
         human = f"pulled version {res.version} into {dest} ({how}{', after a fallback' if res.fallback else ''}): {human_bytes(res.bytes_read)} read, {res.seconds:.2f}s"
     else:
         human = f"{dest} already holds version {res.version}"
     out.result(data, human)
-    return EXIT_CURRENT if once and not res.updated and switched is None else EXIT_UPDATED
+    return EXIT_CURRENT if once and not res.updated and switched is None else EXIT_OK
 
 
 def _pull_metrics(store: str, dest: str, res: Any, options: dict[str, Any]) -> None:
@@ -205,7 +229,7 @@ def _pull_dry_run(out: Output, store: str, dest: str, version: int | None, optio
                  f"read {plan.objects} chunk objects ({human_bytes(plan.bytes_to_read)}) from {store}, "
                  f"write {human_bytes(plan.bytes_out)}, link {plan.files_linked} unchanged file(s)")
     out.result(plan.to_json(), human)
-    return EXIT_UPDATED
+    return EXIT_OK
 
 
 def verify_cmd(
@@ -242,7 +266,7 @@ def verify_cmd(
         import sys
 
         sys.stderr.write(f"deltafs: verify failed: {rep.problems[0]}\n")
-    return 0 if rep.ok else 6
+    return EXIT_OK if rep.ok else EXIT_CODES[IntegrityError]
 
 
 def log_cmd(

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from deltafs.cli.options import Json, Quiet, StorageOptions, parse_storage_options
+from deltafs.cli.options import Json, Quiet, StorageOptions, finite_seconds, parse_storage_options
 from deltafs.cli.output import Output, human_bytes
 from deltafs.maintenance.gc import DEFAULT_GRACE
 
@@ -16,8 +16,8 @@ def gc_cmd(
     keep_last: Annotated[int, typer.Option("--keep-last", help="Keep the newest N versions (and what they need).")],
     keep_full: Annotated[int, typer.Option("--keep-full", help="Also keep the newest M full versions.")] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print what would be removed and the bytes freed.")] = False,
-    grace: Annotated[float, typer.Option("--grace", help="Seconds a version stays after it stopped being HEAD, and an unreferenced chunk after it was written (protects pulls and pushes in flight).")] = DEFAULT_GRACE,
-    wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for another gc's lock (default: exit at once).")] = 0.0,
+    grace: Annotated[float, typer.Option("--grace", callback=finite_seconds("--grace"), help="Seconds a version stays after it stopped being HEAD, and an unreferenced chunk after it was written (protects pulls and pushes in flight).")] = DEFAULT_GRACE,
+    wait: Annotated[float, typer.Option("--wait", callback=finite_seconds("--wait"), help="Seconds to wait for another gc's lock (default: exit at once).")] = 0.0,
     storage_options: StorageOptions = None,
     json_out: Json = False,
     quiet: Quiet = False,

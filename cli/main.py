@@ -10,9 +10,7 @@ import traceback
 
 import typer
 
-from deltafs.errors import DeltafsError
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+from deltafs.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MEANINGS, DeltafsError, exit_code
 
 app = typer.Typer(
     name="deltafs",
@@ -21,6 +19,7 @@ app = typer.Typer(
          "  deltafs push /ckpt/step-1200 s3://bucket/run7 --meta step=1200\n\n"
          "  deltafs pull s3://bucket/run7 /models/run7\n\n"
          "  deltafs watch s3://bucket/run7 /models/run7 --engine sglang --engine-url http://127.0.0.1:30000",
+    epilog="Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_MEANINGS.items()) + ".",
     add_completion=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -104,13 +103,14 @@ _register()
 
 def error_line(exc: BaseException) -> tuple[str, int]:
     """The one-line message and exit code for an exception."""
+    code = exit_code(exc)
     if isinstance(exc, DeltafsError):
-        return f"deltafs: error: {exc}", exc.exit_code
+        return f"deltafs: error: {exc}", code
     if isinstance(exc, MemoryError):
-        return "deltafs: error: out of memory", 1
+        return "deltafs: error: out of memory", EXIT_INTERNAL
     if isinstance(exc, OSError):
-        return f"deltafs: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", 1
-    return f"deltafs: internal error: {type(exc).__name__}: {exc} (set DELTAFS_DEBUG=1 for the traceback)", 1
+        return f"deltafs: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", code
+    return f"deltafs: internal error: {type(exc).__name__}: {exc} (set DELTAFS_DEBUG=1 for the traceback)", code
 
 
 def _setup_logging() -> None:

@@ -11,12 +11,13 @@ import signal
 from typing import Annotated, Any
 
 import typer
-from deltafs.cli.options import Json, Quiet, StorageOptions, parse_storage_options
+from deltafs.cli.options import Json, Quiet, StorageOptions, finite_seconds, parse_storage_options
 from deltafs.cli.output import Output
 
-from deltafs.errors import UsageError
+from deltafs.errors import EXIT_INTERNAL, EXIT_OK, UsageError
 
-EXIT_FLEET_PROBLEM = 1
+# `status`: some host has a problem (the exit-code table's 1: see deltafs.errors.EXIT_MEANINGS).
+EXIT_FLEET_PROBLEM = EXIT_INTERNAL
 
 
 class BoundaryKind(str, enum.Enum):
@@ -34,19 +35,19 @@ def watch_cmd(
     engine_url: Annotated[str | None, typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     pause_mode: Annotated[str, typer.Option("--pause-mode", help="How the engine pauses for the switch: SGLang abort, retract or in_place; vLLM abort, wait or keep (retract means keep).")] = "retract",
     boundary: Annotated[BoundaryKind, typer.Option("--boundary", help="When to switch: immediate, idle (no running requests) or signal.")] = BoundaryKind.immediate,
-    max_wait: Annotated[float, typer.Option("--max-wait", help="idle: switch anyway after this many seconds.")] = 300.0,
+    max_wait: Annotated[float, typer.Option("--max-wait", callback=finite_seconds("--max-wait", positive=True), help="idle: switch anyway after this many seconds.")] = 300.0,
     boundary_file: Annotated[str | None, typer.Option("--boundary-file", help="signal: touching this file says 'switch now'.")] = None,
     boundary_port: Annotated[int | None, typer.Option("--boundary-port", help="signal: also accept POST http://127.0.0.1:PORT/boundary.")] = None,
-    poll: Annotated[float | None, typer.Option("--poll", help="Poll HEAD every SECONDS instead of file events (NFS, FUSE); remote stores always poll (default 5s).")] = None,
+    poll: Annotated[float | None, typer.Option("--poll", callback=finite_seconds("--poll", positive=True), help="Poll HEAD every SECONDS instead of file events (NFS, FUSE); remote stores always poll (default 5s).")] = None,
     storage_options: StorageOptions = None,
     host_id: Annotated[str | None, typer.Option("--host-id", help="Name in the fleet ledger (default: the host name; set one per engine if a host runs several).")] = None,
     no_ledger: Annotated[bool, typer.Option("--no-ledger", help="Do not write fleet/<host-id>.json to the store.")] = False,
-    load_timeout: Annotated[float, typer.Option("--load-timeout", help="Seconds the engine may take to load a version.")] = 900.0,
-    retry_max: Annotated[float, typer.Option("--retry-max", help="Longest wait between retries after failures, in seconds.")] = 300.0,
+    load_timeout: Annotated[float, typer.Option("--load-timeout", callback=finite_seconds("--load-timeout", positive=True), help="Seconds the engine may take to load a version.")] = 900.0,
+    retry_max: Annotated[float, typer.Option("--retry-max", callback=finite_seconds("--retry-max", positive=True), help="Longest wait between retries after failures, in seconds.")] = 300.0,
     once: Annotated[bool, typer.Option("--once", help="One cycle (stage, boundary, switch), then exit: 0 done or current, else the error's code.")] = False,
     engine_group: Annotated[str | None, typer.Option("--engine-group", help="Multi-node engine: the name all its hosts' watchers share (same DEST path on each).")] = None,
     engine_hosts: Annotated[int, typer.Option("--engine-hosts", help="Multi-node engine: how many hosts it spans; the --engine-url host switches once all have the version staged.")] = 1,
-    group_timeout: Annotated[float, typer.Option("--group-timeout", help="Multi-node engine: report a failure when a host has not staged a version after this many seconds.")] = 600.0,
+    group_timeout: Annotated[float, typer.Option("--group-timeout", callback=finite_seconds("--group-timeout", positive=True), help="Multi-node engine: report a failure when a host has not staged a version after this many seconds.")] = 600.0,
     quiet: Quiet = False,
 ) -> int:
     """Keep DEST and the engine at the store's newest verified version, switching at task boundaries.
@@ -76,7 +77,7 @@ def watch_cmd(
         try:
             sub.start()
             sub.sync()
-            return 0
+            return EXIT_OK
         finally:
             sub.close()
     # SIGTERM (systemd stop) and Ctrl-C end the loop in order: a switch in progress completes
@@ -89,8 +90,8 @@ def watch_cmd(
 def status_cmd(
     store: Annotated[str, typer.Argument(help="Store URL.")],
     storage_options: StorageOptions = None,
-    stale_after: Annotated[float, typer.Option("--stale-after", help="A host silent for this many seconds is reported stale.")] = 300.0,
-    prune_after: Annotated[float | None, typer.Option("--prune-after", help="First delete the entries of hosts silent for more than this many seconds (retired hosts).")] = None,
+    stale_after: Annotated[float, typer.Option("--stale-after", callback=finite_seconds("--stale-after", positive=True), help="A host silent for this many seconds is reported stale.")] = 300.0,
+    prune_after: Annotated[float | None, typer.Option("--prune-after", callback=finite_seconds("--prune-after"), help="First delete the entries of hosts silent for more than this many seconds (retired hosts).")] = None,
     json_out: Json = False,
 ) -> int:
     """Show the fleet: which host serves which version, lag behind HEAD, failures. Exit 1 if any host has a problem.
@@ -112,7 +113,7 @@ def status_cmd(
             out.info(f"deltafs: removed host {host} (silent for more than {prune_after:g}s)")
     report = fleet_report(repo, stale_after=stale_after)
     out.result(report.to_json(), render_fleet(report))
-    return 0 if report.healthy else EXIT_FLEET_PROBLEM
+    return EXIT_OK if report.healthy else EXIT_FLEET_PROBLEM
 
 
 def launch_args_cmd(
@@ -136,7 +137,7 @@ def launch_args_cmd(
     args = launch_args(local.dest, state.version)
     Output(json_mode=json_out).result({"dest": local.dest, "version": state.version, "args": args},
                                       " ".join(shlex.quote(a) for a in args))
-    return 0
+    return EXIT_OK
 
 
 def render_fleet(report: Any) -> str:

@@ -26,7 +26,10 @@ _EXPORTS = {
     "Repository": "deltafs.store.repo",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [  # spelled out for linters and type checkers; the same names as _EXPORTS
+    "PullResult", "PushOptions", "PushResult", "Repository", "__version__", "gc", "log", "pull", "push",
+    "push_distributed", "push_tensors", "verify",
+]
 
 if TYPE_CHECKING:
     from deltafs.maintenance.gc import gc

@@ -1,32 +1,28 @@
-"""One exception hierarchy; the CLI maps each class to an exit code and a one-line message."""
+"""One exception hierarchy and ONE exit-code table: the CLI maps every failure to a code through it.
+
+The README's "Exit codes" table is this table; keep them the same.
+"""
 
 from __future__ import annotations
 
+import errno
 import re
 
 
 class DeltafsError(Exception):
     """Base of every error deltafs raises on purpose."""
 
-    exit_code = 1
-
 
 class UsageError(DeltafsError, ValueError):
     """Bad arguments or bad input that the user can fix."""
-
-    exit_code = 2
 
 
 class SourceError(DeltafsError, ValueError):
     """A push source that is missing, unreadable or not a checkpoint."""
 
-    exit_code = 2
-
 
 class StoreError(DeltafsError, OSError):
     """The store cannot be reached or used (backend missing, credentials, bucket)."""
-
-    exit_code = 3
 
 
 class StoreNotFoundError(StoreError, FileNotFoundError):
@@ -38,25 +34,19 @@ class ObjectNotFoundError(StoreError, FileNotFoundError):
 
 
 class ChunkNotFoundError(ObjectNotFoundError):
-    """A chunk a manifest references is missing."""
+    """A chunk a manifest references is missing (an integrity failure of that version, exit 6)."""
 
 
 class VersionNotFoundError(DeltafsError, LookupError):
     """The asked-for version is not in the store."""
 
-    exit_code = 4
-
 
 class FormatError(DeltafsError, ValueError):
     """A manifest, HEAD or store config that is malformed or of an unknown format version."""
 
-    exit_code = 5
-
 
 class IntegrityError(DeltafsError, ValueError):
     """Bytes whose digest or size differs from what the manifest promises."""
-
-    exit_code = 6
 
     def __init__(self, what: str, expected: object = None, actual: object = None) -> None:
         self.what = what
@@ -69,25 +59,99 @@ class IntegrityError(DeltafsError, ValueError):
 class VersionConflictError(DeltafsError, RuntimeError):
     """Another writer claimed the version first, or HEAD moved under a push."""
 
-    exit_code = 7
-
 
 class LockHeldError(DeltafsError, RuntimeError):
     """Someone else holds the lock (another pull on this DEST, another gc on this store)."""
 
-    exit_code = 8
-
 
 class DestinationError(DeltafsError, RuntimeError):
-    """DEST holds something deltafs will not overwrite (another store's checkpoint, foreign files)."""
-
-    exit_code = 9
+    """DEST holds something deltafs will not overwrite (another store's checkpoint, foreign files),
+    or a path deltafs writes beside it is not deltafs's own (a planted symlink)."""
 
 
 class EngineError(DeltafsError, RuntimeError):
     """An inference engine refused or failed a weight update."""
 
-    exit_code = 10
+
+class NotReadyError(DeltafsError):
+    """Not every host of a multi-node engine has the version staged yet (`watch --once`)."""
+
+
+class LocalWriteError(DeltafsError, OSError):
+    """A local file could not be written: disk full, a file where a directory must go, a name too long."""
+
+
+# --- the exit-code table ------------------------------------------------------------------------------
+EXIT_OK = 0
+EXIT_INTERNAL = 1  # an unexpected error (a bug: set DELTAFS_DEBUG=1 for the traceback); `status`: a host has a problem
+EXIT_CURRENT = 100  # `pull --once`: DEST already holds the version (nothing done)
+EXIT_BUSY = 101  # `pull --once`: another pull holds DEST's lock (skipped)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
+
+# Most specific first is not needed: exit_code() walks the exception's MRO, so a subclass listed
+# here wins over its base (ChunkNotFoundError is a StoreError in Python but a 6 to the user).
+EXIT_CODES: dict[type[BaseException], int] = {
+    UsageError: 2,
+    SourceError: 2,
+    StoreError: 3,
+    VersionNotFoundError: 4,
+    FormatError: 5,
+    IntegrityError: 6,
+    ChunkNotFoundError: 6,
+    VersionConflictError: 7,
+    LockHeldError: 8,
+    DestinationError: 9,
+    EngineError: 10,
+    NotReadyError: 11,
+    LocalWriteError: 12,
+}
+
+# What each code means, for --help and the README (the same words).
+EXIT_MEANINGS: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_INTERNAL: "internal error (DELTAFS_DEBUG=1 shows the traceback); `status`: a host is unhealthy or silent",
+    2: "bad arguments or source (including a --version outside 0..9999999999)",
+    3: "store unreachable, bucket missing, credentials refused or backend not installed",
+    4: "version not found (including a HEAD that names a missing version)",
+    5: "malformed or unknown-format manifest, HEAD or store config (including file paths that cannot coexist)",
+    6: "integrity failure: digest mismatch, corrupt, truncated or missing chunk; `verify` found a problem",
+    7: "version conflict (another writer committed first)",
+    8: "lock held (another gc on the store, another pull on DEST)",
+    9: "DEST refused: another store's checkpoint, foreign files, or a path beside DEST that deltafs did not make",
+    10: "the engine refused or failed an update, or the version needs an engine restart",
+    11: "not every host of a multi-node engine has the version staged yet (`watch --once`)",
+    12: "local write failed: disk full, a file where a directory must go, a name too long (the message names the path)",
+    EXIT_CURRENT: "`pull --once`: already current",
+    EXIT_BUSY: "`pull --once`: another pull holds DEST's lock",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+# Local OS errors that are the user's disk, not a bug.
+_LOCAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EROFS}
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code of an exception, from the one table."""
+    for cls in type(exc).__mro__:
+        code = EXIT_CODES.get(cls)
+        if code is not None:
+            return code
+    if isinstance(exc, OSError) and exc.errno in _LOCAL_ERRNOS:
+        return EXIT_CODES[LocalWriteError]
+    return EXIT_INTERNAL
+
+
+def is_local_write_failure(exc: BaseException) -> bool:
+    """An OSError that is the local disk's state (full, read-only, clashing or over-long names), not a bug."""
+    return isinstance(exc, OSError) and not isinstance(exc, DeltafsError) and exc.errno in _LOCAL_ERRNOS
+
+
+def local_write_error(exc: OSError, path: str | None = None, hint: str = "") -> LocalWriteError:
+    """A one-line LocalWriteError naming the path, for an OSError raised while writing local files."""
+    where = path or exc.filename or "a local file"
+    err = LocalWriteError(f"cannot write {where}: {exc.strerror or exc}{hint}")
+    err.errno = exc.errno
+    return err
 
 
 _ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\"\)\]]+)")

@@ -200,10 +200,17 @@ class LockRecord:
 
 
 # --- DEST state (beside a pulled version directory) ------------------------------------------------
-def dest_state_bytes(*, store_id: str, store_url: str, version: int, digest: str, manifest_json: Any) -> bytes:
-    """The state record written next to an installed version directory (vNNNNNNNNNN-xxxxxxxx.json)."""
-    return canonical_json({"format": DEST_STATE_FORMAT, "store_id": store_id, "store_url": store_url,
-                           "version": version, "digest": digest, "installed": utcnow(), "manifest": manifest_json})
+def dest_state_bytes(*, store_id: str, store_url: str, version: int, digest: str, manifest_json: Any,
+                     files: dict[str, list[int]] | None = None) -> bytes:
+    """The state record written next to an installed version directory (vNNNNNNNNNN-xxxxxxxx.json).
+
+    files: path -> [size, mtime_ns] as installed, so a later pull notices an edited file cheaply.
+    """
+    record = {"format": DEST_STATE_FORMAT, "store_id": store_id, "store_url": store_url, "version": version,
+              "digest": digest, "installed": utcnow(), "manifest": manifest_json}
+    if files is not None:
+        record["files"] = files
+    return canonical_json(record)
 
 
 def parse_dest_state(data: bytes) -> dict[str, Any]:

@@ -24,9 +24,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from deltafs.errors import DeltafsError, IntegrityError, UsageError
+from deltafs.errors import DeltafsError, FormatError, IntegrityError, UsageError
 from deltafs.read.chain import FOLD_PREFIX, fold_key, load_fold, parse_fold_key, plan_chain
-from deltafs.format.manifest import Manifest, chunk_key, manifest_key
+from deltafs.format.manifest import Manifest, chunk_key, manifest_key, parse_manifest_key
+from deltafs.format.versions import MAX_VERSION
 from deltafs.store.lock import DEFAULT_STALE_AFTER, StoreLock, read_push_markers
 from deltafs.parallel import ordered_map
 from deltafs.format.records import parse_timestamp
@@ -96,8 +97,8 @@ def gc(store: str | Repository, *, keep_last: int, keep_full: int = 0, grace: fl
     """Plan, then (unless dry_run) execute a gc under the store's gc lock. See the module docstring."""
     if keep_last < 1:
         raise UsageError("--keep-last must be at least 1 (HEAD's version is always kept)")
-    if keep_full < 0 or grace < 0:
-        raise UsageError("--keep-full and --grace cannot be negative")
+    if keep_full < 0 or not grace >= 0 or grace == float("inf"):  # `not >=` also refuses NaN
+        raise UsageError(f"--keep-full cannot be negative and --grace must be a finite number >= 0 (got {grace})")
     t0 = time.monotonic()
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     if dry_run:
@@ -116,11 +117,12 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
               now: float | None = None) -> GcPlan:
     """Decide what goes. Reads manifests and the chunk listing; changes nothing."""
     now = time.time() if now is None else now
+    _refuse_unplaceable(repo)
     versions = repo.versions()
     plan = GcPlan(repo.url, versions, {}, [], {}, grace=grace)
     if not versions:
         return plan
-    manifests = {v: repo.manifest(v) for v in versions}  # an unreadable manifest stops gc: FormatError
+    manifests = {v: _manifest(repo, v) for v in versions}
     head = repo.read_head()
     roots: dict[int, str] = {}
     for v in versions[-keep_last:]:
@@ -130,7 +132,7 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
         roots.setdefault(v, "full")
     # A version read as HEAD less than `grace` ago may still be being pulled: it stopped being HEAD
     # when its successor was committed.
-    for older, newer in zip(versions, versions[1:]):
+    for older, newer in zip(versions, versions[1:], strict=False):
         if now - _created(manifests[newer]) < grace:
             roots.setdefault(older, "recent")
     roots[versions[-1]] = "head"
@@ -182,6 +184,27 @@ def _read_markers(repo: Repository, plan: GcPlan, now: float) -> float:
         else:
             plan.dead_markers.append(marker.key)
     return since
+
+
+def _refuse_unplaceable(repo: Repository) -> None:
+    """Stop before deleting anything if manifests/ holds an object gc cannot place as a version.
+
+    Such a manifest's chunks would look unreferenced and be deleted (a 13-digit version written by an
+    older deltafs, say): losing data is worse than not collecting garbage.
+    """
+    for key in repo.objects.list("manifests"):
+        if parse_manifest_key(key) is None:
+            raise FormatError(f"gc stopped: {key} is not a manifest name deltafs can place (versions are "
+                              f"0..{MAX_VERSION}); its chunks could be lost. Move it out of the store, then run gc again")
+
+
+def _manifest(repo: Repository, version: int) -> Manifest:
+    """A manifest, or FormatError naming it: gc never plans around one it cannot read."""
+    try:
+        return repo.manifest(version)
+    except DeltafsError as exc:
+        raise FormatError(f"gc stopped: the manifest of version {version} cannot be read ({exc}); "
+                          "run 'deltafs verify --all'") from None
 
 
 def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float, threads: int,

@@ -7,10 +7,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deltafs.errors import DeltafsError
-from deltafs.read.dest import LocalCheckpoint
+from deltafs.errors import DeltafsError, VersionNotFoundError
+from deltafs.format.manifest import parse_manifest_key
+from deltafs.format.versions import MAX_VERSION, VERSION_DIGITS
 from deltafs.read.chain import plan_chain
-from deltafs.read.rebuild import Builder, ChunkSource, file_digest_on_disk
+from deltafs.read.dest import LocalCheckpoint, check_layout, file_digest_on_disk
+from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
 
 
@@ -38,6 +40,7 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
     if local is not None:
         _verify_local(repo, local, version, report)
         return report
+    _check_structure(repo, report)
     try:
         head = repo.head()
     except DeltafsError as exc:
@@ -56,6 +59,10 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
         except DeltafsError as exc:
             report.fail(f"version {v}: {exc}")
             continue
+        try:
+            check_layout(man)
+        except DeltafsError as exc:
+            report.fail(str(exc))
         for f in man.files:
             for seg in f.segments:
                 for ch in seg.chunks:
@@ -78,6 +85,30 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
         except DeltafsError as exc:
             report.fail(f"version {v}: {exc}")
     return report
+
+
+def _check_structure(repo: Repository, report: VerifyReport) -> None:
+    """HEAD against the manifests, and every object under manifests/ placeable as a version."""
+    for key in repo.objects.list("manifests"):
+        if parse_manifest_key(key) is None:
+            report.fail(f"{key} is not a manifest name deltafs can place (versions are 0..{MAX_VERSION}, "
+                        f"{VERSION_DIGITS} digits); gc refuses to run until it is removed or renamed")
+    try:
+        head = repo.read_head()
+    except DeltafsError:
+        return  # an unreadable HEAD is reported once, below, where verify reads it to pick the version
+    if head is None:
+        return  # no HEAD yet, or its first writer died before writing it: readers use the newest manifest
+    try:
+        man = repo.manifest(head.version)
+    except VersionNotFoundError:
+        report.fail(f"HEAD names version {head.version}, which is not in the store")
+        return
+    except DeltafsError as exc:
+        report.fail(f"HEAD names version {head.version}, whose manifest is unusable: {exc}")
+        return
+    if man.digest != head.digest:
+        report.fail(f"HEAD names version {head.version} with digest {head.digest}, but that manifest's digest is {man.digest}")
 
 
 def _verify_local(repo: Repository, dest: str, version: int | None, report: VerifyReport) -> None:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypedDict
 
 from deltafs import codec
+from deltafs.format.versions import check_version
 from deltafs.errors import UsageError
 from deltafs.format.manifest import canonical_json
 
@@ -39,6 +40,8 @@ class PushOptions:
     link: str = "auto"  # see LINK_MODES
 
     def __post_init__(self) -> None:
+        if self.version is not None:
+            check_version(self.version)  # before anything is written: a bad number never reaches the store
         try:
             canonical_json(dict(self.metadata))
         except (TypeError, ValueError) as exc:

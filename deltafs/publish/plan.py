@@ -17,7 +17,9 @@ from deltafs.errors import UsageError
 from deltafs.format.manifest import Head, Manifest
 from deltafs.publish.options import PushOptions
 from deltafs.read.dest import LocalCheckpoint, LocalState
+from deltafs.format.versions import check_version
 from deltafs.read.chain import Chain, plan_chain
+from deltafs.read.pull import checked_head
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
 
@@ -34,10 +36,10 @@ class Decision:
 
 def decide(repo: Repository, opts: PushOptions, full_bytes: int) -> Decision:
     """The new version's number (HEAD + 1 unless given) and kind (full when the keyframe policy says so)."""
-    head = repo.head()
+    head = checked_head(repo)  # a HEAD naming a missing or different manifest is reported as such
     if opts.version is not None and head is not None and opts.version <= head.version:
         raise UsageError(f"version {opts.version} is not newer than the store's newest version {head.version}")
-    version = opts.version if opts.version is not None else (head.version + 1 if head else 1)
+    version = check_version(opts.version if opts.version is not None else (head.version + 1 if head else 1))
     parent = repo.manifest(head.version) if head is not None else None
     due = parent is None or opts.full or keyframe_due(parent, full_bytes, opts.keyframe_every, opts.keyframe_budget)
     return Decision(repo.store_id, head, version, "full" if due else "delta")

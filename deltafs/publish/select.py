@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 import json
 import os
 
@@ -43,7 +44,7 @@ def _match(rel: str, pattern: str) -> bool:
     return pattern.endswith("/*") and any(fnmatch.fnmatchcase(part, pattern[:-2]) for part in rel.split("/")[:-1])
 
 
-def selected(rel: str, include: tuple[str, ...] | list[str] | None, exclude: tuple[str, ...] | list[str] | None,
+def selected(rel: str, include: Sequence[str] | None, exclude: Sequence[str] | None,
              *, default_excludes: bool = True) -> bool:
     """Whether the file at relative path rel is published.
 
@@ -55,7 +56,7 @@ def selected(rel: str, include: tuple[str, ...] | list[str] | None, exclude: tup
     if exclude and any(_match(rel, p) for p in exclude):
         return False
     if default_excludes and any(_match(rel, p) for p in DEFAULT_EXCLUDES):
-        return bool(include) and any(_match(rel, p) for p in include if p not in ("*", "**"))
+        return include is not None and any(_match(rel, p) for p in include if p not in ("*", "**"))
     return True
 
 

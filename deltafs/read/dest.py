@@ -4,33 +4,50 @@ Layout beside DEST (for DEST=/models/current):
     /models/current                -> current.deltafs/v0000000042-1a2b3c4d   (symlink)
     /models/current.deltafs/
         v0000000042-1a2b3c4d/       a complete, verified HF checkpoint directory
-        v0000000042-1a2b3c4d.json   its state: store id and URL, version, manifest
+        v0000000042-1a2b3c4d.json   its state: store id and URL, version, manifest, file sizes and mtimes
         staging-<random>/           a pull in progress (removed or reused later)
         chunks/                     fetched, verified chunk objects of an interrupted pull
         lock                        flock(2) of the pull in progress
+
+DEST's parent may be writable by others (/tmp): everything deltafs writes beside DEST is created and
+opened without following symlinks, and the sidecar must be a real directory owned by this user and
+not writable by everyone, or deltafs refuses it (DestinationError, exit 9). Cleanup removes only
+entries whose names match deltafs's own patterns and whose type (and, for versions, state file) is
+what deltafs writes; anything else in the sidecar is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import fcntl
+import hashlib
 import json
 import os
-import stat
+import re
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass
-from typing import Any
-from collections.abc import Iterator
+from typing import Any, Iterator
 
 from deltafs.errors import DestinationError, FormatError, LockHeldError
-from deltafs.format.manifest import Manifest, canonical_json
-from deltafs.format.records import DEST_STATE_MAX_BYTES, dest_state_bytes, parse_dest_state
+from deltafs.format import digests
+from deltafs.format.manifest import FileEntry, Manifest
+from deltafs.format.records import DEST_STATE_MAX_BYTES, canonical_json, dest_state_bytes, parse_dest_state
+SIDECAR_SUFFIX = ".deltafs"
+# Names deltafs gives the entries of its sidecar; cleanup touches nothing else.
+VERSION_DIR = re.compile(r"^v\d{10}-[0-9a-f]{8}$")
+STATE_FILE = re.compile(r"^v\d{10}-[0-9a-f]{8}\.json$")
+STAGING_DIR = re.compile(r"^staging-[0-9a-f]{12}$")
+TEMP_FILE = re.compile(r"^\.tmp-[0-9a-f]{32}$")
+# Longest file name component that common filesystems (ext4, xfs, btrfs, tmpfs) accept.
+NAME_MAX = 255
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -38,15 +55,45 @@ def fsync_dir(path: str) -> None:
 
 
 def atomic_write(path: str, data: bytes) -> None:
-    """Sibling temp file, fsync, rename, fsync the directory."""
+    """Sibling temp file (created, never followed), fsync, rename, fsync the directory.
+
+    The temp file is removed on every failure (a full disk leaves nothing behind).
+    """
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(directory)
+
+
+def check_layout(man: Manifest) -> None:
+    """FormatError (exit 5) if the version's files cannot all exist in one directory tree.
+
+    A file and a directory of the same name ("a" and "a/b") cannot coexist, and a name component
+    longer than NAME_MAX bytes is refused by every common filesystem: such a version can never be
+    pulled, so verify reports it and pull refuses it before writing anything.
+    """
+    files = {f.path for f in man.files}
+    for path in sorted(files):
+        parts = path.split("/")
+        for i, part in enumerate(parts):
+            if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX:
+                raise FormatError(f"version {man.version}: file {path[:60]}...: a name component is "
+                                  f"{len(part.encode('utf-8', 'surrogatepass'))} bytes, longer than the {NAME_MAX} filesystems allow")
+            if i < len(parts) - 1 and "/".join(parts[: i + 1]) in files:
+                raise FormatError(f"version {man.version}: {'/'.join(parts[: i + 1])} is both a file and the directory of {path}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +106,7 @@ class LocalState:
     digest: str
     path: str  # the version directory DEST points to
     manifest: Manifest
+    files: dict[str, Any] | None = None  # path -> [size, mtime_ns] recorded at install (None: older state)
 
 
 class LocalCheckpoint:
@@ -66,7 +114,44 @@ class LocalCheckpoint:
 
     def __init__(self, dest: str) -> None:
         self.dest = os.path.abspath(os.path.expanduser(dest)).rstrip("/")
-        self.sidecar = self.dest + ".deltafs"
+        if not os.path.basename(self.dest):
+            raise DestinationError(f"DEST {dest!r} is a filesystem root; name a directory below it, e.g. /models/current")
+        self.sidecar = self.dest + SIDECAR_SUFFIX
+
+    # --- ownership ------------------------------------------------------------------------
+    def _check_own_dir(self, path: str, st: os.stat_result) -> None:
+        """Refuse a directory deltafs would write into unless it is a real one of this user's."""
+        if stat.S_ISLNK(st.st_mode):
+            raise DestinationError(f"{path} is a symlink; deltafs never writes through one there (remove it)")
+        if not stat.S_ISDIR(st.st_mode):
+            raise DestinationError(f"{path} is not a directory deltafs made (remove or rename it)")
+        if st.st_uid != os.geteuid():
+            raise DestinationError(f"{path} belongs to uid {st.st_uid}, not to this user; deltafs did not make it")
+        if st.st_mode & stat.S_IWOTH:
+            raise DestinationError(f"{path} is writable by everyone; deltafs will not use it (chmod o-w, or remove it)")
+
+    def _own_dir(self, path: str, *, create: bool) -> bool:
+        """True if path is a directory deltafs may use (made now if create); False if absent."""
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o755)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        self._check_own_dir(path, st)
+        return True
+
+    def ensure_sidecar(self) -> str:
+        """Create (or check) DEST.deltafs: a real directory of this user, never a symlink."""
+        parent = os.path.dirname(self.dest)
+        os.makedirs(parent, exist_ok=True)
+        self._own_dir(self.sidecar, create=True)
+        return self.sidecar
+
+    def check_safe(self) -> None:
+        """Raise DestinationError if the sidecar exists and is not deltafs's own. Creates nothing."""
+        self._own_dir(self.sidecar, create=False)
 
     # --- reading -------------------------------------------------------------------------
     def state(self) -> LocalState | None:
@@ -79,12 +164,17 @@ class LocalCheckpoint:
         if os.path.dirname(os.path.normpath(os.path.join(os.path.dirname(self.dest), target))) != self.sidecar:
             return None
         try:
+            self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
+            if not VERSION_DIR.match(name) or not stat.S_ISDIR(os.lstat(version_dir).st_mode):
+                return None
             manifest, raw = read_version_state(version_dir)
-        except FormatError:
+            if manifest.version != raw["version"]:
+                return None
+            files = raw.get("files")
+            return LocalState(raw["store_id"], raw["store_url"], int(raw["version"]), raw["digest"], version_dir, manifest,
+                              files if isinstance(files, dict) else None)
+        except (OSError, ValueError, KeyError, TypeError, FormatError, DestinationError):
             return None
-        if manifest.version != raw["version"]:
-            return None
-        return LocalState(raw["store_id"], raw["store_url"], int(raw["version"]), raw["digest"], version_dir, manifest)
 
     def describe_foreign(self) -> str | None:
         """Why DEST cannot simply be replaced, or None if it is absent, empty or ours."""
@@ -96,13 +186,51 @@ class LocalCheckpoint:
             return None if not os.listdir(self.dest) else f"{self.dest} is a directory with files deltafs did not write"
         return f"{self.dest} is a file"
 
+    def check_files(self, state: LocalState, *, full: bool = False) -> str | None:
+        """What is wrong with the files of the current version, or None.
+
+        The quick check compares each file's size (and, when recorded at install, its mtime) with the
+        manifest; full=True re-hashes every file.
+        """
+        for f in state.manifest.files:
+            path = os.path.join(state.path, f.path)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return f"{f.path} is missing"
+            if not stat.S_ISREG(st.st_mode):
+                return f"{f.path} is not a regular file"
+            if st.st_size != f.size:
+                return f"{f.path} is {st.st_size} bytes, version {state.version} has {f.size}"
+            recorded = (state.files or {}).get(f.path)
+            if isinstance(recorded, list) and len(recorded) == 2 and recorded[1] != st.st_mtime_ns:
+                return f"{f.path} was modified after it was installed"
+            if full and file_digest_on_disk(path, f, state.manifest.chunk_bytes) != f.digest:
+                return f"{f.path} does not match version {state.version}'s digest"
+        return None
+
     # --- writing -------------------------------------------------------------------------
     @contextlib.contextmanager
     def lock(self, *, wait: bool = True, name: str = "lock") -> Iterator[None]:
-        """Exclusive per-DEST lock; flock is released by the kernel if the process dies."""
-        os.makedirs(self.sidecar, exist_ok=True)
-        fd = os.open(os.path.join(self.sidecar, name), os.O_RDWR | os.O_CREAT, 0o644)
+        """Exclusive per-DEST lock; flock is released by the kernel if the process dies.
+
+        Opened relative to the sidecar's descriptor with O_NOFOLLOW: a planted symlink is refused.
+        """
+        self.ensure_sidecar()
+        dir_fd = os.open(self.sidecar, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
+            self._check_own_dir(self.sidecar, os.fstat(dir_fd))
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise DestinationError(f"{os.path.join(self.sidecar, name)} is a symlink; deltafs never follows one there (remove it)") from None
+                raise
+        finally:
+            os.close(dir_fd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise DestinationError(f"{os.path.join(self.sidecar, name)} is not a lock file deltafs made (remove it)")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
@@ -113,13 +241,26 @@ class LocalCheckpoint:
             os.close(fd)
 
     def new_staging(self) -> str:
+        self.ensure_sidecar()
         path = os.path.join(self.sidecar, f"staging-{uuid.uuid4().hex[:12]}")
-        os.makedirs(path)
+        os.mkdir(path, 0o755)  # mkdir never follows: a planted name fails with EEXIST
         return path
 
     @property
     def chunk_cache(self) -> str:
         return os.path.join(self.sidecar, "chunks")
+
+    def open_chunk_cache(self) -> str:
+        """The chunk cache directory, created if needed; refused unless it is deltafs's own."""
+        self.ensure_sidecar()
+        self._own_dir(self.chunk_cache, create=True)
+        return self.chunk_cache
+
+    def drop_chunk_cache(self) -> None:
+        """Remove the chunk cache if it is a real directory (never through a symlink)."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(self.chunk_cache).st_mode):
+                shutil.rmtree(self.chunk_cache, ignore_errors=True)
 
     def displace(self) -> None:
         """Move whatever DEST is out of the way into the sidecar (nothing is deleted)."""
@@ -128,7 +269,7 @@ class LocalCheckpoint:
         if os.path.isdir(self.dest) and not os.path.islink(self.dest) and not os.listdir(self.dest):
             os.rmdir(self.dest)
             return
-        os.makedirs(self.sidecar, exist_ok=True)
+        self.ensure_sidecar()
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
         os.replace(self.dest, os.path.join(self.sidecar, f"displaced-{stamp}-{uuid.uuid4().hex[:6]}"))
 
@@ -136,49 +277,155 @@ class LocalCheckpoint:
         """Make a fully written and verified staging directory the version DEST points to."""
         name = f"v{manifest.version:010d}-{uuid.uuid4().hex[:8]}"
         final = os.path.join(self.sidecar, name)
+        # Sizes and mtimes as installed: a later pull notices an edited file without re-hashing.
         state = dest_state_bytes(store_id=store_id, store_url=store_url, version=manifest.version,
-                                 digest=manifest.digest, manifest_json=json.loads(manifest.to_bytes()))
+                                 digest=manifest.digest, manifest_json=json.loads(manifest.to_bytes()),
+                                 files=_file_stamps(staging, manifest))
         atomic_write(final + ".json", state)
         os.replace(staging, final)
         fsync_dir(self.sidecar)
         if os.path.lexists(self.dest) and not os.path.islink(self.dest):
             self.displace()
-        link_tmp = os.path.join(os.path.dirname(self.dest), f".{os.path.basename(self.dest)}.tmp-{uuid.uuid4().hex[:8]}")
-        os.symlink(os.path.relpath(final, os.path.dirname(self.dest)), link_tmp)
-        os.replace(link_tmp, self.dest)  # the atomic flip
-        fsync_dir(os.path.dirname(self.dest))
+        parent = os.path.dirname(self.dest)
+        link_tmp = os.path.join(parent, f".{os.path.basename(self.dest)}.tmp-{uuid.uuid4().hex[:8]}")
+        os.symlink(os.path.relpath(final, parent), link_tmp)
+        try:
+            os.replace(link_tmp, self.dest)  # the atomic flip
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(link_tmp)  # never leave a dangling temporary link beside DEST
+            raise
+        fsync_dir(parent)
         return final
 
     def cleanup(self, keep: int = 2) -> list[str]:
-        """Remove stale staging dirs and all but the newest `keep` versions (the current one always stays)."""
-        if not os.path.isdir(self.sidecar):
+        """Remove stale staging dirs and all but the newest `keep` versions (the current one always stays).
+
+        Only entries deltafs provably made go: a name of its own pattern, the right type (lstat, so a
+        planted symlink is never followed nor removed), and, for a version directory, its state file.
+        """
+        try:
+            self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
+        except FileNotFoundError:
             return []
         current = self.state()
         current_name = os.path.basename(current.path) if current else None
-        versions = sorted(
-            (n for n in os.listdir(self.sidecar) if n.startswith("v") and os.path.isdir(os.path.join(self.sidecar, n))),
-            key=lambda n: os.path.getmtime(os.path.join(self.sidecar, n)),
-        )
+        entries = {n: os.lstat(os.path.join(self.sidecar, n)) for n in os.listdir(self.sidecar)}
+        versions = sorted((n for n, st in entries.items() if VERSION_DIR.match(n) and stat.S_ISDIR(st.st_mode)
+                           and _is_state(os.path.join(self.sidecar, n + ".json"))),
+                          key=lambda n: entries[n].st_mtime)
         keep_names = set(versions[-keep:]) if keep > 0 else set()
         if current_name:
             keep_names.add(current_name)
         removed = []
-        for n in os.listdir(self.sidecar):
+        for n, st in entries.items():
             full = os.path.join(self.sidecar, n)
-            if n.startswith("staging-") or (n.startswith("v") and os.path.isdir(full) and n not in keep_names):
-                shutil.rmtree(full, ignore_errors=True)
+            if STAGING_DIR.match(n) and stat.S_ISDIR(st.st_mode) or (n in versions and n not in keep_names):
+                shutil.rmtree(full, ignore_errors=True)  # rmtree never follows symlinks inside
                 removed.append(n)
-            elif n.startswith("v") and n.endswith(".json") and n[:-5] not in keep_names:
+        for n, st in entries.items():
+            full = os.path.join(self.sidecar, n)
+            if STATE_FILE.match(n) and stat.S_ISREG(st.st_mode) and n[:-5] not in keep_names \
+                    and not os.path.lexists(full[:-5]):
                 os.unlink(full)
-            elif n.startswith(".tmp-"):
+            elif TEMP_FILE.match(n) and stat.S_ISREG(st.st_mode):
                 os.unlink(full)
         return removed
 
     def version_dirs(self) -> list[str]:
-        if not os.path.isdir(self.sidecar):
+        try:
+            self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
+        except (FileNotFoundError, DestinationError):
             return []
         return sorted(os.path.join(self.sidecar, n) for n in os.listdir(self.sidecar)
-                      if n.startswith("v") and os.path.isdir(os.path.join(self.sidecar, n)))
+                      if VERSION_DIR.match(n) and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode))
+
+
+def file_sha256(path: str, block: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while data := fh.read(block):
+            h.update(data)
+    return h.hexdigest()
+
+
+def file_digest_on_disk(path: str, entry: FileEntry, chunk_bytes: int) -> str | None:
+    """The digest of the file at path in the scheme of entry.digest (v1 sha256 or v2 tree), or None if its size differs."""
+    try:
+        if os.path.getsize(path) != entry.size:
+            return None
+    except OSError:
+        return None
+    if not digests.is_tree_digest(entry.digest):
+        return "sha256:" + file_sha256(path)
+    seg_digests = []
+    with open(path, "rb") as fh:
+        for seg in entry.segments:
+            chunk_digests = []
+            for i in range(len(seg.chunks)):
+                size = seg.chunks[i].size
+                data = os.pread(fh.fileno(), size, seg.offset + i * chunk_bytes)
+                if len(data) != size:
+                    return None
+                chunk_digests.append(digests.chunk_digest(data))
+            seg_digests.append(digests.segment_digest(chunk_digests, seg.size))
+    return digests.file_digest(seg_digests, entry.size)
+
+
+def _is_state(path: str) -> bool:
+    """Whether path is a DEST state record deltafs wrote (a regular file, bounded, of our format)."""
+    try:
+        read_version_state(path[: -len(".json")])
+        return True
+    except FormatError:
+        return False
+
+
+def _file_stamps(directory: str, manifest: Manifest) -> dict[str, list[int]]:
+    out = {}
+    for f in manifest.files:
+        try:
+            st = os.lstat(os.path.join(directory, f.path))
+        except FileNotFoundError:
+            continue  # a partial copy (a rank's push cache holds only its own files)
+        out[f.path] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def precheck(local: LocalCheckpoint, force: bool) -> None:
+    """Refuse, before anything is created beside DEST, what is certainly not deltafs's to replace.
+
+    Only checks that no concurrent pull can change: the sidecar's ownership, and a DEST that is a
+    file, a non-empty directory, or a symlink pointing outside the sidecar. The full check
+    (refuse_foreign) runs again under the lock.
+    """
+    local.check_safe()
+    if force or not os.path.lexists(local.dest):
+        return
+    if os.path.islink(local.dest):
+        target = os.path.normpath(os.path.join(os.path.dirname(local.dest), os.readlink(local.dest)))
+        if os.path.dirname(target) != local.sidecar:
+            raise DestinationError(f"{local.dest} is a symlink deltafs did not make; use --force to move it aside into {local.sidecar}")
+        return
+    reason = local.describe_foreign()
+    if reason:
+        raise DestinationError(f"{reason}; use --force to move it aside into {local.sidecar}")
+
+
+def refuse_foreign(local: LocalCheckpoint, store_id: str, force: bool) -> LocalState | None:
+    """The usable local state, or an error if DEST holds something that is not ours to replace."""
+    local.check_safe()
+    state = local.state()
+    if state is not None and state.store_id != store_id:
+        if not force:
+            raise DestinationError(
+                f"{local.dest} holds a checkpoint of another store ({state.store_url}, id {state.store_id[:8]}); use --force to replace it"
+            )
+        return None
+    reason = local.describe_foreign()
+    if reason and not force:
+        raise DestinationError(f"{reason}; use --force to move it aside into {local.sidecar}")
+    return state
 
 
 def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
@@ -213,18 +460,3 @@ def find_version_dir(dest: str, version: str) -> str | None:
         except FormatError:
             continue
     return None
-
-
-def refuse_foreign(local: LocalCheckpoint, store_id: str, force: bool) -> LocalState | None:
-    """The usable local state, or an error if DEST holds something that is not ours to replace."""
-    state = local.state()
-    if state is not None and state.store_id != store_id:
-        if not force:
-            raise DestinationError(
-                f"{local.dest} holds a checkpoint of another store ({state.store_url}, id {state.store_id[:8]}); use --force to replace it"
-            )
-        return None
-    reason = local.describe_foreign()
-    if reason and not force:
-        raise DestinationError(f"{reason}; use --force to move it aside into {local.sidecar}")
-    return state

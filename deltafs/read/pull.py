@@ -1,15 +1,32 @@
-"""Reader side: HEAD → manifest → chunks, re-hash everything, then flip DEST atomically."""
+"""Reader side: HEAD → manifest → chunks, re-hash everything, then flip DEST atomically.
+
+Disk space: a pull writes the new version beside the current one (files that did not change are
+hard-linked, so a delta pull needs about the changed files' size), and by default keeps every fetched
+chunk in DEST.deltafs/chunks/ until the version is installed, so a killed pull resumes without
+refetching. A cold pull therefore needs the checkpoint's size plus its stored (compressed) size;
+chunk_cache=False (`--no-chunk-cache`) needs only the checkpoint's size.
+"""
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from deltafs.errors import IntegrityError, ObjectNotFoundError, VersionNotFoundError
-from deltafs.read.dest import LocalCheckpoint, LocalState, refuse_foreign
+from deltafs.errors import (
+    ChunkNotFoundError,
+    FormatError,
+    IntegrityError,
+    ObjectNotFoundError,
+    VersionNotFoundError,
+    is_local_write_failure,
+    local_write_error,
+)
+from deltafs.format.manifest import Head
+from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, precheck, refuse_foreign
 from deltafs.progress import Progress
 from deltafs.read.chain import Chain, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource, LocalBaseError
@@ -28,6 +45,7 @@ class PullResult:
     seconds: float
     fallback: bool = False  # the delta path failed and the version was rebuilt from a full version
     from_full: bool = False
+    repaired: str | None = None  # DEST held this version but a file was edited or missing: what was wrong
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -38,10 +56,30 @@ def local_version(dest: str) -> LocalState | None:
     return LocalCheckpoint(dest).state()
 
 
+def checked_head(repo: Repository) -> Head | None:
+    """The store's newest version, after checking that HEAD names a manifest that exists and matches.
+
+    VersionNotFoundError (exit 4) for a HEAD naming a missing version, FormatError (exit 5) for a HEAD
+    whose digest is not that manifest's: both say it is HEAD that is wrong, and how to look further.
+    """
+    head = repo.head()
+    if head is None:
+        return None
+    try:
+        man = repo.manifest(head.version)
+    except VersionNotFoundError:
+        raise VersionNotFoundError(f"HEAD of {repo.url} names version {head.version}, which is not in the store; "
+                                   "run 'deltafs verify --all'") from None
+    if man.digest != head.digest:
+        raise FormatError(f"HEAD of {repo.url} names version {head.version} with digest {head.digest[:16]}..., but that "
+                          f"manifest's digest is {man.digest[:16]}...; run 'deltafs verify --all'")
+    return head
+
+
 def resolve_version(repo: Repository, version: int | None) -> int:
     if version is not None:
         return version
-    head = repo.head()
+    head = checked_head(repo)
     if head is None:
         raise VersionNotFoundError(f"{repo.url} has no versions yet")
     return head.version
@@ -49,37 +87,49 @@ def resolve_version(repo: Repository, version: int | None) -> int:
 
 def pull(store: str | Repository, dest: str, *, version: int | None = None,
          storage_options: dict[str, Any] | None = None, force: bool = False, progress: bool = False,
-         wait_lock: bool = True, threads: int | None = None, keep: int = 2) -> PullResult:
+         wait_lock: bool = True, threads: int | None = None, keep: int = 2, verify_files: bool = False,
+         chunk_cache: bool = True) -> PullResult:
     """Make DEST a complete, verified checkpoint of `version` (default: newest).
 
-    DEST is a symlink into DEST.deltafs/; at every instant it points to one complete version.
+    DEST is a symlink into DEST.deltafs/; at every instant it points to one complete version. A DEST
+    that already holds the version is checked (sizes and install mtimes; every digest with
+    verify_files) and repaired if a file was edited or removed.
     """
     t0 = time.monotonic()
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     local = LocalCheckpoint(dest)
+    precheck(local, force)  # before the lock creates anything beside DEST
     with local.lock(wait=wait_lock):
         state = refuse_foreign(local, repo.store_id, force)
         target = resolve_version(repo, version)
+        repaired = None
         if state is not None and state.version == target:
             man = repo.manifest(target)
             if man.digest == state.digest:
-                return PullResult(target, state.version, False, state.path, 0, time.monotonic() - t0)
-            state = None  # same number, other contents (store rewritten): rebuild
+                repaired = local.check_files(state, full=verify_files)
+                if repaired is None:
+                    return PullResult(target, state.version, False, state.path, 0, time.monotonic() - t0)
+                log.warning(f"{local.dest}: {repaired}; repairing version {target}")
+            else:
+                state = None  # same number, other contents (store rewritten): rebuild
         chain = None
         try:
-            chain = plan_chain(repo, target, state, folds=True)
-            path, source = _materialize(repo, local, chain, progress, threads)
+            chain = _plan(repo, target, state, repaired is not None)
+            path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache)
             fallback = False
         except (LocalBaseError, IntegrityError, ObjectNotFoundError) as exc:
             if state is None and (chain is None or chain.final is None):
-                raise  # already the plain path from a full version (a fold path gets a second chance)
+                raise _name_version(exc, target) from None  # already the plain path from a full version
             # The delta path is unusable (local base corrupt, chunk missing or bad): start over
             # from the nearest full version. A full-path failure is final.
             log.warning(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
             chain = plan_chain(repo, target, None)
-            path, source = _materialize(repo, local, chain, progress, threads)
+            try:
+                path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache)
+            except (IntegrityError, ObjectNotFoundError) as exc2:
+                raise _name_version(exc2, target) from None
             fallback = True
-        shutil.rmtree(local.chunk_cache, ignore_errors=True)
+        local.drop_chunk_cache()
         local.cleanup(keep=keep)
         log.info("pulled version %d into %s from %s (%d bytes read)", target, dest,
                  "a full version" if chain.local is None else f"version {chain.local.version}", source.bytes_read)
@@ -92,12 +142,33 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             seconds=time.monotonic() - t0,
             fallback=fallback,
             from_full=chain.local is None,
+            repaired=repaired,
         )
 
 
+def _plan(repo: Repository, target: int, state: LocalState | None, repair: bool) -> Chain:
+    if not repair:
+        return plan_chain(repo, target, state, folds=True)
+    # Repair of the version DEST already holds: rebuild from the nearest full version, but let the
+    # builder hard-link every local file whose sha256 still matches, so only edited files are fetched.
+    return replace(plan_chain(repo, target, None, folds=True), local=state)
+
+
+def _name_version(exc: BaseException, version: int) -> BaseException:
+    """The same failure, its message starting with the version (a missing chunk is exit 6, not 3)."""
+    if f"version {version}" in str(exc):
+        return exc
+    if isinstance(exc, ChunkNotFoundError) or (isinstance(exc, ObjectNotFoundError) and "chunks/" in str(exc)):
+        return ChunkNotFoundError(f"version {version}: {exc}")
+    if isinstance(exc, IntegrityError):
+        return IntegrityError(f"version {version}: {exc}")
+    return exc
+
+
 def _materialize(repo: Repository, local: LocalCheckpoint, chain: Chain, progress: bool,
-                 threads: int | None) -> tuple[str, ChunkSource]:
-    source = ChunkSource(repo, local.chunk_cache)
+                 threads: int | None, chunk_cache: bool) -> tuple[str, ChunkSource, Any]:
+    check_layout(chain.target)  # a version that cannot be laid out fails before anything is written
+    source = ChunkSource(repo, local.open_chunk_cache() if chunk_cache else None)
     staging = local.new_staging()
     total = chain.target.raw_bytes
     try:
@@ -106,10 +177,22 @@ def _materialize(repo: Repository, local: LocalCheckpoint, chain: Chain, progres
         if local.describe_foreign() is not None:
             local.displace()  # only reached with force: refuse_foreign() raised otherwise
         path = local.install(staging, store_id=repo.store_id, store_url=repo.url, manifest=chain.target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and is_local_write_failure(exc):
+            # Fetched chunks are kept for the retry unless the disk is full: then they are the space.
+            if not chunk_cache or exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                local.drop_chunk_cache()
+            raise local_write_error(exc, exc.filename or f"version {chain.target.version} into {staging}",
+                                    hint=_space_hint(chain, chunk_cache)) from None
         raise
-    return path, source
+    return path, source, None
 
 
-__all__ = ["PullResult", "pull", "local_version", "resolve_version"]
+def _space_hint(chain: Chain, chunk_cache: bool) -> str:
+    need = chain.target.raw_bytes
+    return (f" (a pull of version {chain.target.version} needs about {need / 2**30:.2f} GiB free beside DEST"
+            f"{', plus the fetched chunks; --no-chunk-cache avoids those' if chunk_cache else ''})")
+
+
+__all__ = ["PullResult", "pull", "local_version", "resolve_version", "checked_head"]

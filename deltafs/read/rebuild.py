@@ -27,6 +27,7 @@ from deltafs.format import digests
 from deltafs.format.manifest import DELTA_CODECS, ChunkRef, FileEntry, Segment
 from deltafs.parallel import ordered_map
 from deltafs.read.chain import Chain
+from deltafs.read.dest import file_digest_on_disk
 from deltafs.store.repo import Repository
 
 
@@ -46,37 +47,6 @@ def _range_xxh3(path: str, offset: int, size: int, block: int = 8 << 20) -> str 
             h.update(data)
             done += len(data)
     return "xxh3-128:" + h.hexdigest()
-
-
-def file_sha256(path: str, block: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_digest_on_disk(path: str, entry: FileEntry, chunk_bytes: int) -> str | None:
-    """The digest of the file at path in the scheme of entry.digest (v1 sha256 or v2 tree), or None if its size differs."""
-    try:
-        if os.path.getsize(path) != entry.size:
-            return None
-    except OSError:
-        return None
-    if not digests.is_tree_digest(entry.digest):
-        return "sha256:" + file_sha256(path)
-    seg_digests = []
-    with open(path, "rb") as fh:
-        for seg in entry.segments:
-            chunk_digests = []
-            for i in range(len(seg.chunks)):
-                size = seg.chunks[i].size
-                data = os.pread(fh.fileno(), size, seg.offset + i * chunk_bytes)
-                if len(data) != size:
-                    return None
-                chunk_digests.append(digests.chunk_digest(data))
-            seg_digests.append(digests.segment_digest(chunk_digests, seg.size))
-    return digests.file_digest(seg_digests, entry.size)
 
 
 class ChunkSource:

@@ -62,7 +62,7 @@ DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "
 class CheckpointMaker:
     """Builds successive versions of a small HF-like checkpoint directory."""
 
-    def __init__(self, root, seed: int = 0, shards: int = 1, fraction: float = 0.01) -> None:
+    def __init__(self, root: str | os.PathLike[str], seed: int = 0, shards: int = 1, fraction: float = 0.01) -> None:
         self.root = root
         self.rng = np.random.default_rng(seed)
         self.fraction = fraction
@@ -105,7 +105,8 @@ def _nb(dtype: str, shape: tuple[int, ...]) -> int:
     return nbytes(dtype, shape)
 
 
-def run_cli(*args, env=None, check=None, timeout=120):
+def run_cli(*args: object, env: dict[str, str] | None = None, check: int | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the real command line in a subprocess, as a user would."""
     full_env = dict(os.environ)
     full_env.update(env or {})
@@ -116,7 +117,7 @@ def run_cli(*args, env=None, check=None, timeout=120):
     return proc
 
 
-def files_of(path) -> dict[str, bytes]:
+def files_of(path: str | os.PathLike[str]) -> dict[str, bytes]:
     out = {}
     for dirpath, _d, files in os.walk(path):
         for f in files:

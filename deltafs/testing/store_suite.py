@@ -126,7 +126,8 @@ class StoreSuite:
             results: dict[int, bool] = {}
             errors: list[BaseException] = []
 
-            def racer(i: int) -> None:
+            def racer(i: int, barrier: threading.Barrier = barrier, results: dict[int, bool] = results,
+                      key: str = key, errors: list[BaseException] = errors) -> None:
                 try:
                     barrier.wait(timeout=30)
                     results[i] = store.put_if_absent(key, f"writer {i}".encode() * 100)

@@ -13,7 +13,7 @@ import datetime as _dt
 import os
 import uuid
 
-from deltafs.errors import DeltafsError
+from deltafs.errors import NotReadyError
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.store.base import ObjectStore
 from deltafs.watch.ledger import HostStatus, parse_time, read_statuses
@@ -21,10 +21,8 @@ from deltafs.watch.ledger import HostStatus, parse_time, read_statuses
 BY_VERSION = "by-version"
 
 
-class GroupNotReadyError(DeltafsError):
-    """Not every host of the engine group has staged the version yet."""
-
-    exit_code = 11
+class GroupNotReadyError(NotReadyError):
+    """Not every host of the engine group has staged the version yet (exit 11)."""
 
     def __init__(self, message: str, *, timed_out: bool) -> None:
         self.timed_out = timed_out

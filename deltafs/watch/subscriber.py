@@ -29,16 +29,19 @@ from deltafs.errors import (
     DestinationError,
     EngineError,
     FormatError,
+    IntegrityError,
     LockHeldError,
     StoreError,
     StoreNotFoundError,
     VersionNotFoundError,
+    exit_code,
     short_problem,
 )
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.pull import PullResult, pull
 from deltafs.store.base import backoff
-from deltafs.store.repo import CONFIG_KEY, Repository
+from deltafs.format.keys import CONFIG_KEY
+from deltafs.store.repo import Repository
 from deltafs.watch.boundary import Boundary, Immediate
 from deltafs.watch.group import GroupNotReadyError, ready_hosts, stable_path
 from deltafs.watch.ledger import (
@@ -77,10 +80,8 @@ class Applied:
                 "sync_s": round(self.sync_seconds, 4), "fallback": self.fallback, "at": utcnow()}
 
 
-class NothingVerifiableError(DeltafsError):
-    """No newer version could be fetched and verified; the host keeps serving what it has."""
-
-    exit_code = 6
+class NothingVerifiableError(IntegrityError):
+    """No newer version could be fetched and verified; the host keeps serving what it has (exit 6)."""
 
 
 class Subscriber:
@@ -493,7 +494,7 @@ class Subscriber:
         self.status.failures += 1
         self.status.last_error = short_problem(exc)
         self.status.last_error_at = utcnow()
-        self._last_exit = getattr(exc, "exit_code", 1)
+        self._last_exit = exit_code(exc)
         delay = self._backoff(self.status.failures)
         log.error("sync failed (%d in a row; next try in %.1fs): %s", self.status.failures, delay, exc)
         self._set_state("degraded")

@@ -173,3 +173,11 @@ def test_the_checks_catch_violations() -> None:
     assert _upward([("deltafs.store.base", "deltafs.read.pull", "x.py:1")])
     assert _upward([("deltafs.read.pull", "deltafs.publish.push", "x.py:2")])
     assert not _upward([("deltafs.cli.core", "deltafs.read.pull", "x.py:3")])
+
+
+def test_the_facade_lists_what_it_exports() -> None:
+    import deltafs
+
+    assert set(deltafs.__all__) == {"__version__", *deltafs._EXPORTS}
+    for name in deltafs._EXPORTS:
+        assert getattr(deltafs, name) is not None

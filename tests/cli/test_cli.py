@@ -125,3 +125,14 @@ def test_log_lines_carry_an_iso_utc_timestamp(tmp_path, maker):
     lines = [ln for ln in proc.stderr.splitlines() if "deltafs: " in ln and not ln.startswith("deltafs: ")]
     assert lines, proc.stderr
     assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ deltafs: [A-Z]+: ", ln) for ln in lines), lines
+
+
+def test_program_version_flag_and_command_version_option(tmp_path, maker):
+    from deltafs import __version__
+
+    assert run_cli("-V", check=0).stdout.strip() == f"deltafs {__version__}"
+    assert run_cli("--version", check=0).stdout.strip() == f"deltafs {__version__}"
+    store = tmp_path / "store"
+    run_cli("push", maker.write(), store, "--version", "3", check=0)  # after a command, --version is the checkpoint's
+    assert json.loads(run_cli("pull", store, tmp_path / "dest", "--version", "3", "--json", check=0).stdout)["version"] == 3
+    assert run_cli("pull", store, tmp_path / "dest", "-v", "3").returncode == 2  # no -v anywhere

@@ -25,7 +25,7 @@ from history_helpers import push_history, store_bytes
 
 def _chunks_on_disk(store: str) -> set[str]:
     out = set()
-    for dirpath, _dirs, files in os.walk(os.path.join(store, "chunks")):
+    for _dirpath, _dirs, files in os.walk(os.path.join(store, "chunks")):
         out.update(f for f in files if not f.startswith(".tmp-"))
     return out
 

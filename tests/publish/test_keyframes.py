@@ -39,10 +39,10 @@ def test_a_full_version_once_the_chain_exceeds_the_budget(tmp_path, maker):
     mans = [repo.manifest(v) for v in repo.versions()]
     fulls = [m.version for m in mans if m.kind == "full"]
     assert len(fulls) >= 3, fulls  # the budget, not K, made keyframes
-    for prev, man in zip(mans, mans[1:]):
+    for prev, man in zip(mans, mans[1:], strict=False):
         over = prev.stats["chain_bytes"] >= 0.2 * man.stats["full_bytes"]
         assert (man.kind == "full") == over, (man.version, prev.stats, man.stats)
-    for prev, man in zip(mans, mans[1:]):  # chain_bytes: the deltas' bytes since the last full version
+    for prev, man in zip(mans, mans[1:], strict=False):  # chain_bytes: the deltas' bytes since the last full version
         want = 0 if man.kind == "full" else prev.stats["chain_bytes"] + man.stats["chunk_bytes_stored"]
         assert man.stats["chain_bytes"] == want
 

@@ -33,7 +33,7 @@ def test_versions_are_deterministic_and_mixed_dtype() -> None:
     cfg = config_for(300_000)
     a = list(TrainedRun(cfg, seed=3, lr=1e-5, warmup_steps=1).versions(2))
     b = list(TrainedRun(cfg, seed=3, lr=1e-5, warmup_steps=1).versions(2))
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys()
         assert all(torch.equal(x[k].view(torch.uint8), y[k].view(torch.uint8)) for k in x)
     dtypes = {k: t.dtype for k, t in a[0].items()}

@@ -13,8 +13,8 @@ for path in (TESTS_DIR, os.path.dirname(os.path.abspath(__file__))):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from sglang_standin import StandinSGLang, random_weights, write_checkpoint
-from watch_helpers import CONFIG, Trainer
+from sglang_standin import StandinSGLang, random_weights, write_checkpoint  # noqa: E402 - after the path set-up
+from watch_helpers import CONFIG, Trainer  # noqa: E402
 
 
 @pytest.fixture()

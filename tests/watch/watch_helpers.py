@@ -16,7 +16,7 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
-from sglang_standin import random_weights, tiny_config
+from sglang_standin import random_weights, tiny_config  # noqa: E402 - after the path set-up
 
 CONFIG = tiny_config()
 

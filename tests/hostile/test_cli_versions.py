@@ -1,0 +1,46 @@
+"""10.1: version numbers outside 0..MAX_VERSION are refused on write, before the store is touched."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from deltafs.errors import UsageError
+from deltafs.format.versions import MAX_VERSION
+from deltafs.maintenance.log import log
+from deltafs.publish import push
+
+from .conftest import deltafs, one_line
+
+
+@pytest.mark.parametrize("bad", ["-1", "1733011200000", str(MAX_VERSION + 1)])
+def test_push_refuses_a_version_outside_the_range(tmp_path, maker, bad):
+    store = tmp_path / "store"
+    one_line(deltafs("push", maker.write(), store, "--version", bad), 2, "--version", str(MAX_VERSION))
+    assert not os.path.exists(store)  # nothing written, not even the store config
+
+
+def test_api_push_refuses_a_big_version_and_keeps_history_listable(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push(store, maker.write(), version=MAX_VERSION - 1)
+    with pytest.raises(UsageError):
+        push(store, maker.write("b"), version=10 ** 12)
+    maker.advance()
+    push(store, maker.write("c"))  # HEAD + 1 is the largest valid version
+    assert [e.version for e in log(store)] == [MAX_VERSION - 1, MAX_VERSION]
+    maker.advance()
+    with pytest.raises(UsageError, match="outside"):
+        push(store, maker.write("d"))  # HEAD + 1 would need 11 digits
+
+
+def test_program_version_is_capital_v_and_lowercase_v_is_nothing(tmp_path, maker):
+    from deltafs import __version__
+
+    for flag in ("-V", "--version"):
+        proc = deltafs(flag, check=0)
+        assert proc.stdout.strip() == f"deltafs {__version__}"
+    proc = deltafs("push", maker.write(), tmp_path / "store", "-v", "3")
+    assert proc.returncode == 2 and "-v" in proc.stderr
+    assert not os.path.exists(tmp_path / "store")
+    assert "default: the newest" not in deltafs("push", "--help", check=0).stdout

@@ -1,0 +1,87 @@
+"""10.10: a full disk leaves no temporary files, names the path, and `--no-chunk-cache` pulls in less space.
+
+Each test mounts a small tmpfs (root only; skipped where mount is refused).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from deltafs.publish import push
+from deltafs.testing.checkpoints import files_of, random_bytes, write_safetensors
+
+from .conftest import deltafs, one_line
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mounted = []
+
+    def mount(size: int) -> str:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"mount refused: {proc.stderr.decode().strip()}")
+        mounted.append(path)
+        return str(path)
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _checkpoint(path, mib: int) -> str:
+    """An incompressible checkpoint of about `mib` MiB (stored chunks are as large as the files)."""
+    rng = np.random.default_rng(0)
+    n = mib * MiB // 4
+    write_safetensors(os.path.join(path, "model.safetensors"), {"w": ("F32", (n,), random_bytes(rng, n * 4))})
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        fh.write("{}\n")
+    return str(path)
+
+
+def _leftovers(root: str) -> list[str]:
+    return [os.path.join(d, n) for d, dirs, files in os.walk(root) for n in files + dirs
+            if n.startswith((".tmp-", "staging-", ".dest.tmp-"))]
+
+
+def test_push_to_a_full_local_store_leaves_no_temp_files(tmp_path, small_disk):
+    disk = small_disk(3 * MiB)
+    src = _checkpoint(tmp_path / "src", 6)
+    store = os.path.join(disk, "store")
+    for _ in range(3):  # every failed push used to leave its partial chunk behind
+        proc = deltafs("push", src, store)
+        assert proc.returncode != 0 and "No space left" in proc.stderr and store in proc.stderr, proc.stderr
+    assert _leftovers(disk) == []
+
+
+def test_pull_onto_a_full_disk_names_the_path_and_cleans_up(tmp_path, small_disk):
+    src = _checkpoint(tmp_path / "src", 6)
+    store = str(tmp_path / "store")
+    push(store, src)
+    disk = small_disk(3 * MiB)
+    dest = os.path.join(disk, "dest")
+    one_line(deltafs("pull", store, dest), 12, "No space left", disk)
+    assert not os.path.lexists(dest)
+    assert _leftovers(disk) == [] and not os.path.exists(os.path.join(disk, "dest.deltafs", "chunks"))
+
+
+def test_no_chunk_cache_pulls_where_the_cache_does_not_fit(tmp_path, small_disk):
+    src = _checkpoint(tmp_path / "src", 6)
+    store = str(tmp_path / "store")
+    push(store, src)
+    disk = small_disk(9 * MiB)  # the checkpoint fits, the checkpoint plus its fetched chunks does not
+    dest = os.path.join(disk, "dest")
+    one_line(deltafs("pull", store, dest), 12, "No space left", "--no-chunk-cache")
+    assert _leftovers(disk) == []
+    deltafs("pull", store, dest, "--no-chunk-cache", check=0)
+    assert files_of(dest) == files_of(src)
