@@ -32,7 +32,7 @@ STORE_FORMAT = "deltafs.store"
 HEAD_FORMAT = "deltafs.head"
 LOCK_FORMAT = "deltafs.lock"
 FLEET_FORMAT = "deltafs.fleet"  # the record itself: deltafs.watch.ledger.HostStatus
-DEST_STATE_FORMAT = "deltafs.read.dest"
+DEST_STATE_FORMAT = "deltafs.local"  # the name 0.1 wrote: DESTs pulled by 0.1 stay ours
 
 # Store config: 2 is written by this release (its manifests are v2); 1 is still read.
 STORE_FORMAT_VERSION = 2

@@ -54,3 +54,20 @@ def test_v1_update_pull_and_a_v2_push_on_top(tmp_path, v1_store):
     assert res.version == 5 and not res.fallback
     assert file_digests(dest) == file_digests(src)
     assert verify(v1_store, all_versions=True).ok
+
+
+def test_a_dest_pulled_by_0_1_is_still_ours(tmp_path, v1_store):
+    """A DEST whose state record 0.1 wrote is recognized and updated, not refused as foreign (exit 9)."""
+    from deltafs.read.dest import LocalCheckpoint
+
+    dest = str(tmp_path / "dest")
+    pull(v1_store, dest, version=1)
+    state_file = os.path.realpath(dest) + ".json"
+    raw = json.loads(open(state_file).read())
+    # Exactly the keys and format name 0.1's deltafs/local.py wrote (no file stamps, isoformat time).
+    old = {k: raw[k] for k in ("digest", "manifest", "store_id", "store_url", "version")}
+    old.update({"format": "deltafs.local", "installed": "2026-12-01T02:15:49.991253+00:00"})
+    with open(state_file, "w") as fh:
+        fh.write(json.dumps(old, sort_keys=True, separators=(",", ":")))
+    assert LocalCheckpoint(dest).state() is not None
+    assert pull(v1_store, dest).version == 4
