@@ -17,11 +17,11 @@ from .conftest import deltafs, one_line
 def _rename_file(store: str, old: str, new: str) -> None:
     """Rewrite version 1 so that file `old` is called `new` (and HEAD to match it)."""
     path = os.path.join(store, manifest_key(1))
-    man = Manifest.from_bytes(open(path, "rb").read())
+    man = Manifest.decode(open(path, "rb").read())
     files = tuple(dataclasses.replace(f, path=new) if f.path == old else f for f in man.files)
     man = dataclasses.replace(man, files=files).seal()
     with open(path, "wb") as fh:
-        fh.write(man.to_bytes())
+        fh.write(man.encode())
     with open(os.path.join(store, "HEAD"), "wb") as fh:
         fh.write(Head(1, man.digest).to_bytes())
 

@@ -75,13 +75,16 @@ def test_pull_onto_a_full_disk_names_the_path_and_cleans_up(tmp_path, small_disk
     assert _leftovers(disk) == [] and not os.path.exists(os.path.join(disk, "dest.deltafs", "chunks"))
 
 
-def test_no_chunk_cache_pulls_where_the_cache_does_not_fit(tmp_path, small_disk):
+def test_no_chunk_cache_pulls_where_the_cache_does_not_fit(tmp_path, small_disk, s3_url, s3_options):
+    """From a remote store (moto S3 here) fetched chunks are kept beside DEST unless --no-chunk-cache."""
+    import json
+
     src = _checkpoint(tmp_path / "src", 6)
-    store = str(tmp_path / "store")
-    push(store, src)
+    push(s3_url, src, storage_options=s3_options)
+    opts = json.dumps(s3_options)
     disk = small_disk(9 * MiB)  # the checkpoint fits, the checkpoint plus its fetched chunks does not
     dest = os.path.join(disk, "dest")
-    one_line(deltafs("pull", store, dest), 12, "No space left", "--no-chunk-cache")
+    one_line(deltafs("pull", s3_url, dest, "--storage-options", opts), 12, "No space left", "--no-chunk-cache")
     assert _leftovers(disk) == []
-    deltafs("pull", store, dest, "--no-chunk-cache", check=0)
+    deltafs("pull", s3_url, dest, "--no-chunk-cache", "--storage-options", opts, check=0)
     assert files_of(dest) == files_of(src)
