@@ -6,7 +6,6 @@ UsageError (exit 2) before any command touches a store or a directory.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Annotated, Any, Optional
 
@@ -69,16 +68,10 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but er
 
 
 def json_object(text: str | None, flag: str) -> dict[str, Any]:
-    """The JSON object an option was given, or {}; a one-line UsageError otherwise."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise UsageError(f"{flag} is not valid JSON: {str(exc).splitlines()[0] if str(exc) else 'nested too deeply'}") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"{flag} must be a JSON object")
-    return value
+    """The JSON object an option was given (inline or @file.json), or {}; a one-line UsageError otherwise."""
+    from deltafs.store.options import parse_options_text
+
+    return parse_options_text(text, flag) if text else {}
 
 
 def parse_storage_options(text: str | None) -> dict[str, Any]:

@@ -88,13 +88,16 @@ def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
     return fold if is_fold_of(fold, target) else None
 
 
-def chain_cost(steps: list[Manifest]) -> int:
-    """Bytes of distinct objects a reader fetches to rebuild steps[-1] (per chunk, back to a self-contained record)."""
+def chain_objects(steps: list[Manifest], *, skip_files: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Distinct objects (id -> stored bytes) a reader fetches to rebuild steps[-1], per chunk back to a
+    self-contained record; files in skip_files are not rebuilt (linked from a local copy)."""
     if not steps:
-        return 0
+        return {}
     per_step = [m.segments() for m in reversed(steps)]  # newest first
     needed: dict[str, int] = {}
-    for key, (_f, seg) in per_step[0].items():
+    for key, (f, seg) in per_step[0].items():
+        if f.path in skip_files:
+            continue
         for i in range(len(seg.chunks)):
             for segs in per_step:
                 entry = segs.get(key)
@@ -105,7 +108,12 @@ def chain_cost(steps: list[Manifest]) -> int:
                     needed[rec.object] = rec.stored
                 if rec.name not in DELTA_CODECS:
                     break
-    return sum(needed.values())
+    return needed
+
+
+def chain_cost(steps: list[Manifest]) -> int:
+    """Bytes of distinct objects a reader fetches to rebuild steps[-1] (per chunk, back to a self-contained record)."""
+    return sum(chain_objects(steps).values())
 
 
 def prefer_fold(repo: Repository, chain: Chain) -> Chain:
@@ -122,5 +130,5 @@ def prefer_fold(repo: Repository, chain: Chain) -> Chain:
     return chain
 
 
-__all__ = ["FOLD_PREFIX", "Chain", "chain_cost", "fold_key", "is_fold_of", "load_fold", "parse_fold_key", "plan_chain",
+__all__ = ["FOLD_PREFIX", "Chain", "chain_cost", "chain_objects", "fold_key", "is_fold_of", "load_fold", "parse_fold_key", "plan_chain",
            "prefer_fold"]

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 from deltafs.errors import DestinationError, FormatError, LockHeldError
 from deltafs.format import digests
-from deltafs.format.manifest import FileEntry, Manifest
+from deltafs.format.manifest import FileEntry, Manifest, Segment
 from deltafs.format.records import DEST_STATE_MAX_BYTES, canonical_json, dest_state_bytes, parse_dest_state
 SIDECAR_SUFFIX = ".deltafs"
 # Names deltafs gives the entries of its sidecar; cleanup touches nothing else.
@@ -361,15 +361,28 @@ def file_digest_on_disk(path: str, entry: FileEntry, chunk_bytes: int) -> str | 
     seg_digests = []
     with open(path, "rb") as fh:
         for seg in entry.segments:
-            chunk_digests = []
-            for i in range(len(seg.chunks)):
-                size = seg.chunks[i].size
-                data = os.pread(fh.fileno(), size, seg.offset + i * chunk_bytes)
-                if len(data) != size:
-                    return None
-                chunk_digests.append(digests.chunk_digest(data))
-            seg_digests.append(digests.segment_digest(chunk_digests, seg.size))
+            digest = _tree_segment_digest(fh.fileno(), seg, chunk_bytes)
+            if digest is None:
+                return None
+            seg_digests.append(digest)
     return digests.file_digest(seg_digests, entry.size)
+
+
+def segment_digest_on_disk(path: str, seg: Segment, chunk_bytes: int) -> str | None:
+    """A format-v2 segment digest computed from a file on disk, or None if the file is too short."""
+    with open(path, "rb") as fh:
+        return _tree_segment_digest(fh.fileno(), seg, chunk_bytes)
+
+
+def _tree_segment_digest(fd: int, seg: Segment, chunk_bytes: int) -> str | None:
+    chunk_digests = []
+    for i in range(len(seg.chunks)):
+        size = seg.chunks[i].size
+        data = os.pread(fd, size, seg.offset + i * chunk_bytes)
+        if len(data) != size:
+            return None
+        chunk_digests.append(digests.chunk_digest(data))
+    return digests.segment_digest(chunk_digests, seg.size)
 
 
 def _is_state(path: str) -> bool:

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from deltafs.errors import IntegrityError, UsageError
-from deltafs.format.manifest import DELTA_CODECS, FileEntry, Manifest, Segment
+from deltafs.format.manifest import FileEntry, Manifest, Segment
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.format.digests import segment_digest_like
-from deltafs.read.chain import Chain, plan_chain
+from deltafs.read.chain import Chain, chain_objects, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource, _Task
 from deltafs.store.repo import Repository
 
@@ -169,22 +169,7 @@ def plan_pull(store: str | Repository, dest: str, *, version: int | None = None,
     linked = [f for f in final.files if (f.digest, f.size) in local_files
               and os.path.exists(os.path.join(state.path, f.path))] if state is not None else []
     linked_paths = {f.path for f in linked}
-    needed: dict[str, int] = {}
-    per_step = [m.segments() for m in chain.steps]
-    for f in final.files:
-        if f.path in linked_paths:
-            continue
-        for seg in f.segments:
-            for i in range(len(seg.chunks)):
-                for step in reversed(per_step):
-                    entry = step.get(seg.key)
-                    if entry is None or len(entry[1].chunks) <= i:
-                        break
-                    rec = entry[1].chunks[i]
-                    if rec.object is not None:
-                        needed[rec.object] = rec.stored
-                    if rec.name not in DELTA_CODECS:
-                        break
+    needed = chain_objects(chain.steps, skip_files=frozenset(linked_paths))
     steps = [{"version": m.version, "kind": m.kind,
               "fold": chain.final is not None and m is chain.steps[-1]} for m in chain.steps]
     return PullPlan(target, state.version if state else None, False, steps, len(needed), sum(needed.values()),

@@ -27,7 +27,7 @@ from deltafs.format import digests
 from deltafs.format.manifest import DELTA_CODECS, ChunkRef, FileEntry, Segment
 from deltafs.parallel import ordered_map
 from deltafs.read.chain import Chain
-from deltafs.read.dest import file_digest_on_disk
+from deltafs.read.dest import file_digest_on_disk, segment_digest_on_disk
 from deltafs.store.repo import Repository
 
 
@@ -433,15 +433,7 @@ def _range_digest(path: str, seg: Segment, chunk_bytes: int) -> str | None:
     """A segment's digest computed from a file on disk, in the scheme of seg.digest."""
     if not digests.is_tree_digest(seg.digest):
         return _range_xxh3(path, seg.offset, seg.size)
-    chunk_digests = []
-    with open(path, "rb") as fh:
-        for i in range(len(seg.chunks)):
-            size = seg.chunks[i].size
-            data = os.pread(fh.fileno(), size, seg.offset + i * chunk_bytes)
-            if len(data) != size:
-                return None
-            chunk_digests.append(digests.chunk_digest(data))
-    return digests.segment_digest(chunk_digests, seg.size)
+    return segment_digest_on_disk(path, seg, chunk_bytes)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
