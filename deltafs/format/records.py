@@ -13,7 +13,7 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from deltafs.errors import FormatError
@@ -220,3 +220,45 @@ def parse_dest_state(data: bytes) -> dict[str, Any]:
             or not isinstance(raw.get("version"), int) or not isinstance(raw.get("manifest"), dict):
         raise FormatError("DEST state record is malformed")
     return raw
+
+
+@dataclass
+class HostStatus:
+    """What one rollout host serves and how its last sync went: the fleet record fleet/<host-id>.json.
+
+    Written by the watcher (deltafs.watch.ledger), read by `deltafs status`; unknown fields are ignored.
+    """
+
+    host_id: str
+    dest: str
+    engine: str  # "sglang", "torch", "none"
+    engine_url: str | None = None
+    store_id: str | None = None
+    state: str = "starting"
+    served_version: int | None = None
+    staged_version: int | None = None
+    last_error: str | None = None
+    last_error_at: str | None = None
+    failures: int = 0  # consecutive failed cycles; 0 when the last one went through
+    last_sync: dict[str, Any] | None = None  # {"version", "pause_s", "sync_s", "at", "fallback"}
+    engine_group: str | None = None  # hosts of one multi-node engine share a group name
+    engine_hosts: int = 1  # how many hosts the group has
+    group_wait: str | None = None  # why the group's switch waits, in words
+    needs_restart: dict[str, Any] | None = None  # {"version", "reason"}: staged, but only a restart can serve it
+    checksums: dict[str, str] = field(default_factory=dict)  # weight version -> loaded-weight checksum
+    started_at: str = field(default_factory=utcnow)
+    updated_at: str = field(default_factory=utcnow)
+    hostname: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+
+    def to_bytes(self) -> bytes:
+        body = {"format": FLEET_FORMAT, "format_version": 1, **asdict(self)}
+        return canonical_json(body)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> HostStatus:
+        raw = load_json(data, "fleet record", max_bytes=FLEET_MAX_BYTES)  # FormatError when deep or huge
+        if not isinstance(raw, dict) or raw.get("format") != FLEET_FORMAT:
+            raise ValueError("not a deltafs fleet record")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import os
 import re
 import socket
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from deltafs.errors import DeltafsError, UsageError
 from deltafs.format.keys import FLEET_PREFIX, check_host_id, fleet_key
-from deltafs.format.records import FLEET_FORMAT, FLEET_MAX_BYTES, canonical_json, load_json, parse_timestamp, utcnow
+from deltafs.format.records import FLEET_FORMAT, FLEET_MAX_BYTES, HostStatus, parse_timestamp, utcnow
 from deltafs.store.base import ObjectStore
 from deltafs.store.repo import Repository
 
@@ -44,45 +43,6 @@ def default_host_id() -> str:
 
 def ledger_key(host_id: str) -> str:
     return fleet_key(host_id)
-
-
-@dataclass
-class HostStatus:
-    """What one rollout host serves and how its last sync went."""
-
-    host_id: str
-    dest: str
-    engine: str  # "sglang", "torch", "none"
-    engine_url: str | None = None
-    store_id: str | None = None
-    state: str = "starting"
-    served_version: int | None = None
-    staged_version: int | None = None
-    last_error: str | None = None
-    last_error_at: str | None = None
-    failures: int = 0  # consecutive failed cycles; 0 when the last one went through
-    last_sync: dict[str, Any] | None = None  # {"version", "pause_s", "sync_s", "at", "fallback"}
-    engine_group: str | None = None  # hosts of one multi-node engine share a group name
-    engine_hosts: int = 1  # how many hosts the group has
-    group_wait: str | None = None  # why the group's switch waits, in words
-    needs_restart: dict[str, Any] | None = None  # {"version", "reason"}: staged, but only a restart can serve it
-    checksums: dict[str, str] = field(default_factory=dict)  # weight version -> loaded-weight checksum
-    started_at: str = field(default_factory=utcnow)
-    updated_at: str = field(default_factory=utcnow)
-    hostname: str = field(default_factory=socket.gethostname)
-    pid: int = field(default_factory=os.getpid)
-
-    def to_bytes(self) -> bytes:
-        body = {"format": LEDGER_FORMAT, "format_version": 1, **asdict(self)}
-        return canonical_json(body)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> HostStatus:
-        raw = load_json(data, "fleet record", max_bytes=FLEET_MAX_BYTES)  # FormatError when deep or huge
-        if not isinstance(raw, dict) or raw.get("format") != LEDGER_FORMAT:
-            raise ValueError("not a deltafs fleet record")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
 
 
 def record_checksum(status: HostStatus, version: int, checksum: str | None) -> None:
