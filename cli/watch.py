@@ -14,10 +14,24 @@ import typer
 from deltafs.cli.options import Json, Quiet, StorageOptions, finite_seconds, parse_storage_options
 from deltafs.cli.output import Output
 
+from deltafs.engines.base import DEFAULT_LOAD_TIMEOUT
 from deltafs.errors import EXIT_INTERNAL, EXIT_OK, UsageError
+from deltafs.watch.boundary import DEFAULT_MAX_WAIT
+from deltafs.watch.ledger import DEFAULT_STALE_AFTER
+from deltafs.watch.subscriber import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 
 # `status`: some host has a problem (the exit-code table's 1: see deltafs.errors.EXIT_MEANINGS).
 EXIT_FLEET_PROBLEM = EXIT_INTERNAL
+
+
+class PauseMode(str, enum.Enum):
+    """--pause-mode's choices, shown in --help (each engine accepts its own; see the help text)."""
+
+    abort = "abort"
+    retract = "retract"
+    in_place = "in_place"
+    wait = "wait"
+    keep = "keep"
 
 
 class BoundaryKind(str, enum.Enum):
@@ -33,21 +47,21 @@ def watch_cmd(
     dest: Annotated[str, typer.Argument(help="Local checkpoint path the engine loads from (a symlink deltafs manages).")],
     engine: Annotated[str | None, typer.Option("--engine", help="sglang, vllm, one an installed package registers, or none (default: sglang when --engine-url is given, else none).")] = None,
     engine_url: Annotated[str | None, typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
-    pause_mode: Annotated[str, typer.Option("--pause-mode", help="How the engine pauses for the switch: SGLang abort, retract or in_place; vLLM abort, wait or keep (retract means keep).")] = "retract",
+    pause_mode: Annotated[PauseMode, typer.Option("--pause-mode", help="How the engine pauses for the switch: SGLang abort, retract or in_place; vLLM abort, wait or keep (retract means keep).")] = PauseMode.retract,
     boundary: Annotated[BoundaryKind, typer.Option("--boundary", help="When to switch: immediate, idle (no running requests) or signal.")] = BoundaryKind.immediate,
-    max_wait: Annotated[float, typer.Option("--max-wait", callback=finite_seconds("--max-wait", positive=True), help="idle: switch anyway after this many seconds.")] = 300.0,
+    max_wait: Annotated[float, typer.Option("--max-wait", callback=finite_seconds("--max-wait", positive=True), help="idle: switch anyway after this many seconds.")] = DEFAULT_MAX_WAIT,
     boundary_file: Annotated[str | None, typer.Option("--boundary-file", help="signal: touching this file says 'switch now'.")] = None,
     boundary_port: Annotated[int | None, typer.Option("--boundary-port", help="signal: also accept POST http://127.0.0.1:PORT/boundary.")] = None,
     poll: Annotated[float | None, typer.Option("--poll", callback=finite_seconds("--poll", positive=True), help="Poll HEAD every SECONDS instead of file events (NFS, FUSE); remote stores always poll (default 5s).")] = None,
     storage_options: StorageOptions = None,
     host_id: Annotated[str | None, typer.Option("--host-id", help="Name in the fleet ledger (default: the host name; set one per engine if a host runs several).")] = None,
     no_ledger: Annotated[bool, typer.Option("--no-ledger", help="Do not write fleet/<host-id>.json to the store.")] = False,
-    load_timeout: Annotated[float, typer.Option("--load-timeout", callback=finite_seconds("--load-timeout", positive=True), help="Seconds the engine may take to load a version.")] = 900.0,
-    retry_max: Annotated[float, typer.Option("--retry-max", callback=finite_seconds("--retry-max", positive=True), help="Longest wait between retries after failures, in seconds.")] = 300.0,
+    load_timeout: Annotated[float, typer.Option("--load-timeout", callback=finite_seconds("--load-timeout", positive=True), help="Seconds the engine may take to load a version.")] = DEFAULT_LOAD_TIMEOUT,
+    retry_max: Annotated[float, typer.Option("--retry-max", callback=finite_seconds("--retry-max", positive=True), help="Longest wait between retries after failures, in seconds.")] = DEFAULT_RETRY_MAX,
     once: Annotated[bool, typer.Option("--once", help="One cycle (stage, boundary, switch), then exit: 0 done or current, else the error's code.")] = False,
     engine_group: Annotated[str | None, typer.Option("--engine-group", help="Multi-node engine: the name all its hosts' watchers share (same DEST path on each).")] = None,
     engine_hosts: Annotated[int, typer.Option("--engine-hosts", help="Multi-node engine: how many hosts it spans; the --engine-url host switches once all have the version staged.")] = 1,
-    group_timeout: Annotated[float, typer.Option("--group-timeout", callback=finite_seconds("--group-timeout", positive=True), help="Multi-node engine: report a failure when a host has not staged a version after this many seconds.")] = 600.0,
+    group_timeout: Annotated[float, typer.Option("--group-timeout", callback=finite_seconds("--group-timeout", positive=True), help="Multi-node engine: report a failure when a host has not staged a version after this many seconds.")] = DEFAULT_GROUP_TIMEOUT,
     quiet: Quiet = False,
 ) -> int:
     """Keep DEST and the engine at the store's newest verified version, switching at task boundaries.
@@ -65,7 +79,7 @@ def watch_cmd(
     kind = engine or ("sglang" if engine_url else "none")
     # SGLang's --api-key and --admin-api-key come from DELTAFS_ENGINE_API_KEY and
     # DELTAFS_ENGINE_ADMIN_API_KEY (make_engine reads them), never flags: flags show up in ps.
-    options = {"pause_mode": pause_mode, "load_timeout": load_timeout, "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
+    options = {"pause_mode": pause_mode.value, "load_timeout": load_timeout, "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
     eng = make_engine(kind, engine_url, **options) if kind != "none" else None
     if engine_hosts > 1 and not engine_group:
         raise UsageError("--engine-hosts needs --engine-group NAME (the same on every host of the engine)")
@@ -90,7 +104,7 @@ def watch_cmd(
 def status_cmd(
     store: Annotated[str, typer.Argument(help="Store URL.")],
     storage_options: StorageOptions = None,
-    stale_after: Annotated[float, typer.Option("--stale-after", callback=finite_seconds("--stale-after", positive=True), help="A host silent for this many seconds is reported stale.")] = 300.0,
+    stale_after: Annotated[float, typer.Option("--stale-after", callback=finite_seconds("--stale-after", positive=True), help="A host silent for this many seconds is reported stale.")] = DEFAULT_STALE_AFTER,
     prune_after: Annotated[float | None, typer.Option("--prune-after", callback=finite_seconds("--prune-after"), help="First delete the entries of hosts silent for more than this many seconds (retired hosts).")] = None,
     json_out: Json = False,
 ) -> int:

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from deltafs.engines.base import (
+    DEFAULT_LOAD_TIMEOUT,
     EngineUnreachableError,
     SwitchError,
     SwitchResult,
@@ -98,7 +99,7 @@ class SGLangEngine:
         *,
         pause_mode: str = "retract",
         timeout: float = 10.0,
-        load_timeout: float = 900.0,
+        load_timeout: float = DEFAULT_LOAD_TIMEOUT,
         api_key: str | None = None,
         admin_api_key: str | None = None,
         resume_attempts: int = 4,

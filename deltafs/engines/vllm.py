@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any
 
-from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
+from deltafs.engines.base import DEFAULT_LOAD_TIMEOUT, EngineUnreachableError, SwitchError, SwitchResult, Target
 from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.engines.vllm")
@@ -94,7 +94,7 @@ class VLLMEngine:
         *,
         pause_mode: str = "keep",
         timeout: float = 10.0,
-        load_timeout: float = 900.0,
+        load_timeout: float = DEFAULT_LOAD_TIMEOUT,
         api_key: str | None = None,
         resume_attempts: int = 4,
         verify_rollback: bool = False,

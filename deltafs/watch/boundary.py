@@ -25,6 +25,8 @@ from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.watch")
 
+DEFAULT_MAX_WAIT = 300.0  # idle boundary: switch anyway after this many seconds
+
 BOUNDARY_KINDS = ("immediate", "idle", "signal")
 
 
@@ -58,7 +60,7 @@ class Idle:
 
     name = "idle"
 
-    def __init__(self, max_wait: float = 300.0, interval: float = 0.2) -> None:
+    def __init__(self, max_wait: float = DEFAULT_MAX_WAIT, interval: float = 0.2) -> None:
         self.max_wait = max_wait
         self.interval = interval
 
@@ -175,7 +177,7 @@ def _serve(boundary: Signal, port: int) -> ThreadingHTTPServer:
     return httpd
 
 
-def make_boundary(kind: str, *, max_wait: float = 300.0, file: str | None = None, port: int | None = None,
+def make_boundary(kind: str, *, max_wait: float = DEFAULT_MAX_WAIT, file: str | None = None, port: int | None = None,
                   sigusr1: bool = True) -> Boundary:
     if kind == "immediate":
         return Immediate()

@@ -28,6 +28,7 @@ LEDGER_FORMAT = FLEET_FORMAT
 STATES = ("starting", "serving", "staging", "waiting", "waiting-group", "switching", "needs-restart", "degraded",
           "stopped")
 CHECKSUMS_KEPT = 8  # loaded-weight checksums per host, newest versions
+DEFAULT_STALE_AFTER = 300.0  # `deltafs status`: a host silent this long is reported stale
 
 
 def parse_time(text: str | None) -> _dt.datetime | None:
@@ -126,7 +127,7 @@ class FleetReport:
                 "hosts": [r.to_json() for r in self.hosts]}
 
 
-def fleet_report(repo: Repository, *, stale_after: float = 300.0, now: _dt.datetime | None = None) -> FleetReport:
+def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_STALE_AFTER, now: _dt.datetime | None = None) -> FleetReport:
     """Every host's ledger entry compared with HEAD."""
     head = repo.head()
     head_version = head.version if head else None

@@ -56,6 +56,9 @@ from deltafs.watch.notify import Notifier, jittered
 
 log = logging.getLogger("deltafs.watch")
 
+DEFAULT_RETRY_MAX = 300.0  # longest wait between retries after failures, seconds
+DEFAULT_GROUP_TIMEOUT = 600.0  # multi-node engine: a host that has not staged a version by then is a failure
+
 
 @dataclass(frozen=True)
 class Staged:
@@ -101,12 +104,12 @@ class Subscriber:
         fallback_poll: float = 30.0,
         heartbeat: float = 60.0,
         retry_base: float = 2.0,
-        retry_max: float = 300.0,
+        retry_max: float = DEFAULT_RETRY_MAX,
         keep: int = 3,
         threads: int | None = None,
         engine_group: str | None = None,
         engine_hosts: int = 1,
-        group_timeout: float = 600.0,
+        group_timeout: float = DEFAULT_GROUP_TIMEOUT,
         group_poll: float = 2.0,
     ) -> None:
         self.store_url = store
