@@ -159,7 +159,10 @@ _URL = re.compile(r"host='([^']+)', port=(\d+)")
 
 
 def short_problem(exc: BaseException, limit: int = 160) -> str:
-    """One short line for a status table: what went wrong, without an HTTP library's nested reprs."""
+    """One short line for a status table: what went wrong, without an HTTP library's nested reprs.
+
+    Messages of other libraries' exceptions are cut at limit characters; deltafs's own are kept whole.
+    """
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "Max retries exceeded" in text or "NewConnectionError" in text or "ConnectTimeout" in text:
         where = _URL.search(text)
@@ -172,6 +175,8 @@ def short_problem(exc: BaseException, limit: int = 160) -> str:
             text = f"{prefix}: {reason}"
         else:
             text = f"cannot reach {where.group(1)}:{where.group(2)} ({reason})" if where else f"cannot connect ({reason})"
-    elif not isinstance(exc, DeltafsError):
+    elif isinstance(exc, DeltafsError):
+        return text  # our own messages are written as one line that says what to do: keep them whole
+    else:
         text = f"{type(exc).__name__}: {text}"
     return text if len(text) <= limit else text[: limit - 1] + "…"
