@@ -7,9 +7,16 @@ step keeps to code that releases the GIL (os.pread, numpy, zstd, hashlib, xxhash
 bounded: each lane has at most `window` chunks in flight, and at most MAX_PUT_QUEUE payloads wait
 for the store.
 
-The push cache's copy of a file on disk is made without reading it: a reflink (copy-on-write clone)
-or a hard link, else an in-kernel copy (copy_file_range); an in-memory file (push_tensors) is
-written by the workers at the chunks' offsets as they go.
+The push cache takes the new version in one of two ways. Patching (patch=True): the stage directory
+is the previous version's own directory and each file has the base's layout, so the workers write
+only the chunks that changed into it, at their offsets, from the bytes they read anyway (no copy of
+the unchanged bytes). Otherwise each file is placed without reading it through Python: a reflink
+(copy-on-write clone) or a hard link, else an in-kernel copy (copy_file_range); an in-memory file
+(push_tensors) is written by the workers at the chunks' offsets as they go.
+
+The cache is not fsynced: every push checks each base chunk it reads against the cache's manifest
+(LocalBaseError, and the base is rebuilt from the store), so a cache torn by a crash costs a rebuild,
+never a wrong delta.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import threading
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -112,7 +120,7 @@ class Encoder:
     """
 
     def __init__(self, repo: Repository, base: LocalState | None, *, level: int, threads: int,
-                 stage_dir: str | None, allow_link: bool = True) -> None:
+                 stage_dir: str | None, allow_link: bool = True, patch: bool = False) -> None:
         self.repo = repo
         self.base = base
         self.base_segments = base.manifest.segments() if base else {}
@@ -120,6 +128,8 @@ class Encoder:
         self.threads = max(1, threads)
         self.stage_dir = stage_dir
         self.allow_link = allow_link
+        # stage_dir is base.path: each file is the base's, same layout (see patchable()); write what changed.
+        self.patch = patch
         self.cb = repo.config.chunk_bytes
         self.stats = EncodeStats()
         self.placed: dict[str, str] = {}  # file → how its cache copy was made
@@ -186,10 +196,7 @@ class Encoder:
                 if hit is not None and hit[0] not in base_fds:
                     base_fds[hit[0]] = os.open(hit[0], os.O_RDONLY)
             lane = _Lane(self, f, reader, bases, base_fds, stage_fd, ctx)
-            entry = lane.run()
-            if stage_fd is not None:
-                os.fsync(stage_fd)
-            return entry
+            return lane.run()
         finally:
             reader.close()
             for fd in base_fds.values():
@@ -202,6 +209,9 @@ class Encoder:
         if self.stage_dir is None:
             return None
         dst = os.path.join(self.stage_dir, f.path)
+        if self.patch:
+            self.placed[f.path] = "patch"
+            return os.open(dst, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # the base file itself
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         if f.pieces is None:
             def place() -> None:
@@ -232,10 +242,13 @@ class Encoder:
             old = self._read_into(base_fd, size, base_offset + start, held)
             if len(old) != size:
                 raise LocalBaseError("push cache file is truncated")
-        if stage_fd is not None:
-            os.pwrite(stage_fd, new, seg.offset + start)
         enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
                            seg.itemsize, level=self.level)
+        # Digests per chunk, here in the workers: nothing hashes a whole file serially (format v2). The base's
+        # digest is taken before a patch overwrites it.
+        digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None
+        if stage_fd is not None and not (self.patch and old is not None and enc.changed == 0):
+            _pwrite_all(stage_fd, memoryview(new), seg.offset + start)
         oid = None
         if enc.payload is not None:
             # Uploads run in their own pool, so store latency overlaps encoding; the semaphore bounds
@@ -249,9 +262,7 @@ class Encoder:
                 raise
             with self._lock:
                 ctx.puts.append((oid, len(enc.payload), fut))
-        # Digests per chunk, here in the workers: nothing hashes a whole file serially (format v2).
-        return _Chunk(new, old, enc, oid, held, digests.chunk_digest(new),
-                      digests.chunk_digest(old) if old is not None else None)
+        return _Chunk(new, old, enc, oid, held, digest, base_digest)
 
     def _read_into(self, fd: int, size: int, offset: int, held: list[bytearray]) -> memoryview:
         """pread into a recycled buffer: a fresh 4 MiB bytes object per read costs page faults, more than the read."""
@@ -388,9 +399,40 @@ class _Lane:
                        shape=seg.shape)
 
 
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def patchable(files: list[SourceFile], base: LocalState) -> bool:
+    """Whether the push cache can take these files by patching the base's own files in place.
+
+    Each file must exist in the base under its path with the same size and the same segments at the same
+    offsets (so every chunk's base is the chunk it replaces), be a plain file only the cache holds (one
+    link: never a trainer's file that a hard link shares), and the base must hold no other file.
+    """
+    segs = base.manifest.segments()
+    if {f.path for f in files} != {f.path for f in base.manifest.files}:
+        return False
+    for f in files:
+        try:
+            st = os.lstat(os.path.join(base.path, f.path))
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != f.size:
+            return False
+        for seg in f.segments:
+            hit = segs.get(seg.key)
+            if hit is None or hit[0].path != f.path or hit[1].offset != seg.offset or hit[1].size != seg.size \
+                    or hit[1].kind != seg.kind or hit[1].itemsize != seg.itemsize:
+                return False
+    return True
+
+
 def discard(stage_dir: str | None) -> None:
     if stage_dir is not None:
         shutil.rmtree(stage_dir, ignore_errors=True)
 
 
-__all__ = ["EncodeStats", "Encoder", "MAX_PUT_QUEUE", "discard", "place_file"]
+__all__ = ["EncodeStats", "Encoder", "MAX_PUT_QUEUE", "discard", "patchable", "place_file"]

@@ -21,7 +21,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from deltafs.errors import DeltafsError
@@ -29,7 +29,7 @@ from deltafs.format.manifest import FileEntry, Manifest
 from deltafs.parallel import default_threads
 from deltafs.progress import Progress
 from deltafs.publish.commit import ChunksGoneError, commit_version, seal_manifest
-from deltafs.publish.encode import EncodeStats, Encoder, discard
+from deltafs.publish.encode import EncodeStats, Encoder, discard, patchable
 from deltafs.publish.fold import FoldPart, encode_fold_part, fold_needed, write_fold
 from deltafs.publish.options import PushOptions, PushResult
 from deltafs.publish.plan import Decision, base_for, decide, default_cache_dir, drop_cache
@@ -280,9 +280,18 @@ class _Rank:
             files, fresh = self._prepare_base()
             rederived = rederived or fresh
             allow_link = self.opts.link == "auto" and not os.path.exists(os.path.join(self.cache_root, NO_LINK_FLAG))
-            self.stage = self.cache.new_staging()
-            enc = Encoder(self.open_repo(), self.base if self.decision.kind == "delta" else None,
-                          level=self.opts.level, threads=self.threads, stage_dir=self.stage, allow_link=allow_link)
+            base = self.base if self.decision.kind == "delta" else None
+            patch = base is not None and self._patch_cache(files, base, allow_link)
+            if patch:
+                assert base is not None
+                # The cache's own directory becomes the stage: from here until install there is no cached
+                # version (a push killed meanwhile makes the next one rebuild its base from the store).
+                base = self.base = replace(base, path=self.cache.adopt_as_staging(base))
+                self.stage = base.path
+            else:
+                self.stage = self.cache.new_staging()
+            enc = Encoder(self.open_repo(), base, level=self.opts.level, threads=self.threads, stage_dir=self.stage,
+                          allow_link=allow_link, patch=patch)
             try:
                 with Progress(f"push v{self.decision.version}", sum(f.size for f in files), enabled=progress) as bar:
                     entries = enc.encode(files, bar.advance)
@@ -299,6 +308,23 @@ class _Rank:
             self.guard.refresh()  # protected again from here, whatever happened while encoding
             return RankReport([e.to_json() for e in entries], enc.stats, rederived, self.guard.lapsed)
         raise AssertionError("unreachable")
+
+    def _patch_cache(self, files: list[SourceFile], base: LocalState, allow_link: bool) -> bool:
+        """Whether to update the cache by writing the changed chunks into its files (see encode.patchable).
+
+        Only where a link or reflink cannot give the cache the new files for free: in-memory files, files
+        the cache may not link (the trainer rewrites them), or files on another filesystem than the cache.
+        """
+        inside = os.path.join(base.path, "")
+        if any(f.pieces is None and f.abspath.startswith(inside) for f in files) or not patchable(files, base):
+            return False  # an inherited file is read from the base directory itself
+        if not allow_link or any(f.pieces is not None for f in files):
+            return True
+        try:
+            cache_dev = os.stat(base.path).st_dev
+            return any(os.stat(f.abspath).st_dev != cache_dev for f in files)
+        except OSError:
+            return False
 
     def discard(self) -> None:
         discard(self.stage)

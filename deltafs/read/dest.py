@@ -246,6 +246,22 @@ class LocalCheckpoint:
         os.mkdir(path, 0o755)  # mkdir never follows: a planted name fails with EEXIST
         return path
 
+    def adopt_as_staging(self, state: LocalState) -> str:
+        """Turn the version directory DEST points to into a staging directory, to be rewritten in place.
+
+        From the rename on it is no longer a version: DEST dangles and state() is None until the next
+        install, so a process killed meanwhile leaves no version whose bytes are in doubt (the next push
+        rebuilds its base from the store). Used by push to update its cache without copying a file.
+        """
+        if os.path.dirname(state.path) != self.sidecar or not VERSION_DIR.match(os.path.basename(state.path)):
+            raise DestinationError(f"{state.path} is not a version directory of {self.dest}")
+        staging = os.path.join(self.sidecar, f"staging-{uuid.uuid4().hex[:12]}")
+        os.rename(state.path, staging)  # same directory: atomic; the name pattern is ours (no planted link)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(state.path + ".json")
+        fsync_dir(self.sidecar)
+        return staging
+
     @property
     def chunk_cache(self) -> str:
         return os.path.join(self.sidecar, "chunks")

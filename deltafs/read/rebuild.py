@@ -169,7 +169,8 @@ class Builder:
                 self._local_fds[path] = fd
             return fd
 
-    def _local_bytes(self, key: str, index: int, size: int, check: bool) -> np.ndarray:
+    def _local_bytes(self, key: str, index: int, size: int, check: bool, out: np.ndarray | None) -> np.ndarray:
+        """Chunk `index` of the local base's segment `key`, read into out (a reused buffer) when given."""
         local = self.chain.local
         if local is None or key not in self._local_segments:
             raise LocalBaseError(f"local base lacks {key[2:]}")
@@ -177,13 +178,20 @@ class Builder:
         path = os.path.join(local.path, fentry.path)
         if check:
             self._check_local_segment(key, path, seg)
+        offset = seg.offset + index * self.chunk_bytes
         try:
-            data = os.pread(self._local_fd(path), size, seg.offset + index * self.chunk_bytes)
+            if out is None:
+                data = np.frombuffer(os.pread(self._local_fd(path), size, offset), dtype=np.uint8)
+                got = data.size
+            else:
+                # Into a buffer the worker reuses: a fresh 4 MiB object per read costs more in page faults
+                # than the read itself.
+                data, got = out, os.preadv(self._local_fd(path), [out], offset)
         except OSError as exc:
             raise LocalBaseError(f"local base file {path} unreadable: {exc}") from None
-        if len(data) != size:
+        if got != size:
             raise LocalBaseError(f"local base file {path} is truncated")
-        return np.frombuffer(data, dtype=np.uint8)
+        return data
 
     def _check_local_segment(self, key: str, path: str, seg: Segment) -> None:
         with self._local_lock:
@@ -212,7 +220,8 @@ class Builder:
             self._local_fds.clear()
 
     # --- one chunk ----------------------------------------------------------------------------
-    def _chunk(self, task: _Task, check_base: bool = True) -> np.ndarray:
+    def _chunk(self, task: _Task, check_base: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+        """The chunk's bytes at the target version, decoded into out (size bytes, reused) when given."""
         key, i = task.seg.key, task.index
         size = task.seg.chunks[i].size
         records = []
@@ -229,7 +238,9 @@ class Builder:
         records.reverse()
         if start_from_local and self.chain.local is None:
             raise IntegrityError(f"{key[2:]}: chunk {i} needs a base that the chain does not provide")
-        value: np.ndarray | None = self._local_bytes(key, i, size, check_base) if start_from_local else None
+        if out is not None:
+            out = out[:size]
+        value: np.ndarray | None = self._local_bytes(key, i, size, check_base, out) if start_from_local else None
         for rec in records:
             payload = None
             if rec.object is not None:
@@ -239,7 +250,8 @@ class Builder:
                     raise ChunkNotFoundError(f"chunk {rec.object} of {key[2:]} (version {self.chain.target.version}) "
                                              f"is missing from {self.repo.url}") from None
             try:
-                value = codec.decode(rec.codec, payload, value, size, task.seg.itemsize)
+                # In place: every codec checks its payload before it writes to out (= the base here).
+                value = codec.decode(rec.codec, payload, value, size, task.seg.itemsize, out=out)
             except DeltafsError as exc:
                 raise IntegrityError(f"{key[2:]}: chunk {i} ({rec.object}) cannot be decoded: {exc}") from None
         assert value is not None
@@ -277,6 +289,7 @@ class Builder:
         failure: list[BaseException] = []
 
         def worker() -> None:
+            buf = np.empty(self.chunk_bytes, dtype=np.uint8)  # this worker's chunk, reused for every task
             while True:
                 with lock:
                     if failure:
@@ -287,7 +300,7 @@ class Builder:
                 try:
                     # The output digest covers the base: a damaged base shows as a segment mismatch
                     # and is only then looked at (_blame_local), not hashed up front.
-                    data = self._chunk(task, check_base=False)
+                    data = self._chunk(task, check_base=False, out=buf)
                     view = data.data
                     out = by_path[task.file.path]
                     if out.fd is not None:

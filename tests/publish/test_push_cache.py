@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from deltafs.publish import push
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.pull import pull
+from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, perturb, write_safetensors
 
 
@@ -46,3 +48,100 @@ def test_the_cache_links_new_files_and_copies_once_a_file_is_rewritten_in_place(
     if linked:
         assert os.path.exists(os.path.join(cache, "no-link"))
         assert (_cache_file(cache).st_ino) != os.stat(src / "model.safetensors").st_ino
+
+
+def _two_tensor_ckpt(path, a: bytes, b: bytes) -> None:
+    write_safetensors(str(path / "model.safetensors"),
+                      {"a": ("BF16", (len(a) // 2,), a), "b": ("BF16", (len(b) // 2,), b)})
+
+
+def test_a_cache_that_cannot_link_is_patched_in_place_with_only_the_changed_chunks(tmp_path):
+    rng = np.random.default_rng(1)
+    a, b = (rng.integers(0, 256, 3 << 20, dtype=np.uint8).tobytes() for _ in range(2))
+    store, cache, src = str(tmp_path / "store"), str(tmp_path / "cache"), tmp_path / "src"
+    src.mkdir()
+    _two_tensor_ckpt(src, a, b)
+    Repository.open(store, create=True, chunk_bytes=1 << 20)  # several chunks per tensor
+    push(store, str(src), cache_dir=cache, link="copy")
+    first = _cache_file(cache)
+    for _step in range(3):
+        a = perturb(a, 2, 0.01, rng)  # b stays: its chunks are never written
+        _two_tensor_ckpt(src, a, b)
+        res = push(store, str(src), cache_dir=cache, link="copy")
+        assert res.kind == "delta" and not res.base_rederived
+        now = _cache_file(cache)
+        assert (now.st_ino, now.st_nlink) == (first.st_ino, 1)  # the same file, rewritten where it changed
+        assert files_of(LocalCheckpoint(os.path.join(cache, "base")).state().path) == files_of(src)
+        pull(store, str(tmp_path / "dest"))
+        assert files_of(tmp_path / "dest") == files_of(src)
+    # Only the cache's own version directory remains beside it: no stale stage, no second copy.
+    assert [n for n in os.listdir(os.path.join(cache, "base.deltafs")) if not n.endswith(".json")
+            and n != "push.lock"] == [os.path.basename(LocalCheckpoint(os.path.join(cache, "base")).state().path)]
+
+
+def test_a_cache_file_that_another_name_shares_is_never_patched(tmp_path):
+    rng = np.random.default_rng(2)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    store, cache, src = str(tmp_path / "store"), str(tmp_path / "cache"), tmp_path / "src"
+    src.mkdir()
+    _write(src, data)
+    push(store, str(src), cache_dir=cache, link="copy")
+    state = LocalCheckpoint(os.path.join(cache, "base")).state()
+    other = tmp_path / "someone-elses-name"
+    os.link(os.path.join(state.path, "model.safetensors"), other)  # e.g. the keyframe cache's hard link
+    before = other.read_bytes()
+    _write(src, perturb(data, 2, 0.01, rng))
+    push(store, str(src), cache_dir=cache, link="copy")
+    assert other.read_bytes() == before
+    assert _cache_file(cache).st_ino != os.stat(other).st_ino
+
+
+def test_a_push_that_fails_while_patching_leaves_no_cached_version_and_the_next_rebuilds_it(tmp_path, monkeypatch):
+    from deltafs.publish import encode
+
+    rng = np.random.default_rng(3)
+    a, b = (rng.integers(0, 256, 2 << 20, dtype=np.uint8).tobytes() for _ in range(2))
+    store, cache, src = str(tmp_path / "store"), str(tmp_path / "cache"), tmp_path / "src"
+    src.mkdir()
+    _two_tensor_ckpt(src, a, b)
+    Repository.open(store, create=True, chunk_bytes=1 << 20)  # several chunks per tensor
+    push(store, str(src), cache_dir=cache, link="copy")
+    a2 = perturb(a, 2, 0.02, rng)
+    _two_tensor_ckpt(src, a2, perturb(b, 2, 0.02, rng))
+    real_put, calls = encode.Encoder._put, []
+
+    def failing_put(self, oid, payload):
+        calls.append(oid)
+        if len(calls) > 2:  # some chunks are patched into the cache by now
+            self._put_slots.release()
+            raise OSError(5, "store went away")
+        return real_put(self, oid, payload)
+
+    monkeypatch.setattr(encode.Encoder, "_put", failing_put)
+    with pytest.raises(OSError):
+        push(store, str(src), cache_dir=cache, link="copy")
+    monkeypatch.setattr(encode.Encoder, "_put", real_put)
+    # Half-patched bytes are never taken for a version: no cached version, no stage left.
+    assert LocalCheckpoint(os.path.join(cache, "base")).state() is None
+    assert not [n for n in os.listdir(os.path.join(cache, "base.deltafs")) if n.startswith("staging-")]
+    res = push(store, str(src), cache_dir=cache, link="copy")
+    assert res.version == 2 and res.kind == "delta" and res.base_rederived
+    pull(store, str(tmp_path / "dest"))
+    assert files_of(tmp_path / "dest") == files_of(src)
+
+
+def test_a_new_layout_is_not_patched_and_still_pushes_right(tmp_path):
+    rng = np.random.default_rng(4)
+    a, b = (rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes() for _ in range(2))
+    store, cache, src = str(tmp_path / "store"), str(tmp_path / "cache"), tmp_path / "src"
+    src.mkdir()
+    _two_tensor_ckpt(src, a, b)
+    push(store, str(src), cache_dir=cache, link="copy")
+    first = _cache_file(cache)
+    write_safetensors(str(src / "model.safetensors"),  # same tensors, other order: every offset moves
+                      {"b": ("BF16", (len(b) // 2,), b), "a": ("BF16", (len(a) // 2,), perturb(a, 2, 0.01, rng))})
+    res = push(store, str(src), cache_dir=cache, link="copy")
+    assert res.kind == "delta"
+    assert _cache_file(cache).st_ino != first.st_ino
+    pull(store, str(tmp_path / "dest"))
+    assert files_of(tmp_path / "dest") == files_of(src)
