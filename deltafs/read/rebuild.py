@@ -186,7 +186,7 @@ class Builder:
             else:
                 # Into a buffer the worker reuses: a fresh 4 MiB object per read costs more in page faults
                 # than the read itself.
-                data, got = out, os.preadv(self._local_fd(path), [out], offset)
+                data, got = out, os.preadv(self._local_fd(path), [out.data], offset)
         except OSError as exc:
             raise LocalBaseError(f"local base file {path} unreadable: {exc}") from None
         if got != size:
