@@ -278,7 +278,11 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
         """A manifest from its canonical JSON; the digest field must match the contents."""
-        raw = load_json(data, where, max_bytes=MANIFEST_MAX_BYTES)
+        return cls.from_parsed(load_json(data, where, max_bytes=MANIFEST_MAX_BYTES), where=where)
+
+    @classmethod
+    def from_parsed(cls, raw: Any, *, where: str = "manifest") -> Manifest:
+        """A manifest from JSON already parsed within the limits (load_json), e.g. the one a DEST state embeds."""
         try:
             man = cls._from_json(raw)
         except FormatError as exc:

@@ -8,6 +8,7 @@ bad or too deeply nested JSON instead of recursing until Python gives up.
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import json
 import os
 import re
@@ -81,33 +82,33 @@ def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth
     if max_bytes is not None and len(data) > max_bytes:
         raise FormatError(f"{what} is {len(data)} bytes, more than the {max_bytes} a valid one can be")
     try:
-        value = json.loads(data)
+        value = json.loads(data, parse_constant=_no_constant)
     except RecursionError:
         raise FormatError(f"{what} is nested too deeply to be a deltafs record") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"{what} is not valid JSON: {exc}") from None
-    if json_depth(value, max_depth) > max_depth:
+    if text_depth(data) > max_depth:
         raise FormatError(f"{what} is nested more than {max_depth} levels deep")
     return value
 
 
-def json_depth(value: Any, stop_at: int) -> int:
-    """Nesting depth of a parsed JSON value (iterative, stops counting past stop_at)."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > stop_at:
-            return deepest
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")  # NaN and Infinity: json.loads takes them, JSON does not
+
+
+def text_depth(data: bytes | str) -> int:
+    """Nesting depth of valid JSON text, from its brackets outside strings (split, translate, map, accumulate and
+    max all run in C: a few times faster than walking the parsed value)."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    # Without a backslash no string holds an escaped quote: every other quote-separated piece is outside strings.
+    outside = b"".join(raw.split(b'"')[::2]) if b"\\" not in raw else _JSON_STRING.sub(b"", raw)
+    brackets = outside.translate(None, _NOT_BRACKET)
+    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
 
 def _object(data: bytes, what: str, fmt: str, max_bytes: int) -> dict[str, Any]:

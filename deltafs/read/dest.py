@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -35,7 +36,7 @@ from typing import Any, Iterator
 from deltafs.errors import DestinationError, FormatError, LockHeldError
 from deltafs.format import digests
 from deltafs.format.manifest import FileEntry, Manifest, Segment
-from deltafs.format.records import DEST_STATE_MAX_BYTES, canonical_json, dest_state_bytes, parse_dest_state
+from deltafs.format.records import DEST_STATE_MAX_BYTES, dest_state_bytes, parse_dest_state
 SIDECAR_SUFFIX = ".deltafs"
 # Names deltafs gives the entries of its sidecar; cleanup touches nothing else.
 VERSION_DIR = re.compile(r"^v\d{10}-[0-9a-f]{8}$")
@@ -457,21 +458,41 @@ def refuse_foreign(local: LocalCheckpoint, store_id: str, force: bool) -> LocalS
     return state
 
 
+_STATE_MEMO: dict[str, tuple[tuple[int, ...], Manifest, dict[str, Any]]] = {}
+_STATE_MEMO_LOCK = threading.Lock()
+_STATE_MEMO_SIZE = 16
+
+
 def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
-    """The manifest and state record pull wrote beside a version directory (<dir>.json); FormatError if unusable."""
+    """The manifest and state record pull wrote beside a version directory (<dir>.json); FormatError if unusable.
+
+    A pull or push looks at the same few state files several times (state, cleanup, refuse_foreign); each is
+    parsed and checked once per process while its inode, size, mtime and ctime stay the same (ctime cannot be
+    set back, so an edited file is always read again).
+    """
     path = version_dir.rstrip("/") + ".json"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise FormatError(f"no usable deltafs state at {path} ({exc.strerror})") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise FormatError(f"{path} is not a regular file")
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with _STATE_MEMO_LOCK:
+            hit = _STATE_MEMO.get(path)
+        if hit is not None and hit[0] == key:
+            return hit[1], dict(hit[2])
         data = os.read(fd, DEST_STATE_MAX_BYTES + 1)
     finally:
         os.close(fd)
     raw = parse_dest_state(data)
-    manifest = Manifest.from_bytes(canonical_json(raw["manifest"]), where=path)
+    manifest = Manifest.from_parsed(raw["manifest"], where=path)
+    with _STATE_MEMO_LOCK:
+        if len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
+            _STATE_MEMO.pop(next(iter(_STATE_MEMO)))
+        _STATE_MEMO[path] = (key, manifest, dict(raw))
     return manifest, raw
 
 

@@ -83,3 +83,40 @@ def test_delta_codecs_are_exactly_the_codecs_that_need_a_base():
 
     for name, cls in _REGISTRY.items():
         assert (name in DELTA_CODECS) == cls.needs_base, name
+
+
+def test_json_depth_is_measured_on_the_text_outside_strings():
+    import json
+    import random
+
+    from deltafs.format.records import load_json, text_depth
+
+    def depth(v):
+        return 1 + max(map(depth, v.values() if isinstance(v, dict) else v), default=0) \
+            if isinstance(v, (dict, list)) else 0
+
+    rnd = random.Random(0)
+
+    def gen(d):
+        if d > 6 or rnd.random() < 0.3:
+            return rnd.choice([1, 2.5, None, True, "a]b", 'q"[{', "\\", "é[", "}}}"])
+        if rnd.random() < 0.5:
+            return [gen(d + 1) for _ in range(rnd.randint(0, 3))]
+        return {rnd.choice(["k", "[", "}", '"{']) + str(i): gen(d + 1) for i in range(rnd.randint(0, 3))}
+
+    for _ in range(2000):
+        v = gen(0)
+        for text in (json.dumps(v), json.dumps(v, ensure_ascii=False)):
+            assert text_depth(text.encode()) == depth(v), text
+    assert text_depth(b'{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}') == 1
+    with pytest.raises(FormatError, match="nested more than 3"):
+        load_json(b'{"a": [[[1]]]}', "a record", max_depth=3)
+    assert load_json(b'{"a": [["[[[[[[["]]}', "a record", max_depth=3) == {"a": [["[[[[[[["]]}
+
+
+def test_nan_and_infinity_are_not_json():
+    from deltafs.format.records import load_json
+
+    for text in (b'{"a": NaN}', b'[Infinity]', b'[-Infinity]'):
+        with pytest.raises(FormatError, match="not valid JSON"):
+            load_json(text, "a record")

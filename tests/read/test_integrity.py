@@ -188,3 +188,24 @@ def test_foreign_directory_is_moved_aside_only_with_force(tmp_path, maker):
     pull(store, str(dest), force=True)
     kept = glob.glob(str(tmp_path / "dest.deltafs" / "displaced-*" / "precious.txt"))
     assert len(kept) == 1 and open(kept[0]).read() == "mine"
+
+
+def test_a_state_file_edited_in_place_is_read_again_even_with_its_old_mtime(tmp_path, maker):
+    from deltafs.read.dest import LocalCheckpoint, read_version_state
+
+    store = _two_versions(tmp_path, maker)
+    dest = str(tmp_path / "dest")
+    pull(store, dest)
+    state = LocalCheckpoint(dest).state()
+    path = state.path + ".json"
+    assert read_version_state(state.path)[1]["store_url"] == state.store_url  # parsed, and remembered
+    st = os.stat(path)
+    with open(path, "rb") as fh:
+        data = bytearray(fh.read())
+    at = data.index(b'"store_url":"') + len(b'"store_url":"')
+    data[at:at + 1] = b"X"  # same size, same mtime below: only ctime tells
+    with open(path, "r+b") as fh:
+        fh.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    assert read_version_state(state.path)[1]["store_url"].startswith("X")
