@@ -13,12 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from deltafs.errors import IntegrityError, UsageError
+from deltafs.errors import UsageError
 from deltafs.format.manifest import FileEntry, Manifest, Segment
 from deltafs.read.dest import LocalCheckpoint
-from deltafs.format.digests import segment_digest_like
 from deltafs.read.chain import Chain, chain_objects, plan_chain
-from deltafs.read.rebuild import Builder, ChunkSource, _Task
+from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
 
 # safetensors dtype -> numpy dtype, for the dtypes numpy has; bf16 and fp8 come back through torch.
@@ -114,13 +113,7 @@ class VersionReader:
             raise UsageError(f"version {self.version} has no tensor {name!r}") from None
 
     def _segment_bytes(self, f: FileEntry, seg: Segment) -> bytes:
-        parts = [self._builder._chunk(_Task(f, seg, i)).tobytes() for i in range(len(seg.chunks))]
-        data = b"".join(parts)
-        got = segment_digest_like(seg.digest, data, self._builder.chunk_bytes)
-        if got != seg.digest:
-            raise IntegrityError(f"version {self.version}: tensor {seg.key[2:]} digest mismatch", expected=seg.digest,
-                                 actual=got)
-        return data
+        return self._builder.segment_bytes(f, seg)
 
 
 def open_version(store: str | Repository, version: int | None = None, *,

@@ -257,6 +257,24 @@ class Builder:
         assert value is not None
         return value
 
+    def segment_bytes(self, f: FileEntry, seg: Segment) -> bytes:
+        """One segment of the target, rebuilt chunk by chunk and checked against its digest (IntegrityError)."""
+        out = bytearray(seg.size)
+        view = np.frombuffer(out, dtype=np.uint8)
+        try:
+            for i, rec in enumerate(seg.chunks):
+                part = view[i * self.chunk_bytes:i * self.chunk_bytes + rec.size]
+                got = self._chunk(_Task(f, seg, i), out=part)
+                if not np.may_share_memory(got, part):
+                    part[:] = got
+        finally:
+            self._close_local()
+        actual = digests.segment_digest_like(seg.digest, out, self.chunk_bytes)
+        if actual != seg.digest:
+            raise IntegrityError(f"version {self.chain.target.version}: {f.path}: {_what(seg)} digest mismatch",
+                                 expected=seg.digest, actual=actual)
+        return bytes(out)
+
     # --- files ----------------------------------------------------------------------------------
     def _tasks(self, files: list[FileEntry]) -> Iterator[_Task]:
         for f in files:
