@@ -146,7 +146,11 @@ def scan_file(rel: str, full: str) -> SourceFile:
         size = os.path.getsize(full)
         if rel.endswith(".safetensors"):
             with open(full, "rb") as fh:
-                segments = safetensors_segments(rel, fh.read(min(size, 8 + MAX_HEADER_BYTES)), size)
+                head = fh.read(8)  # the header's length, then the header only (not the first 100 MiB of tensors)
+                if len(head) == 8:
+                    hlen = struct.unpack("<Q", head)[0]
+                    head += fh.read(min(hlen, MAX_HEADER_BYTES, max(0, size - 8)))
+                segments = safetensors_segments(rel, head, size)
             return SourceFile(rel, full, size, "safetensors", segments)
         with open(full, "rb"):
             pass  # readable?
