@@ -71,15 +71,32 @@ def store(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("point,count", [("chunk", 0), ("chunk", 5), ("chunk", 20), ("head", 0), ("cache", 0)])
-def test_push_killed_leaves_previous_or_new_version(tmp_path, store, point, count):
+@pytest.mark.parametrize("point,count,cache", [("chunk", 0, "link"), ("chunk", 5, "link"), ("chunk", 20, "link"),
+                                               ("head", 0, "link"), ("cache", 0, "link"), ("chunk", 5, "patch"),
+                                               ("chunk", 20, "patch"), ("cache", 0, "patch")])
+def test_push_killed_leaves_previous_or_new_version(tmp_path, store, point, count, cache):
     rng = np.random.default_rng(3)
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     t1 = _big_checkpoint(v1, rng)
     _big_checkpoint(v2, rng, _next(t1, rng))
+    if cache == "patch":
+        # As after a trainer was seen rewriting a file in place: the push cache may not link the new files, so
+        # the push of v2 writes the changed chunks into the cached v1's own files, and is killed while at it.
+        from deltafs.publish.plan import default_cache_dir
+
+        root = default_cache_dir(Repository.open(store).store_id)
+        os.makedirs(root)
+        open(os.path.join(root, "no-link"), "w").close()
     subprocess.run([sys.executable, "-m", "deltafs.cli.main", "push", str(v1), store, "-q"], check=True)
+    if cache == "patch":
+        cached = os.path.join(root, "base", "model.safetensors")
+        assert os.stat(cached).st_nlink == 1 and os.stat(cached).st_ino != os.stat(v1 / "model.safetensors").st_ino
     rc = _kill_at(point, count, "push", v2, store, "-q")
     assert rc == -signal.SIGKILL
+    if cache == "patch":  # half-patched files are never a cached version
+        from deltafs.read.dest import LocalCheckpoint
+
+        assert LocalCheckpoint(os.path.join(root, "base")).state() is None
     repo = Repository.open(store)
     head = repo.head()
     # Killed before the manifest: still version 1. Killed after it: version 2 is complete and visible.
