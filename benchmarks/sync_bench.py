@@ -510,16 +510,42 @@ def prepare_dataset(args: argparse.Namespace, name: str, work: Path) -> tuple[Pa
     return ds, json.loads(info_path.read_text())
 
 
+def writer_fingerprint() -> str:
+    """What made a template store: the installed deltafs's format version and the sources that decide its bytes.
+
+    Templates are remade when it changes, so a pull is never measured on a store an older release wrote (an
+    earlier run of this benchmark measured format v1 stores by reusing templates made before format v2).
+    """
+    import hashlib
+
+    import deltafs
+    from deltafs.format.manifest import FORMAT_VERSION
+
+    root = Path(deltafs.__file__).parent
+    h = hashlib.sha256()
+    for sub in ("codec", "format", "publish"):
+        for f in sorted((root / sub).glob("*.py")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return f"deltafs {deltafs.__version__} format {FORMAT_VERSION} sources {h.hexdigest()[:16]}"
+
+
 def prepare_deltafs(ds: Path) -> None:
     """tmpl-push/{store,cache}: the base pushed as version 1; tmpl-pull/{store,dest}: the base pulled, new in the
-    store as version 2. Each measured run works on a cp -a of a template (untimed)."""
+    store as version 2. Each measured run works on a cp -a of a template (untimed). Both are remade when the
+    deltafs that would write them differs from the one that did (writer_fingerprint)."""
     cli = deltafs_cli()
+    mark = writer_fingerprint()
+    for t in (ds / "tmpl-push", ds / "tmpl-pull"):
+        done = t / "done"
+        if done.exists() and done.read_text() != mark:
+            print(f"[sync-bench] {t.name}: written by {done.read_text() or 'an older deltafs'}; remaking", file=sys.stderr)
+            fresh(t)
     push_t = ds / "tmpl-push"
     if not (push_t / "done").exists():
         fresh(push_t).mkdir()
         subprocess.run([cli, "push", str(ds / "base"), str(push_t / "store"), "--cache", str(push_t / "cache"), "-q"],
                        check=True)
-        (push_t / "done").write_text("")
+        (push_t / "done").write_text(mark)
     pull_t = ds / "tmpl-pull"
     if not (pull_t / "done").exists():
         fresh(pull_t).mkdir()
@@ -529,7 +555,7 @@ def prepare_deltafs(ds: Path) -> None:
         shutil.move(str(tmp / "store"), str(pull_t / "store"))
         fresh(tmp)
         subprocess.run([cli, "pull", str(pull_t / "store"), str(pull_t / "dest"), "--version", "1", "-q"], check=True)
-        (pull_t / "done").write_text("")
+        (pull_t / "done").write_text(mark)
 
 
 def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]:
