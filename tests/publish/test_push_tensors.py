@@ -82,3 +82,25 @@ def test_a_dtensor_state_dict_on_a_world_of_one(tmp_path):
     pull(store, str(tmp_path / "dest"))
     got = load_file(str(tmp_path / "dest" / "model.safetensors"))
     assert all(torch.equal(got[n], t) for n, t in plain.items())
+
+
+def test_tensors_from_memory_patch_the_push_cache_in_place(tmp_path):
+    from deltafs.read.dest import LocalCheckpoint
+
+    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
+    config = {"config.json": b'{"hidden": 8}'}
+    for step in range(3):
+        res = push_tensors(store, _weights(step), extra_files=config, cache_dir=cache)
+        state = LocalCheckpoint(os.path.join(cache, "base")).state()
+        st = os.stat(os.path.join(state.path, "model.safetensors"))
+        if step == 0:
+            first = st.st_ino
+        else:
+            assert res.kind == "delta" and not res.base_rederived
+            assert st.st_ino == first  # the cached file itself took the changed chunks
+        pull(store, str(tmp_path / "dest"))
+        got = load_file(str(tmp_path / "dest" / "model.safetensors"))
+        assert all(torch.equal(got[k], v) for k, v in _weights(step).items())
+        with open(os.path.join(state.path, "model.safetensors"), "rb") as a, \
+                open(tmp_path / "dest" / "model.safetensors", "rb") as b:
+            assert a.read() == b.read()
