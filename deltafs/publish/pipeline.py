@@ -190,6 +190,14 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
                          "base_rederived": any(r.rederived for r in reports)})
 
 
+def _moved(f: SourceFile, old: str, new: str) -> SourceFile:
+    """f, read from directory `new` if it was read from `old` (an inherited file of a patched push cache)."""
+    inside = os.path.join(old, "")
+    if f.pieces is None and f.abspath.startswith(inside):
+        return replace(f, abspath=os.path.join(new, f.abspath[len(inside):]))
+    return f
+
+
 class _Rank:
     """This rank's state through one push: cache, base, encoder, marker."""
 
@@ -286,8 +294,10 @@ class _Rank:
                 assert base is not None
                 # The cache's own directory becomes the stage: from here until install there is no cached
                 # version (a push killed meanwhile makes the next one rebuild its base from the store).
+                old = base.path
                 base = self.base = replace(base, path=self.cache.adopt_as_staging(base))
                 self.stage = base.path
+                files = [_moved(f, old, self.stage) for f in files]  # inherited files are read where they now are
             else:
                 self.stage = self.cache.new_staging()
             enc = Encoder(self.open_repo(), base, level=self.opts.level, threads=self.threads, stage_dir=self.stage,
@@ -315,9 +325,8 @@ class _Rank:
         Only where a link or reflink cannot give the cache the new files for free: in-memory files, files
         the cache may not link (the trainer rewrites them), or files on another filesystem than the cache.
         """
-        inside = os.path.join(base.path, "")
-        if any(f.pieces is None and f.abspath.startswith(inside) for f in files) or not patchable(files, base):
-            return False  # an inherited file is read from the base directory itself
+        if not patchable(files, base):
+            return False
         if not allow_link or any(f.pieces is not None for f in files):
             return True
         try:
@@ -374,7 +383,8 @@ class _Rank:
     def install(self, man: Manifest) -> None:
         if self.stage is None:
             return
-        self.cache.install(self.stage, store_id=man.store_id, store_url=self.open_repo().url, manifest=man)
+        final = self.cache.install(self.stage, store_id=man.store_id, store_url=self.open_repo().url, manifest=man)
+        self.encoded = [_moved(f, self.stage, final) for f in self.encoded]  # a patched stage is the version now
         self.stage = None
         self.cache.cleanup(keep=1)
 

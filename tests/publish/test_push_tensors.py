@@ -104,3 +104,31 @@ def test_tensors_from_memory_patch_the_push_cache_in_place(tmp_path):
         with open(os.path.join(state.path, "model.safetensors"), "rb") as a, \
                 open(tmp_path / "dest" / "model.safetensors", "rb") as b:
             assert a.read() == b.read()
+
+
+def _near(step: int) -> dict[str, torch.Tensor]:
+    """_weights(0) with a few elements moved per step, like an optimizer step (a delta, not a new keyframe)."""
+    out = {k: v.clone() for k, v in _weights(0).items()}
+    for v in out.values():
+        v.view(-1)[:: 97][: step + 1] += 0.25
+    return out
+
+
+def test_kept_plain_files_stay_right_when_the_cache_is_patched(tmp_path):
+    from deltafs.read.dest import LocalCheckpoint
+
+    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
+    first = {"config.json": b'{"v": 1}', "tokenizer.json": b'{"tok": 1}'}
+    push_tensors(store, _near(0), extra_files=first, cache_dir=cache)
+    inode = os.stat(os.path.join(LocalCheckpoint(os.path.join(cache, "base")).state().path, "model.safetensors")).st_ino
+    for step in (1, 2, 3):  # config.json given again, tokenizer.json kept from the version before
+        res = push_tensors(store, _near(step), extra_files={"config.json": b'{"v": 2}'}, cache_dir=cache, fold=True)
+        assert res.kind == "delta" and not res.base_rederived
+        state = LocalCheckpoint(os.path.join(cache, "base")).state()
+        assert os.stat(os.path.join(state.path, "model.safetensors")).st_ino == inode
+        pull(store, str(tmp_path / "dest"))
+        assert (tmp_path / "dest" / "tokenizer.json").read_bytes() == b'{"tok": 1}'
+        assert (tmp_path / "dest" / "config.json").read_bytes() == b'{"v": 2}'
+        got = load_file(str(tmp_path / "dest" / "model.safetensors"))
+        assert all(torch.equal(got[k], v) for k, v in _near(step).items())
+    assert res.fold_bytes > 0  # the fold read the kept file from the installed cache, not the stage it left
