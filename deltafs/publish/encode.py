@@ -46,7 +46,9 @@ from deltafs.read.dest import LocalState
 from deltafs.read.rebuild import LocalBaseError
 from deltafs.store.repo import Repository
 
-MAX_PUT_QUEUE = 32  # encoded payloads waiting for the store, at most
+MAX_PUT_QUEUE = 32  # runs of encoded payloads waiting for the store, at most
+SMALL_CHUNK = 256 << 10  # chunks up to this size are read as plain bytes and batched into runs
+MAX_RUN = 64  # small chunks per run, at most
 _FICLONE = 0x40049409  # linux/fs.h: clone a whole file (btrfs, XFS, bcachefs, overlayfs on those)
 
 
@@ -144,7 +146,7 @@ class Encoder:
         """Encode every file; returns once every chunk object it wrote is durable in the store."""
         lanes = max(1, min(len(files), 4, self.threads))
         window = max(2, (2 * self.threads) // lanes + 1)
-        puts: list[tuple[str, int, Future[bool]]] = []
+        puts: list[tuple[list[tuple[str, int]], Future[list[bool]]]] = []
         placing: list[Future[None]] = []
         work = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="deltafs-encode")
         io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="deltafs-put")
@@ -158,15 +160,16 @@ class Encoder:
             entries = [futures[i].result() for i in range(len(files))]
             for fut in placing:
                 fut.result()
-            for oid, size, put in puts:
-                if put.result():
-                    self.stats.stored += size
-                else:
-                    self.stats.reused.add(oid)
+            for batch, put in puts:
+                for (oid, size), new in zip(batch, put.result(), strict=True):
+                    if new:
+                        self.stats.stored += size
+                    else:
+                        self.stats.reused.add(oid)
             return entries
         except BaseException:
             self._failed.set()
-            for _oid, _size, put in puts:
+            for _batch, put in puts:
                 put.cancel()
             raise
         finally:
@@ -225,21 +228,21 @@ class Encoder:
 
     def _chunk(self, reader: FileReader, seg: SourceSegment, i: int, base_fd: int | None, base_offset: int,
                stage_fd: int | None, ctx: _Context) -> _Chunk:
-        """One chunk: read it (and its base), encode, queue the payload for the store. Runs in a worker."""
+        """One chunk: read it (and its base), encode, hash; the payload is stored by _chunks. Runs in a worker."""
         if self._failed.is_set():
             raise DeltafsError("push aborted")
         start = i * self.cb
         size = min(self.cb, seg.size - start)
         held: list[bytearray] = []
         if isinstance(reader, DiskReader):
-            new: Any = self._read_into(reader.fd, size, seg.offset + start, held)
+            new: Any = self._read(reader.fd, size, seg.offset + start, held)
         else:
             new = reader.read(seg.offset + start, size)
         if len(new) != size:
             raise DeltafsError("a source file shrank while it was being pushed")
         old = None
         if base_fd is not None:
-            old = self._read_into(base_fd, size, base_offset + start, held)
+            old = self._read(base_fd, size, base_offset + start, held)
             if len(old) != size:
                 raise LocalBaseError("push cache file is truncated")
         enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
@@ -249,20 +252,33 @@ class Encoder:
         digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None
         if stage_fd is not None and not (self.patch and old is not None and enc.changed == 0):
             _pwrite_all(stage_fd, memoryview(new), seg.offset + start)
-        oid = None
-        if enc.payload is not None:
-            # Uploads run in their own pool, so store latency overlaps encoding; the semaphore bounds
-            # the payload bytes waiting for it.
-            oid = hashlib.sha256(enc.payload).hexdigest()
+        oid = hashlib.sha256(enc.payload).hexdigest() if enc.payload is not None else None
+        return _Chunk(new, old, enc, oid, held, digest, base_digest)
+
+    def _chunks(self, reader: FileReader, run: list[tuple[SourceSegment, int, int | None, int]], stage_fd: int | None,
+                ctx: _Context) -> list[_Chunk]:
+        """A run of chunks of one file: one chunk, or several small ones (tiny tensors), as one task and one store
+        write, so a model of thousands of small tensors does not pay a thread hand-off per tensor."""
+        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd, ctx) for seg, i, base_fd, base_offset in run]
+        batch = [(c.oid, c.enc.payload) for c in out if c.oid is not None and c.enc.payload is not None]
+        if batch:
+            # Uploads run in their own pool, so store latency overlaps encoding; the semaphore bounds the
+            # payload bytes waiting for it (a run holds at most chunk_bytes of them).
             self._put_slots.acquire()
             try:
-                fut = ctx.io.submit(self._put, oid, enc.payload)
+                fut = ctx.io.submit(self._put_batch, batch)
             except BaseException:
                 self._put_slots.release()
                 raise
             with self._lock:
-                ctx.puts.append((oid, len(enc.payload), fut))
-        return _Chunk(new, old, enc, oid, held, digest, base_digest)
+                ctx.puts.append(([(oid, len(payload)) for oid, payload in batch], fut))
+        return out
+
+    def _read(self, fd: int, size: int, offset: int, held: list[bytearray]) -> Any:
+        """A chunk's bytes: small ones as a plain read, others into a recycled chunk-sized buffer."""
+        if size <= SMALL_CHUNK:
+            return os.pread(fd, size, offset)
+        return self._read_into(fd, size, offset, held)
 
     def _read_into(self, fd: int, size: int, offset: int, held: list[bytearray]) -> memoryview:
         """pread into a recycled buffer: a fresh 4 MiB bytes object per read costs page faults, more than the read."""
@@ -277,19 +293,23 @@ class Encoder:
         with self._lock:
             self._free.extend(held)
 
-    def _put(self, oid: str, payload: bytes) -> bool:
+    def _put_batch(self, batch: list[tuple[str, bytes]]) -> list[bool]:
+        """Store a run's payloads; for each, whether it was new (False: already stored, deduplicated)."""
         try:
-            for attempt in range(3):
-                try:
-                    return self.repo.put_chunk(payload, oid=oid)[1]
-                except ObjectNotFoundError:
-                    # A gc took this push for dead (frozen past its marker's ttl) and removed its partial
-                    # write: the write is idempotent, so write again.
-                    if attempt == 2:
-                        raise
-            raise AssertionError("unreachable")
+            return [self._put(oid, payload) for oid, payload in batch]
         finally:
             self._put_slots.release()
+
+    def _put(self, oid: str, payload: bytes) -> bool:
+        for attempt in range(3):
+            try:
+                return self.repo.put_chunk(payload, oid=oid)[1]
+            except ObjectNotFoundError:
+                # A gc took this push for dead (frozen past its marker's ttl) and removed its partial
+                # write: the write is idempotent, so write again.
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
 
 @dataclass
@@ -309,7 +329,7 @@ class _Chunk:
 class _Context:
     work: ThreadPoolExecutor
     io: ThreadPoolExecutor
-    puts: list[tuple[str, int, Future[bool]]]
+    puts: list[tuple[list[tuple[str, int]], Future[list[bool]]]]
     placing: list[Future[None]]
     window: int
     advance: Callable[[int], None]
@@ -325,27 +345,39 @@ class _Lane:
         self.stage_fd, self.ctx = stage_fd, ctx
         self.stats = EncodeStats()
 
-    def _tasks(self) -> Any:
+    def _runs(self) -> Any:
+        """The file's chunks in order, cut into runs: a chunk of chunk_bytes alone, small ones together up to
+        chunk_bytes (or MAX_RUN chunks)."""
         cb = self.enc.cb
+        run: list[tuple[SourceSegment, int, int | None, int]] = []
+        run_bytes = 0
         for seg in self.f.segments:
             hit = self.bases[seg.key]
             base_fd = self.base_fds[hit[0]] if hit is not None else None
             base_offset = hit[1].offset if hit is not None else 0
             for i in range((seg.size + cb - 1) // cb):
-                yield self.ctx.work.submit(self.enc._chunk, self.reader, seg, i, base_fd, base_offset, self.stage_fd,
-                                           self.ctx)
+                size = min(cb, seg.size - i * cb)
+                if run and (size > SMALL_CHUNK or run_bytes + size > cb or len(run) >= MAX_RUN):
+                    yield run
+                    run, run_bytes = [], 0
+                run.append((seg, i, base_fd, base_offset))
+                run_bytes += size
+                if size > SMALL_CHUNK:
+                    yield run
+                    run, run_bytes = [], 0
+        if run:
+            yield run
 
     def run(self) -> FileEntry:
-        pending: deque[Future[Any]] = deque()
-        tasks = self._tasks()
+        pending: deque[Future[list[_Chunk]]] = deque()
 
         def results() -> Any:
-            for fut in tasks:
-                pending.append(fut)
+            for run in self._runs():
+                pending.append(self.ctx.work.submit(self.enc._chunks, self.reader, run, self.stage_fd, self.ctx))
                 if len(pending) >= self.ctx.window:
-                    yield pending.popleft().result()
+                    yield from pending.popleft().result()
             while pending:
-                yield pending.popleft().result()
+                yield from pending.popleft().result()
 
         stream = results()
         try:
