@@ -33,6 +33,7 @@ from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.engines.versions import read_version_manifest
 from deltafs.errors import DeltafsError, EngineError, IntegrityError
 from deltafs.format.digests import segment_digest_like
+from deltafs.format.dtypes import safetensors_name
 from deltafs.format.manifest import FileEntry, Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
@@ -560,17 +561,10 @@ def _check_compatible(name: str, target: torch.Tensor, seg: Segment) -> None:
     want_dtype = str(target.dtype).removeprefix("torch.")
     if tuple(target.shape) != tuple(seg.shape or ()):
         raise EngineError(f"tensor {name}: module shape {tuple(target.shape)} != checkpoint shape {seg.shape}")
-    if _SAFETENSORS_DTYPES.get(want_dtype) != seg.dtype:
+    if safetensors_name(want_dtype) != seg.dtype:
         raise EngineError(f"tensor {name}: module dtype {want_dtype} != checkpoint dtype {seg.dtype}; "
                           "in-place apply is bit-exact and never converts")
 
-
-_SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "complex64": "C64",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64",
-}
 
 
 class TorchModuleEngine:
