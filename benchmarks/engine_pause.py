@@ -11,6 +11,8 @@ mantissa bit flipped, i.e. +-1 ulp, as small optimizer steps do). A module holdi
   engine v1->v2, engine v2->v1   what TorchModuleEngine.switch does: applier.stage() while the module serves (read,
                                  check, diff, move to the device; reported apart), then applier.commit(), which
                                  switch runs under the lock: the pause (scatter, read back, verify on the device)
+  spare v1->v2, spare v2->v1     the same with TorchModuleEngine(spare=True), on a second module: staging also writes
+                                 the new bytes into a spare buffer per tensor and verifies it; the pause swaps
   full reload                    safetensors.torch.load_file(every shard, device=...) + module.load_state_dict, the
                                  naive reload of the same pulled directory (all of it is pause)
   load_state_dict only           module.load_state_dict from host tensors already loaded (the copy alone; a floor
@@ -138,31 +140,45 @@ def run_dataset(name: str, tensors: dict[str, torch.Tensor], args: argparse.Name
     host_state = {k: v.clone() for k, v in tensors.items()}  # version 1, already loaded (load_state_dict only)
     del tensors
     module = module_of(host_state, args.device)
-    engine = TorchModuleEngine(module)
-    engine.switch(Target(paths[0], "1"), None)  # the first apply loads everything; not measured
-    pauses, stages, reloads, copies = [], [], [], []
+    engines = {"engine": TorchModuleEngine(module)}
+    if not args.no_spare:
+        engines["spare"] = TorchModuleEngine(module_of(host_state, args.device), spare=True)
+    for engine in engines.values():
+        engine.switch(Target(paths[0], "1"), None)  # the first apply loads everything; not measured
+    pauses: dict[str, list[tuple[float, float]]] = {key: [] for key in engines}
+    stages: dict[str, list[float]] = {key: [] for key in engines}
+    reloads, copies = [], []
     for _ in range(args.rounds):
-        for b in (1, 0):
-            # what switch() does: stage while serving, then commit under the lock (the pause)
-            staged = engine.applier.stage(paths[b])
-            report, pause = timed(lambda staged=staged: engine.applier.commit(staged), args.device)
-            assert report.whole == 0, report  # every changed tensor scattered, none copied whole
-            pauses.append(pause)
-            stages.append(report.stage_seconds)
+        for key, engine in engines.items():
+            for b in (1, 0):
+                # what switch() does: stage while serving, then commit under the lock (the pause)
+                staged = engine.applier.stage(paths[b])
+                report, pause = timed(lambda staged=staged, engine=engine: engine.applier.commit(staged), args.device)
+                assert report.whole == 0, report  # every changed tensor scattered, none copied whole
+                assert report.swapped == (report.changed if key == "spare" else 0), report
+                pauses[key].append(pause)
+                stages[key].append(report.stage_seconds)
         # the engine is back on version 1: reloading version 1's directory keeps what it believes true
         reloads.append(timed(lambda: full_reload(module, paths[0], args.device), args.device)[1])
         copies.append(timed(lambda: module.load_state_dict(host_state), args.device)[1])
-    assert engine.applier.verify() == []
+    assert all(engine.applier.verify() == [] for engine in engines.values())
     row: dict[str, Any] = {
         "data": name, "device": args.device, "tensors": len(host_state), "MB": round(nbytes / 1e6, 1),
-        "changed_pct": round(100 * changed / elements, 2), "engine_stage_s": statistics.median(stages),
+        "changed_pct": round(100 * changed / elements, 2),
     }
-    for key, samples in (("full_reload", reloads), ("load_state_dict_only", copies), ("engine_pause", pauses)):
+    samples_of = {"full_reload": reloads, "load_state_dict_only": copies}
+    for key in engines:
+        samples_of[f"{key}_pause"] = pauses[key]
+        row[f"{key}_stage_s"] = statistics.median(stages[key])
+    for key, samples in samples_of.items():
         row[f"{key}_s"] = statistics.median(s[0] for s in samples)
         row[f"{key}_cpu_s"] = statistics.median(s[1] for s in samples)
-    for unit in ("s", "cpu_s"):
-        row[f"pause_vs_full_reload_{unit}"] = row[f"engine_pause_{unit}"] / row[f"full_reload_{unit}"]
-        row[f"pause_vs_load_state_dict_only_{unit}"] = row[f"engine_pause_{unit}"] / row[f"load_state_dict_only_{unit}"]
+    for key in engines:
+        prefix = "pause" if key == "engine" else "spare_pause"
+        for unit in ("s", "cpu_s"):
+            row[f"{prefix}_vs_full_reload_{unit}"] = row[f"{key}_pause_{unit}"] / row[f"full_reload_{unit}"]
+            row[f"{prefix}_vs_load_state_dict_only_{unit}"] = (row[f"{key}_pause_{unit}"]
+                                                                / row[f"load_state_dict_only_{unit}"])
     shutil.rmtree(work, ignore_errors=True)
     return row
 
@@ -176,6 +192,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.02, help="fraction of elements changed per version")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-spare", action="store_true", help="measure only the default in-place engine")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
@@ -190,19 +207,22 @@ def main() -> None:
            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
            "fraction": args.fraction, "rounds": args.rounds}
     print("\n| data | device | tensors | MB | changed | full reload | load_state_dict only | engine pause | pause / "
-          "full reload | pause / load_state_dict only | staging |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "full reload | pause / load_state_dict only | staging | spare pause | spare / full reload | spare staging |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
     def ms(r: dict[str, Any], key: str) -> str:
-        return f"{r[key + '_s'] * 1e3:.0f} ms ({r[key + '_cpu_s'] * 1e3:.0f})"
+        return f"{r[key + '_s'] * 1e3:.3g} ms ({r[key + '_cpu_s'] * 1e3:.3g})"
 
     def ratio(r: dict[str, Any], key: str) -> str:
-        return f"{r[key + '_s']:.2f}x ({r[key + '_cpu_s']:.2f}x)"
+        return f"{r[key + '_s']:.3f}x ({r[key + '_cpu_s']:.3f}x)"
 
     for r in rows:  # wall (CPU seconds of the process in brackets)
         print(f"| {r['data']} | {r['device']} | {r['tensors']} | {r['MB']} | {r['changed_pct']}% | "
               f"{ms(r, 'full_reload')} | {ms(r, 'load_state_dict_only')} | {ms(r, 'engine_pause')} | "
               f"{ratio(r, 'pause_vs_full_reload')} | {ratio(r, 'pause_vs_load_state_dict_only')} | "
-              f"{r['engine_stage_s']:.2f} s |")
+              f"{r['engine_stage_s']:.2f} s | "
+              + (f"{ms(r, 'spare_pause')} | {ratio(r, 'spare_pause_vs_full_reload')} | {r['spare_stage_s']:.2f} s |"
+                 if "spare_pause_s" in r else "- | - | - |"))
     print(json.dumps(env))
     if args.json:
         with open(args.json, "w") as fh:

@@ -407,10 +407,9 @@ class ModuleApplier:
         staged.committed = True
         bad: list[str] = []
         with torch.no_grad():
-            for w in staged.swaps:  # a pointer swap per tensor; the spare was verified whole while staging
-                w.old = w.target.data
+            for w in staged.swaps:  # a pointer swap per tensor: the spare was verified whole while staging, and
+                w.old = w.target.data  # nothing but this applier can reach it
                 w.target.data = w.spare
-            bad += [w.name for w in staged.swaps if w.target.data_ptr() != w.spare.data_ptr()]
             self._scatter([b for g in staged.groups for b in g.blocks])
             for w in staged.whole:
                 w.target.copy_(w.source, non_blocking=True)
