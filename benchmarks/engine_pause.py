@@ -2,6 +2,7 @@
 
     python benchmarks/engine_pause.py --work /tmp/engine-pause --device cpu --json docs/engine_pause.json
     python benchmarks/engine_pause.py --work /tmp/engine-pause --device cuda      # the accelerator row
+    python benchmarks/engine_pause.py --work /tmp/engine-pause-v --variants       # in-place ops vs a full reload
 
 For each data set two versions are pushed to a local store and pulled (so the engine reads real version directories
 with their manifests); the second changes `--fraction` of the elements of every tensor (random positions, the lowest
@@ -39,11 +40,12 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from deltafs.engines.base import Target
 from deltafs.engines.torch_module import TorchModuleEngine
@@ -183,6 +185,78 @@ def run_dataset(name: str, tensors: dict[str, torch.Tensor], args: argparse.Name
     return row
 
 
+def scatter_variants(args: argparse.Namespace, rng: np.random.Generator) -> None:
+    """--variants: in-place update variants on the llama data set (CPU), each against a full reload, in one run.
+
+    No deltafs staging: the changed positions (int64, sorted) and values are made directly, so the numbers isolate
+    the op. "scatter+read back" is what the in-place pause does per block; "scatter only" drops its verification.
+    """
+    tensors = llama_tensors(args.layers, rng)
+    os.makedirs(args.work, exist_ok=True)
+    path = os.path.join(args.work, "llama.safetensors")
+    save_file(tensors, path)
+    module = module_of(tensors, "cpu")
+    module.load_state_dict(tensors)
+    live = dict(module.named_parameters())
+    flats = [live[n].detach().view(-1).view(torch.int16) for n in tensors]
+    idx = [torch.from_numpy(np.flatnonzero(rng.random(f.numel()) < args.fraction)) for f in flats]
+    vals = [f[i] ^ 1 for f, i in zip(flats, idx, strict=True)]
+
+    def blocks(span: int, positions: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        out = []
+        for f, i, v in zip(flats, idx, vals, strict=True):
+            cuts = [0, i.numel(), *np.searchsorted(i.numpy(), np.arange(span, f.numel(), span)).tolist()]
+            cuts = sorted(set(cuts))
+            out += [(f, i[a:b].to(positions), v[a:b], torch.empty_like(v[a:b]))
+                    for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        return out
+
+    pool = ThreadPoolExecutor(torch.get_num_threads())
+
+    def spread(op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any], span: int,
+               positions: torch.dtype = torch.int64) -> Callable[[], None]:
+        todo = blocks(span, positions)
+        step = -(-len(todo) // torch.get_num_threads())
+
+        def run(part: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+            for block in part:
+                op(*block)
+        return lambda: list(pool.map(run, [todo[k:k + step] for k in range(0, len(todo), step)])) and None
+
+    def scatter_back(f: torch.Tensor, i: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> None:
+        f.scatter_(0, i, v)
+        torch.index_select(f, 0, i, out=b)
+
+    span, whole = 1 << 18, 1 << 62
+    variants: dict[str, Callable[[], Any]] = {
+        "full reload (load_file + load_state_dict)": lambda: module.load_state_dict(load_file(path)),
+        "load_state_dict only": lambda: module.load_state_dict(tensors),
+        "scatter_+read back, 256Ki spans (the engine)": spread(scatter_back, span),
+        "scatter_+read back, 64Ki spans": spread(scatter_back, 1 << 16),
+        "scatter_+read back, 1Mi spans": spread(scatter_back, 1 << 20),
+        "scatter_+read back, per tensor": spread(scatter_back, whole),
+        "scatter_ only, 256Ki spans": spread(lambda f, i, v, b: f.scatter_(0, i, v), span),
+        "scatter_ only, per tensor": spread(lambda f, i, v, b: f.scatter_(0, i, v), whole),
+        "index_copy_ only, 256Ki spans": spread(lambda f, i, v, b: f.index_copy_(0, i, v), span),
+        "index_put_ only, 256Ki spans": spread(lambda f, i, v, b: f.index_put_((i,), v), span),
+        "index_put_ only, int32 positions": spread(lambda f, i, v, b: f.index_put_((i,), v), span, torch.int32),
+        "read back only (index_select)": spread(lambda f, i, v, b: torch.index_select(f, 0, i, out=b), span),
+    }
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+    for _ in range(args.rounds):  # interleaved, so a noisy moment hits every variant alike
+        for key, fn in variants.items():
+            with torch.no_grad():
+                samples[key].append(timed(fn, "cpu")[1])
+    base = [statistics.median(s[u] for s in samples["full reload (load_file + load_state_dict)"]) for u in (0, 1)]
+    print(f"\n{sum(int(i.numel()) for i in idx)} of {sum(f.numel() for f in flats)} elements changed; "
+          f"{torch.get_num_threads()} threads; medians of {args.rounds} rounds, wall (CPU seconds)")
+    print("| variant | time | / full reload |\n|---|---|---|")
+    for key, got in samples.items():
+        wall, cpu = (statistics.median(s[u] for s in got) for u in (0, 1))
+        print(f"| {key} | {wall * 1e3:.0f} ms ({cpu * 1e3:.0f}) | {wall / base[0]:.2f}x ({cpu / base[1]:.2f}x) |")
+    shutil.rmtree(args.work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True, help="scratch directory (stores and pulled versions; removed after)")
@@ -192,10 +266,14 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.02, help="fraction of elements changed per version")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", action="store_true", help="time in-place update ops on the llama data instead")
     ap.add_argument("--no-spare", action="store_true", help="measure only the default in-place engine")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
+    if args.variants:
+        scatter_variants(args, rng)
+        return
     rows = []
     for name in args.data:
         tensors = llama_tensors(args.layers, rng) if name == "llama" else small_f32_tensors(rng)

@@ -12,6 +12,10 @@ and verify. Changed positions are read back on the device and compared with the 
 checked by the device checksum against the checksum of the verified file bytes. Only a few integers per tensor come
 back to the host. If anything fails, the previous version is put back (see TorchModuleEngine.switch).
 
+With spare=True, staging also writes each changed tensor's new bytes into a second buffer on its device and verifies
+that buffer whole by checksum; the pause then only points each tensor at its buffer (`tensor.data`), for twice the
+memory and data pointers that change at every switch.
+
 Works wherever the tensors live (CUDA, ROCm, XPU, CPU): everything on the device is plain torch ops.
 """
 
@@ -407,9 +411,9 @@ class ModuleApplier:
         staged.committed = True
         bad: list[str] = []
         with torch.no_grad():
-            for w in staged.swaps:  # a pointer swap per tensor: the spare was verified whole while staging, and
-                w.old = w.target.data  # nothing but this applier can reach it
-                w.target.data = w.spare
+            for sw in staged.swaps:  # a pointer swap per tensor: the spare was verified whole while staging, and
+                sw.old = sw.target.data  # nothing but this applier can reach it
+                sw.target.data = sw.spare
             self._scatter([b for g in staged.groups for b in g.blocks])
             for w in staged.whole:
                 w.target.copy_(w.source, non_blocking=True)
@@ -424,12 +428,12 @@ class ModuleApplier:
                                  "after the apply")
         self._held.update(staged.held)
         self._expected = set(staged.names)
-        for w in staged.swaps:
-            assert w.old is not None
-            self._spares[w.name] = w.old  # the previous bytes: the buffer the next version is written into
-        elements = sum(int(i.size) for g in staged.groups for i in g.idx) + sum(w.elements for w in staged.swaps)
-        sparse = sum(len(g.names) for g in staged.groups) + sum(w.sparse for w in staged.swaps)
-        whole = len(staged.whole) + sum(not w.sparse for w in staged.swaps)
+        for sw in staged.swaps:
+            assert sw.old is not None
+            self._spares[sw.name] = sw.old  # the previous bytes: the buffer the next version is written into
+        elements = sum(int(i.size) for g in staged.groups for i in g.idx) + sum(sw.elements for sw in staged.swaps)
+        sparse = sum(len(g.names) for g in staged.groups) + sum(sw.sparse for sw in staged.swaps)
+        whole = len(staged.whole) + sum(not sw.sparse for sw in staged.swaps)
         return ApplyReport(staged.version, sparse + whole, staged.unchanged, staged.skipped,
                            time.monotonic() - t0, sparse=sparse, whole=whole, elements=elements,
                            repaired=staged.repaired, stage_seconds=staged.seconds, swapped=len(staged.swaps))
