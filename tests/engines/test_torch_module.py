@@ -47,10 +47,11 @@ ACCELERATOR = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param(ACCELERATOR or "accelerator", marks=pytest.mark.skipif(
     ACCELERATOR is None, reason="no CUDA/ROCm/XPU device on this machine"))])
-def test_first_apply_loads_everything_then_only_changes(versions, device):
+@pytest.mark.parametrize("spare", [False, True])
+def test_first_apply_loads_everything_then_only_changes(versions, device, spare):
     paths, weights = versions
     module = build_model(CONFIG).to(device)
-    engine = TorchModuleEngine(module)
+    engine = TorchModuleEngine(module, spare=spare)
     first = engine.switch(Target(paths[1], "1"), None)
     assert first.tensors_changed == len(weights[1])
     assert_module_holds(module, weights[1])
