@@ -12,6 +12,10 @@ and verify. Changed positions are read back on the device and compared with the 
 checked by the device checksum against the checksum of the verified file bytes. Only a few integers per tensor come
 back to the host. If anything fails, the previous version is put back (see TorchModuleEngine.switch).
 
+With spare=True, staging also writes each changed tensor's new bytes into a second buffer on its device and verifies
+that buffer whole by checksum; the pause then only points each tensor at its buffer (`tensor.data`), for twice the
+memory and data pointers that change at every switch.
+
 Works wherever the tensors live (CUDA, ROCm, XPU, CPU): everything on the device is plain torch ops.
 """
 
@@ -33,6 +37,7 @@ from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.engines.versions import read_version_manifest
 from deltafs.errors import DeltafsError, EngineError, IntegrityError
 from deltafs.format.digests import segment_digest_like
+from deltafs.format.dtypes import safetensors_name
 from deltafs.format.manifest import FileEntry, Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
@@ -163,6 +168,7 @@ class ApplyReport:
     elements: int = 0  # elements written by the sparse updates
     repaired: tuple[str, ...] = ()  # tensors the module held with other bytes than the engine had applied
     stage_seconds: float = 0.0  # reading, checking and diffing before the pause
+    swapped: int = 0  # tensors made live by swapping in their spare (spare=True), prepared sparse or whole as counted
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,18 @@ class _Whole:
 
 
 @dataclass
+class _Swap:
+    """A tensor whose new bytes were written into its spare and verified there; the pause swaps the two."""
+
+    name: str
+    target: torch.Tensor  # the module's tensor object (kept: only what it points at changes)
+    spare: torch.Tensor  # holds the new version, verified
+    old: torch.Tensor | None = None  # what target pointed at before the swap, once swapped
+    sparse: bool = False  # prepared by copying the live tensor and scattering the delta, else by a whole copy
+    elements: int = 0
+
+
+@dataclass
 class StagedVersion:
     """A version read, checked and diffed against what the module holds; commit() makes it live (once, and only if
     nothing was committed since it was staged)."""
@@ -225,11 +243,13 @@ class StagedVersion:
     seconds: float
     names: tuple[str, ...]  # every tensor of the version the module has
     generation: int  # the applier's commit count when staged: a diff is only valid against that state
+    swaps: list[_Swap] = field(default_factory=list)
+    staging: int = 0  # the applier's stage count: spares hold the bytes of the latest staging only
     committed: bool = False
 
     @property
     def touched(self) -> list[str]:
-        return [n for g in self.groups for n in g.names] + [w.name for w in self.whole]
+        return [n for g in self.groups for n in g.names] + [w.name for w in self.whole] + [s.name for s in self.swaps]
 
 
 class ModuleApplier:
@@ -239,11 +259,19 @@ class ModuleApplier:
     `check_module`: before each apply, checksum every module tensor on its device against what was applied last, and
     repair any that differ by a whole copy (costs reading the module once, outside the pause).
     `threads`: staging reads, hashes and diffs this many tensors at once (default: the CPU count, at most 8).
+    `spare`: keep a second buffer per tensor on its device, write and verify the new version there while the module
+    serves, and make the pause a swap of what each tensor points at (`tensor.data`). Costs the module's memory once
+    more, and tensors' data pointers change at every switch (not for CUDA graphs or code that caches data_ptr()).
+    Tensors that do not own their whole storage (views into a shared buffer, tied through different objects,
+    non-contiguous) are still updated in place.
     """
 
     def __init__(self, module: torch.nn.Module, *, strict: bool = True, whole_above: float = 0.5,
-                 check_module: bool = True, threads: int | None = None) -> None:
+                 check_module: bool = True, threads: int | None = None, spare: bool = False) -> None:
         self.module = module
+        self.spare = spare
+        self._spares: dict[str, torch.Tensor] = {}  # spare=True: the second buffer of each swapped tensor, by name
+        self._stagings = 0  # stage() calls so far (see StagedVersion.staging)
         self.threads = threads or min(8, os.cpu_count() or 1)
         self.strict = strict
         self.whole_above = whole_above
@@ -313,9 +341,19 @@ class ModuleApplier:
         whole: list[_Whole] = []
         held: dict[str, _Held] = {}
         unchanged = 0
+        self._stagings += 1
+        swaps: list[_Swap] = []
+        swappable = _swappable([t for _, _, t in todo]) if self.spare else set()
+        swapped_objects: set[int] = set()
         for (_, seg, target), p in zip(todo, plans, strict=True):
             if p is None:
                 unchanged += 1
+            elif id(target) in swapped_objects and (p.new is not None or p.diff is not None):
+                held[p.name] = p.held  # a second name of a tensor swapped already (tied: equal bytes)
+            elif id(target) in swappable and (p.new is not None or p.diff is not None):
+                swapped_objects.add(id(target))
+                held[p.name] = p.held
+                swaps.append(self._prepare_spare(p, target))
             elif p.new is not None:
                 held[p.name] = p.held
                 whole.append(_Whole(p.name, target, _host_source(p.new, target)))
@@ -330,11 +368,33 @@ class ModuleApplier:
                 g.idx.append(p.diff[0])
                 g.vals.append(p.diff[1])
                 g.old.append(p.diff[2])
+        if swaps:  # the spares are verified whole, before the pause, against the checksums of the verified bytes
+            sums = device_checksums([w.spare for w in swaps])
+            bad = [w.name for w, got in zip(swaps, sums, strict=True) if got != held[w.name].checksum]
+            if bad:
+                raise IntegrityError(f"spare buffer(s) of {', '.join(sorted(bad)[:5])} do not hold version "
+                                     f"{man.version} after staging")
         for g in groups.values():
             _to_device(g)
         return StagedVersion(man.version, list(groups.values()), whole, held, unchanged, tuple(sorted(skipped)),
                              repaired, time.monotonic() - t0, tuple(seg.tensor_name or "" for _, seg, _ in todo),
-                             self._generation)
+                             self._generation, swaps=swaps, staging=self._stagings)
+
+    def _prepare_spare(self, p: _Plan, target: torch.Tensor) -> _Swap:
+        """Write the new bytes of one tensor into its spare: the live bytes plus the delta, or the new bytes whole."""
+        buf = self._spares.get(p.name)
+        if buf is None or buf.shape != target.shape or buf.dtype != target.dtype or buf.device != target.device:
+            buf = self._spares[p.name] = torch.empty_like(target, memory_format=torch.contiguous_format)
+        with torch.no_grad():
+            if p.new is not None:
+                buf.copy_(_host_source(p.new, target))
+                return _Swap(p.name, target, buf)
+            assert p.diff is not None
+            idx = torch.from_numpy(p.diff[0]).to(buf.device)
+            vals = torch.from_numpy(p.diff[1]).to(buf.device)
+            buf.copy_(target)  # the live bytes (checked at the start of staging; the spare's checksum proves the copy)
+            _int_view(buf).index_copy_(0, idx, vals)
+        return _Swap(p.name, target, buf, sparse=True, elements=int(p.diff[0].size))
 
     def commit(self, staged: StagedVersion) -> ApplyReport:
         """The pause: scatter, copy, verify on the device. Raises IntegrityError if the module does not hold the version."""
@@ -342,12 +402,18 @@ class ModuleApplier:
         if staged.generation != self._generation or staged.committed:
             raise EngineError(f"version {staged.version} was staged against what the module held before another "
                               "apply; stage it again")
+        if staged.swaps and staged.staging != self._stagings:
+            raise EngineError(f"version {staged.version} was staged into the spare buffers before another staging "
+                              "overwrote them; stage it again")
         self._generation += 1
         for name in staged.touched:
             self._held.pop(name, None)  # unknown until verified below
         staged.committed = True
         bad: list[str] = []
         with torch.no_grad():
+            for sw in staged.swaps:  # a pointer swap per tensor: the spare was verified whole while staging, and
+                sw.old = sw.target.data  # nothing but this applier can reach it
+                sw.target.data = sw.spare
             self._scatter([b for g in staged.groups for b in g.blocks])
             for w in staged.whole:
                 w.target.copy_(w.source, non_blocking=True)
@@ -362,11 +428,15 @@ class ModuleApplier:
                                  "after the apply")
         self._held.update(staged.held)
         self._expected = set(staged.names)
-        elements = sum(int(i.size) for g in staged.groups for i in g.idx)
-        sparse = sum(len(g.names) for g in staged.groups)
-        return ApplyReport(staged.version, sparse + len(staged.whole), staged.unchanged, staged.skipped,
-                           time.monotonic() - t0, sparse=sparse, whole=len(staged.whole), elements=elements,
-                           repaired=staged.repaired, stage_seconds=staged.seconds)
+        for sw in staged.swaps:
+            assert sw.old is not None
+            self._spares[sw.name] = sw.old  # the previous bytes: the buffer the next version is written into
+        elements = sum(int(i.size) for g in staged.groups for i in g.idx) + sum(sw.elements for sw in staged.swaps)
+        sparse = sum(len(g.names) for g in staged.groups) + sum(sw.sparse for sw in staged.swaps)
+        whole = len(staged.whole) + sum(not sw.sparse for sw in staged.swaps)
+        return ApplyReport(staged.version, sparse + whole, staged.unchanged, staged.skipped,
+                           time.monotonic() - t0, sparse=sparse, whole=whole, elements=elements,
+                           repaired=staged.repaired, stage_seconds=staged.seconds, swapped=len(staged.swaps))
 
     def _scatter(self, blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Write each block's values and read them back. On the CPU, torch runs one scatter on one core while its
@@ -386,6 +456,10 @@ class ModuleApplier:
         if not staged.committed:
             return
         with torch.no_grad():
+            for w in staged.swaps:
+                if w.old is not None:  # swapped: point the tensor back at its previous bytes
+                    w.target.data = w.old
+                    w.old = None
             for g in staged.groups:
                 for flat, idx, old in zip(g.flats, g.idx_dev, g.old, strict=True):
                     flat.index_copy_(0, idx, torch.from_numpy(old).to(g.device))
@@ -544,6 +618,17 @@ def _host_source(data: np.ndarray, target: torch.Tensor) -> torch.Tensor:
     return src
 
 
+def _swappable(tensors: list[torch.Tensor]) -> set[int]:
+    """ids of the tensors a swap can update: contiguous, alone in their whole storage, no other tensor object on it."""
+    objects: dict[tuple[torch.device, int], set[int]] = {}
+    for t in tensors:
+        objects.setdefault((t.device, t.untyped_storage().data_ptr()), set()).add(id(t))
+    return {id(t) for t in tensors
+            if t.numel() and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            and len(objects[(t.device, t.untyped_storage().data_ptr())]) == 1}
+
+
 def _check_tied(todo: list[tuple[FileEntry, Segment, torch.Tensor]], version: int) -> None:
     """Names that share memory in the module (tied weights) must have equal bytes in the checkpoint."""
     seen: dict[tuple[torch.device, int], Segment] = {}
@@ -560,17 +645,10 @@ def _check_compatible(name: str, target: torch.Tensor, seg: Segment) -> None:
     want_dtype = str(target.dtype).removeprefix("torch.")
     if tuple(target.shape) != tuple(seg.shape or ()):
         raise EngineError(f"tensor {name}: module shape {tuple(target.shape)} != checkpoint shape {seg.shape}")
-    if _SAFETENSORS_DTYPES.get(want_dtype) != seg.dtype:
+    if safetensors_name(want_dtype) != seg.dtype:
         raise EngineError(f"tensor {name}: module dtype {want_dtype} != checkpoint dtype {seg.dtype}; "
                           "in-place apply is bit-exact and never converts")
 
-
-_SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "complex64": "C64",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64",
-}
 
 
 class TorchModuleEngine:
@@ -585,9 +663,9 @@ class TorchModuleEngine:
 
     def __init__(self, module: torch.nn.Module, *, lock: threading.Lock | threading.RLock | None = None,
                  strict: bool = True, whole_above: float = 0.5, check_module: bool = True,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, spare: bool = False) -> None:
         self.applier = ModuleApplier(module, strict=strict, whole_above=whole_above, check_module=check_module,
-                                     threads=threads)
+                                     threads=threads, spare=spare)
         self.lock: AbstractContextManager[Any] = lock if lock is not None else nullcontext()
         self._version: str | None = None
         self.last_report: ApplyReport | None = None

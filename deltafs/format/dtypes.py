@@ -43,3 +43,38 @@ def nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     if dtype in PACKED_BITS:
         return (count * PACKED_BITS[dtype] + 7) // 8
     return count * DTYPE_SIZES[dtype]
+
+
+# safetensors dtype -> the torch attribute name of the same element type, by name only (format/ never imports torch;
+# callers resolve it with getattr(torch, name), which is None on a torch too old to have it). The packed sub-byte
+# types have no torch dtype and are absent.
+TORCH_NAMES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "C64": "complex64",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+}
+
+# The inverse: torch dtype name (str(dtype) without "torch.") -> safetensors dtype.
+SAFETENSORS_NAMES: dict[str, str] = {torch_name: st for st, torch_name in TORCH_NAMES.items()}
+
+# numpy has the same element types under the same names, except bf16 and the fp8 types.
+NUMPY_NAMES: dict[str, str] = {st: name for st, name in TORCH_NAMES.items() if st != "BF16" and not st.startswith("F8")}
+
+
+def safetensors_name(torch_dtype_name: str) -> str | None:
+    """The safetensors dtype of a torch dtype given by name ("bfloat16" or "torch.bfloat16"), or None."""
+    return SAFETENSORS_NAMES.get(torch_dtype_name.removeprefix("torch."))

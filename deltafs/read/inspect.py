@@ -14,19 +14,12 @@ from typing import Any
 import numpy as np
 
 from deltafs.errors import UsageError
+from deltafs.format.dtypes import NUMPY_NAMES, TORCH_NAMES
 from deltafs.format.manifest import FileEntry, Manifest, Segment
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.chain import Chain, chain_objects, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
-
-# safetensors dtype -> numpy dtype, for the dtypes numpy has; bf16 and fp8 come back through torch.
-_NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-          "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
-# safetensors dtype -> torch attribute name (looked up lazily: the core does not import torch).
-_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-          "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
-          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64"}
 
 
 @dataclass(frozen=True)
@@ -93,7 +86,7 @@ class VersionReader:
         if framework == "torch":
             import torch
 
-            dtype = getattr(torch, _TORCH.get(seg.dtype or "", ""), None)
+            dtype = getattr(torch, TORCH_NAMES.get(seg.dtype or "", ""), None)
             if dtype is None:
                 raise UsageError(f"tensor {name} is {seg.dtype}, which this torch lacks: use tensor_bytes()")
             if not data:
@@ -101,10 +94,10 @@ class VersionReader:
             return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
         if framework != "numpy":
             raise UsageError(f"framework must be 'numpy' or 'torch', not {framework!r}")
-        np_dtype = _NUMPY.get(seg.dtype or "")
-        if np_dtype is None:
+        np_name = NUMPY_NAMES.get(seg.dtype or "")
+        if np_name is None:
             raise UsageError(f"tensor {name} is {seg.dtype}, which numpy lacks: use framework='torch' or tensor_bytes()")
-        return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+        return np.frombuffer(data, dtype=np.dtype(np_name)).reshape(shape)
 
     def _find(self, name: str) -> tuple[FileEntry, Segment]:
         try:

@@ -47,10 +47,11 @@ ACCELERATOR = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param(ACCELERATOR or "accelerator", marks=pytest.mark.skipif(
     ACCELERATOR is None, reason="no CUDA/ROCm/XPU device on this machine"))])
-def test_first_apply_loads_everything_then_only_changes(versions, device):
+@pytest.mark.parametrize("spare", [False, True])
+def test_first_apply_loads_everything_then_only_changes(versions, device, spare):
     paths, weights = versions
     module = build_model(CONFIG).to(device)
-    engine = TorchModuleEngine(module)
+    engine = TorchModuleEngine(module, spare=spare)
     first = engine.switch(Target(paths[1], "1"), None)
     assert first.tensors_changed == len(weights[1])
     assert_module_holds(module, weights[1])
@@ -239,18 +240,20 @@ def test_checksum_changes_when_any_single_element_changes():
     assert len(set(sums)) == len(sums)
 
 
-def test_sparse_apply_is_bit_exact_over_dtypes(publish):
+@pytest.mark.parametrize("spare", [False, True])
+def test_sparse_apply_is_bit_exact_over_dtypes(publish, spare):
     v1 = mixed_tensors(1)
     v2 = changed(v1, 0.02, seed=2)
     p1, p2 = publish(v1), publish(v2)
     module = module_of(v1)
-    engine = TorchModuleEngine(module)
+    engine = TorchModuleEngine(module, spare=spare)
     engine.switch(Target(p1, "1"), None)
     assert_module_holds(module, v1)
     engine.switch(Target(p2, "2"), Target(p1, "1"))
     assert_module_holds(module, v2)
     report = engine.last_report
     assert report.sparse == len(v2) and report.whole == 0
+    assert report.swapped == (len(v2) if spare else 0)
     differing = sum(int((a.view(-1).view(torch.uint8) != b.view(-1).view(torch.uint8)).sum()) if a.dtype == torch.bool
                     else int((a.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
                         a.element_size()]) != b.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
@@ -289,12 +292,13 @@ def test_without_the_previous_files_the_changed_tensors_are_copied_whole(publish
     assert_module_holds(module, v2)
 
 
-def test_checksum_detects_a_corrupted_module_tensor_and_the_next_apply_repairs_it(publish):
+@pytest.mark.parametrize("spare", [False, True])
+def test_checksum_detects_a_corrupted_module_tensor_and_the_next_apply_repairs_it(publish, spare):
     v1 = mixed_tensors(1)
     v2 = changed(v1, 0.02, seed=6, only="layers.2.w")
     p1, p2 = publish(v1), publish(v2)
     module = module_of(v1)
-    engine = TorchModuleEngine(module)
+    engine = TorchModuleEngine(module, spare=spare)
     engine.switch(Target(p1, "1"), None)
     assert engine.applier.verify() == []
     getattr(module.layers, "7").w.view(-1)[100] += 1  # something wrote into the live module
@@ -306,7 +310,8 @@ def test_checksum_detects_a_corrupted_module_tensor_and_the_next_apply_repairs_i
     assert engine.applier.verify() == []
 
 
-def test_a_failure_during_the_pause_undoes_the_scatter_and_rolls_back(publish):
+@pytest.mark.parametrize("spare", [False, True])
+def test_a_failure_during_the_pause_undoes_the_scatter_and_rolls_back(publish, spare):
     # An expanded buffer (stride 0) cannot be written whole: copy_ raises in the pause, after the scatters of the
     # other tensors ran. The rollback must leave the module bit-exact on version 1.
     v1 = {**mixed_tensors(1), "shared.bias": torch.zeros(4)}
@@ -315,7 +320,7 @@ def test_a_failure_during_the_pause_undoes_the_scatter_and_rolls_back(publish):
     module = module_of(mixed_tensors(1))
     module.add_module("shared", torch.nn.Module())
     module.shared.register_buffer("bias", torch.zeros(1).expand(4))
-    engine = TorchModuleEngine(module)
+    engine = TorchModuleEngine(module, spare=spare)  # spare: the swaps ran before the failing copy
     engine.switch(Target(p1, "1"), None)
     assert_module_holds(module, v1)
     with pytest.raises(SwitchError) as info:
@@ -340,13 +345,14 @@ def test_tied_tensors_with_different_bytes_are_refused_before_the_pause(publish)
     assert engine.served_version() == "1"
 
 
-def test_engine_stays_exact_over_a_run_of_versions(publish):
+@pytest.mark.parametrize("spare", [False, True])
+def test_engine_stays_exact_over_a_run_of_versions(publish, spare):
     versions = [mixed_tensors(1)]
     for step, fraction in enumerate((0.02, 0.0, 0.3, 0.9, 0.005)):
         versions.append(changed(versions[-1], fraction, seed=10 + step) if fraction else dict(versions[-1]))
     paths = [publish(v) for v in versions]
     module = module_of(versions[0])
-    engine = TorchModuleEngine(module)
+    engine = TorchModuleEngine(module, spare=spare)
     previous = None
     for n in [0, 1, 2, 3, 4, 5, 2, 5, 0]:  # forward, then jumps back and forth
         target = Target(paths[n], str(n))
@@ -386,3 +392,58 @@ def test_a_version_staged_before_another_apply_is_refused(versions):
     assert_module_holds(module, weights[2])
     applier.commit(applier.stage(paths[3]))
     assert_module_holds(module, weights[3])
+
+
+def test_spare_mode_swaps_what_tensors_point_at_and_keeps_the_objects(publish):
+    v1 = mixed_tensors(1)
+    v2 = changed(v1, 0.02, seed=20)
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of(v1)
+    engine = TorchModuleEngine(module, spare=True)
+    engine.switch(Target(p1, "1"), None)
+    objects = {name: module.get_buffer(name) for name in v1}
+    pointers = {name: t.data_ptr() for name, t in objects.items()}
+    engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert all(module.get_buffer(name) is t for name, t in objects.items())  # the module's tensors are the same objects
+    assert all(t.data_ptr() != pointers[name] for name, t in objects.items())  # pointing at the spare buffers
+    assert_module_holds(module, v2)
+    engine.switch(Target(p1, "1"), Target(p2, "2"))  # back: the buffers of version 1 are written again and swapped in
+    assert all(t.data_ptr() == pointers[name] for name, t in objects.items())
+    assert_module_holds(module, v1)
+    assert engine.applier.verify() == []
+
+
+def test_spare_mode_keeps_tied_tensors_tied_and_updates_shared_views_in_place(publish):
+    base = torch.randn(64)
+    v1 = {"a.weight": base, "b.weight": base.clone(), "flat.x": torch.arange(8.0), "flat.y": torch.arange(8.0) + 8}
+    v2 = {k: t + 1 for k, t in v1.items()}
+    v2["b.weight"] = v2["a.weight"].clone()
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of({"a.weight": base})
+    module.add_module("b", torch.nn.Module())
+    module.b.register_buffer("weight", module.a.weight)  # one tensor object under two names
+    storage = torch.zeros(16)
+    module.add_module("flat", torch.nn.Module())
+    module.flat.register_buffer("x", storage[:8])  # views into one buffer: a swap would cut them off from it
+    module.flat.register_buffer("y", storage[8:])
+    engine = TorchModuleEngine(module, spare=True)
+    engine.switch(Target(p1, "1"), None)
+    engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert module.a.weight is module.b.weight
+    assert_module_holds(module, v2)
+    assert torch.equal(storage, torch.cat([v2["flat.x"], v2["flat.y"]]))  # written in place, through the views
+    assert engine.last_report.swapped == 1
+
+
+def test_spare_mode_refuses_a_version_whose_spares_a_later_staging_overwrote(versions):
+    paths, weights = versions
+    module = build_model(CONFIG)
+    applier = ModuleApplier(module, spare=True)
+    applier.apply(paths[1])
+    first = applier.stage(paths[2])
+    applier.stage(paths[3])  # writes the same spare buffers; never committed
+    with pytest.raises(EngineError, match="stage it again"):
+        applier.commit(first)
+    assert_module_holds(module, weights[1])
+    applier.commit(applier.stage(paths[2]))
+    assert_module_holds(module, weights[2])
