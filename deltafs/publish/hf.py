@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from deltafs.errors import UsageError
+from deltafs.format.dtypes import safetensors_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -37,17 +38,8 @@ def shard_file_name(index: int, count: int) -> str:
 
 
 def torch_dtype_name(dtype: Any) -> str | None:
-    """The safetensors name of a torch dtype, or None if safetensors cannot store it."""
-    import torch
-
-    table = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
-             torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
-             torch.float64: "F64", torch.complex64: "C64"}
-    for attr, name in (("float8_e5m2", "F8_E5M2"), ("float8_e4m3fn", "F8_E4M3"), ("uint16", "U16"),
-                       ("uint32", "U32"), ("uint64", "U64"), ("float8_e8m0fnu", "F8_E8M0")):
-        if hasattr(torch, attr):
-            table[getattr(torch, attr)] = name
-    return table.get(dtype)
+    """The safetensors name of a torch dtype, or None if safetensors cannot store it (deltafs.format.dtypes)."""
+    return safetensors_name(str(dtype))
 
 
 def host_bytes(t: Any) -> np.ndarray:
