@@ -163,11 +163,23 @@ class Dense:
         b = _need_base(self.name, base, size)
         body = streams.unseal(_need_payload(self.name, payload), "dense chunk")
         data = streams.unpack(body, size, "dense chunk")
-        dtype = streams.UINT[self.width]
-        d = unzigzag(streams.from_planes(data, self.width).view(dtype))
-        # Wraps, inverting the encoder's subtraction.
-        np.add(d, b.view(dtype), out=d if out is None else out.view(dtype))
-        return d.view(np.uint8) if out is None else out
+        width = self.width
+        dtype = streams.UINT[width]
+        # Few numpy calls, no temporaries the size of the chunk but one: the planes are transposed straight into
+        # the target and unzigzagged and added there.
+        # out may be the base or overlap it (a view of the same buffer): then the base is read before out is written.
+        direct = out is not None and not np.may_share_memory(out, b)
+        target = out if direct else np.empty(size, np.uint8)
+        np.copyto(target.reshape(-1, width), data.reshape(width, -1).T)
+        t = target.view(dtype)
+        sign = np.bitwise_and(t, dtype.type(1))
+        t >>= dtype.type(1)
+        t ^= np.negative(sign, out=sign)
+        t += b.view(dtype)  # wraps, inverting the encoder's subtraction
+        if out is None or direct:
+            return target
+        np.copyto(out, target)
+        return out
 
 
 @dataclass(frozen=True)

@@ -41,18 +41,25 @@ def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.nd
     return idx, nv, bv
 
 
+_SIGNED = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+# Shift counts as numpy scalars of each width's dtype: a Python int operand costs a type resolution per call.
+_ONE = {w: streams.UINT[w].type(1) for w in streams.UINT}
+_TOP = {w: _SIGNED[w].type(8 * w - 1) for w in streams.UINT}
+
+
 def zigzag(d: np.ndarray) -> np.ndarray:
     """Wrapped differences (unsigned) as zigzag integers: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... (same dtype)."""
-    top = d.dtype.type(d.dtype.itemsize * 8 - 1)
-    out: np.ndarray = np.left_shift(d, d.dtype.type(1))
-    out ^= np.zeros(1, d.dtype) - (d >> top)
+    # The arithmetic shift of the signed view is -1 for negative differences, 0 otherwise: three numpy calls.
+    w = d.dtype.itemsize
+    out: np.ndarray = np.left_shift(d, _ONE[w])
+    out ^= np.right_shift(d.view(_SIGNED[w]), _TOP[w]).view(d.dtype)
     return out
 
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
     """Inverse of zigzag."""
     out: np.ndarray = z >> z.dtype.type(1)
-    out ^= np.zeros(1, z.dtype) - (z & z.dtype.type(1))
+    out ^= np.negative(z & z.dtype.type(1))
     return out
 
 
