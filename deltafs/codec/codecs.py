@@ -233,7 +233,8 @@ def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -
     unary, remainder = streams.rice_encode(gaps, k, q)
     # Sign and magnitude of the wrapped difference read as two's complement; unsigned math, so -2**(bits-1) works.
     negative = diff >= diff.dtype.type(1 << (width * 8 - 1))
-    magnitude = np.negative(diff, where=negative, out=diff.copy())
+    # |d| is the smaller of d and -d (wrapped); for -2**(bits-1) both are equal. A where= ufunc is ~30x slower.
+    magnitude = np.minimum(diff, np.negative(diff))
     # One ulp up or down is by far the most common change; only the others are listed, as a sparse list of its own.
     big_at = (magnitude != 1).nonzero()[0]
     parts = [unary, remainder, np.packbits(negative)]
@@ -284,8 +285,12 @@ def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.d
     elif parts[3].size or parts[4].size:
         raise IntegrityError("sparse magnitudes: gap stream holds the wrong number of gaps", expected=0,
                              actual=int(np.unpackbits(parts[3]).sum()))
-    negative = np.unpackbits(parts[2], count=count).view(np.bool_)
-    diff = np.negative(magnitude, where=negative, out=magnitude)  # two's complement, wraps like the encoder
+    # Two's complement negation where the sign bit is set, without a (slow) where= ufunc: with m = 0 or all ones,
+    # (x ^ m) - m is x or -x. Wraps like the encoder.
+    m = np.unpackbits(parts[2], count=count).astype(dtype)
+    m = np.negative(m, out=m)
+    diff = np.bitwise_xor(magnitude, m, out=magnitude)
+    diff -= m
     return ranks, diff
 
 
