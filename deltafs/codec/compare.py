@@ -30,7 +30,8 @@ def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.nd
     gn, gb = wn[hit].view(dtype), wb[hit].view(dtype)  # the changed words as lanes, word-major
     lane = (gn != gb).nonzero()[0]
     shift = lanes.bit_length() - 1
-    idx = (hit[lane >> shift] << shift) | (lane & (lanes - 1))
+    idx = (hit << shift)[lane >> shift]  # the shift on the (fewer) changed words, not on every change
+    idx |= lane & (lanes - 1)
     nv, bv = gn[lane], gb[lane]
     if words * 8 < n.size:  # a tail shorter than a word: element by element
         tn, tb = n[words * 8:].view(dtype), b[words * 8:].view(dtype)

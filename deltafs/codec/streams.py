@@ -283,11 +283,13 @@ def unpack_fields(buf: np.ndarray, count: int, k: int) -> np.ndarray:
     full[:, 8 - k:] = flat.reshape(groups, k)
     words = full.view(">u8").reshape(-1).astype(np.uint64)
     mask = np.uint64((1 << k) - 1)
+    # Values are below 2**8, so the uint64 results read the same as int64: a view, not a cast.
     if groups < _COLUMNS_FROM:
-        small: np.ndarray = ((words[:, None] >> _FIELD_SHIFTS[k]) & mask).reshape(-1)[:count].astype(np.int64)
+        small: np.ndarray = ((words[:, None] >> _FIELD_SHIFTS[k]) & mask).reshape(-1)[:count].view(np.int64)
         return small
-    vals = np.empty((groups, 8), np.int64)
+    vals = np.empty((groups, 8), np.uint64)
     for j in range(8):  # column by column, as in pack_fields
-        np.bitwise_and(words >> _FIELD_SHIFTS[k][j], mask, out=vals[:, j], casting="unsafe")
-    result: np.ndarray = vals.reshape(-1)[:count]
+        np.right_shift(words, _FIELD_SHIFTS[k][j], out=vals[:, j])
+    vals &= mask
+    result: np.ndarray = vals.reshape(-1)[:count].view(np.int64)
     return result
