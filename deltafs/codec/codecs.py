@@ -182,6 +182,11 @@ class Dense:
         return out
 
 
+def _all_ints(values: list[Any]) -> bool:
+    """Every item is exactly an int (bools and floats are not), in one C-level pass."""
+    return set(map(type, values)) == {int}
+
+
 @dataclass(frozen=True)
 class Group:
     """The changes of one element class: their ranks within the class and their differences against the base."""
@@ -200,6 +205,13 @@ class Group:
 
     @classmethod
     def from_json(cls, raw: Any) -> Group:
+        if type(raw) is dict and raw.keys() == _GROUP_KEYS:
+            # The usual, valid record, checked in a few C-level calls (a manifest holds thousands of these);
+            # anything else takes the field-by-field path below, which says what is wrong.
+            values = [raw[k] for k in cls.KEYS]
+            if (_all_ints(values) and min(values) >= 0 and max(values) <= MAX_ELEMENTS
+                    and values[1] <= streams.MAX_RICE_K and values[4] <= streams.MAX_RICE_K):
+                return cls(*values)
         if not isinstance(raw, dict):
             raise FormatError(f"sparse: group must be an object, got {raw!r}")
         f = fields({"name": "sparse group", **raw}, cls.KEYS)
@@ -216,6 +228,9 @@ class Group:
         """Decoded sizes of the group's 5 + width streams, in payload order."""
         return [self.unary, ((self.count + 1) * self.rice + 7) // 8, (self.count + 7) // 8,
                 self.big_unary, (self.big * self.big_rice + 7) // 8] + [self.big] * width
+
+
+_GROUP_KEYS = frozenset(Group.KEYS)  # dict.keys() compares equal to a set of the same keys
 
 
 def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -> tuple[Group, list[bytes]]:
@@ -280,7 +295,8 @@ def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.d
         if int(big_at[-1]) >= count:
             raise IntegrityError("sparse: large difference beyond the changes")
         width = dtype.itemsize
-        values = streams.from_planes(np.concatenate(parts[5:5 + width]), width).view(dtype)
+        # Byte planes back into elements in one call: stacking the planes as columns interleaves them.
+        values = np.stack(parts[5:5 + width], axis=1).reshape(-1).view(dtype)
         magnitude[big_at] = values + np.array(2, dtype)  # wraps like the encoder's subtraction
     elif parts[3].size or parts[4].size:
         raise IntegrityError("sparse magnitudes: gap stream holds the wrong number of gaps", expected=0,
@@ -373,6 +389,8 @@ class Sparse:
             raise FormatError("sparse: no changes listed (that chunk is 'same')")
         if not isinstance(frames, list) or len(frames) != len(parsed) * (5 + width):
             raise FormatError(f"sparse: frames must list {len(parsed) * (5 + width)} lengths")
+        if _all_ints(frames) and min(frames) >= 0:
+            return cls(width, split, parsed, tuple(frames))
         return cls(width, split, parsed, tuple(int_field(x, "frames[]", 0) for x in frames))
 
     @staticmethod
@@ -424,7 +442,10 @@ class Sparse:
             parts = []
             for j, plain in enumerate(g.stream_sizes(self.width)):
                 stored = self.frames[gi * per + j]
-                parts.append(streams.unpack(data[pos:pos + stored], plain, f"sparse stream {gi}.{j}"))
+                piece = data[pos:pos + stored]
+                # Raw streams (stored length = decoded length) need no name for errors: skip formatting one.
+                parts.append(np.frombuffer(piece, np.uint8) if stored == plain
+                             else streams.decompress(piece, plain, f"sparse stream {gi}.{j}"))
                 pos += stored
             if index is None:
                 space = n
