@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from deltafs.codec import streams
-from deltafs.codec.compare import unzigzag, zigzag
+from deltafs.codec.compare import zigzag
 from deltafs.codec.bitmap import RankIndex
 from deltafs.codec.registry import fields, int_field, register, width_field
 from deltafs.errors import FormatError, IntegrityError
