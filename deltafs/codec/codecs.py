@@ -165,18 +165,17 @@ class Dense:
         data = streams.unpack(body, size, "dense chunk")
         width = self.width
         dtype = streams.UINT[width]
-        # Few numpy calls, no temporaries the size of the chunk but one: the planes are transposed straight into
-        # the target and unzigzagged and added there.
-        # out may be the base or overlap it (a view of the same buffer): then the base is read before out is written.
-        direct = out is not None and not np.may_share_memory(out, b)
-        target = out if direct else np.empty(size, np.uint8)
+        # Few numpy calls, no chunk-sized temporary but the target: the planes are transposed straight into it and
+        # unzigzagged and added there. out may be the base or overlap it (a view of the same buffer): then the
+        # target is a new array, so the base is read whole before out is written.
+        target: np.ndarray = np.empty(size, np.uint8) if out is None or np.may_share_memory(out, b) else out
         np.copyto(target.reshape(-1, width), data.reshape(width, -1).T)
         t = target.view(dtype)
         sign = np.bitwise_and(t, dtype.type(1))
         t >>= dtype.type(1)
         t ^= np.negative(sign, out=sign)
         t += b.view(dtype)  # wraps, inverting the encoder's subtraction
-        if out is None or direct:
+        if out is None or out is target:
             return target
         np.copyto(out, target)
         return out

@@ -4,6 +4,8 @@ encodes. Vectorized numpy throughout: this pass touches every byte of the chunk.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from deltafs.codec import streams
@@ -42,7 +44,7 @@ def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.nd
     return idx, nv, bv
 
 
-_SIGNED = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_SIGNED: dict[int, np.dtype[Any]] = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 # Shift counts as numpy scalars of each width's dtype: a Python int operand costs a type resolution per call.
 _ONE = {w: streams.UINT[w].type(1) for w in streams.UINT}
 _TOP = {w: _SIGNED[w].type(8 * w - 1) for w in streams.UINT}
@@ -54,13 +56,6 @@ def zigzag(d: np.ndarray) -> np.ndarray:
     w = d.dtype.itemsize
     out: np.ndarray = np.left_shift(d, _ONE[w])
     out ^= np.right_shift(d.view(_SIGNED[w]), _TOP[w]).view(d.dtype)
-    return out
-
-
-def unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of zigzag."""
-    out: np.ndarray = z >> z.dtype.type(1)
-    out ^= np.negative(z & z.dtype.type(1))
     return out
 
 

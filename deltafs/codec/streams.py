@@ -250,9 +250,9 @@ def pack_fields(values: np.ndarray, k: int) -> np.ndarray:
     if k > 8:
         shifts = np.arange(k - 1, -1, -1, dtype=np.int64)
         return np.packbits(((values[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1))
-    v = np.zeros(count + (-count) % 8, np.uint64)
-    v[:count] = values
-    v = v.reshape(-1, 8)
+    flat = np.zeros(count + (-count) % 8, np.uint64)
+    flat[:count] = values
+    v = flat.reshape(-1, 8)
     if v.shape[0] < _COLUMNS_FROM:
         words = np.bitwise_or.reduce(v << _FIELD_SHIFTS[k], axis=1)
     else:
