@@ -88,10 +88,18 @@ def measure_tensor(n: np.ndarray, o: np.ndarray, itemsize: int, args: argparse.N
     out = np.empty_like(n)
     reps = args.reps
 
+    size_class = "< 64 KiB" if n.size < 65536 else "< 1 MiB" if n.size < 1 << 20 else ">= 1 MiB"
+    group = f"{itemsize}-byte elements, tensors {size_class}"
+
     def add(method: str, nbytes: float, enc: float, app: float) -> None:
         res[method]["bytes"] += nbytes
         res[method]["encode"] += enc
         res[method]["apply"] += app
+        if method in (BASELINE, OURS):  # the same split by tensor class: where fixed per-chunk costs show
+            key = f"{group}|{method}"
+            res["by class"][f"{key}|encode"] += enc
+            res["by class"][f"{key}|apply"] += app
+            res["by class"][f"{group}|tensors"] += method == OURS
 
     t, _ = best(reps, lambda: np.copyto(out, n))
     add("full copy", n.size, t, t)
@@ -292,6 +300,16 @@ def table(report: dict[str, Any]) -> str:
                      f" | 1.000x | | | | |")
         kinds = ", ".join(f"{k}: {int(v)}" for k, v in sorted(res["codecs"].items()))
         lines.append(f"\ndeltafs chunks by codec: {kinds}")
+        cls = res.get("by class", {})
+        groups = sorted({k.split("|")[0] for k in cls})
+        if len(groups) > 1:
+            lines.append("\n| tensors | XOR+zstd-1 encode / apply (ms) | deltafs encode / apply (ms) | encode / apply vs XOR+zstd-1 |")
+            lines.append("|---|---:|---:|---:|")
+            for g in groups:
+                xe, xa = cls[f"{g}|{BASELINE}|encode"], cls[f"{g}|{BASELINE}|apply"]
+                de, da = cls[f"{g}|{OURS}|encode"], cls[f"{g}|{OURS}|apply"]
+                lines.append(f"| {int(cls[g + '|tensors'])} x {g} | {xe * 1e3:.1f} / {xa * 1e3:.1f} |"
+                             f" {de * 1e3:.1f} / {da * 1e3:.1f} | {xe / de:.2f}x / {xa / da:.2f}x |")
         pushed = d.get("push")
         if pushed:
             written = pushed["bytes_written"]
