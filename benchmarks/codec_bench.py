@@ -308,8 +308,8 @@ def table(report: dict[str, Any]) -> str:
             for g in groups:
                 xe, xa = cls[f"{g}|{BASELINE}|encode"], cls[f"{g}|{BASELINE}|apply"]
                 de, da = cls[f"{g}|{OURS}|encode"], cls[f"{g}|{OURS}|apply"]
-                lines.append(f"| {int(cls[g + '|tensors'])} x {g} | {xe * 1e3:.1f} / {xa * 1e3:.1f} |"
-                             f" {de * 1e3:.1f} / {da * 1e3:.1f} | {xe / de:.2f}x / {xa / da:.2f}x |")
+                lines.append(f"| {int(cls[g + '|tensors'])} x {g} | {xe * 1e3:.2f} / {xa * 1e3:.2f} |"
+                             f" {de * 1e3:.2f} / {da * 1e3:.2f} | {xe / de:.2f}x / {xa / da:.2f}x |")
         pushed = d.get("push")
         if pushed:
             written = pushed["bytes_written"]
