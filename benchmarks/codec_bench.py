@@ -17,6 +17,8 @@ Methods, per delta:
   deltafs apply in place    decode(..., out=base): the buffer holding the old bytes is patched (a pull that
                             reads the previous version into a buffer can do this; the copy is not timed)
   deltafs before             bytes only: the previous policy (trial-encode sparse, xor and raw above 10% changed)
+  real push (trained only)  `deltafs.push` of the previous version, then of the new one, to a fresh local store:
+                            bytes_written, chunks plus manifest (the Bytes target of issue 9)
   entropy estimate          deltafs.testing.entropy: per tensor n*H2(p) bits for the changed positions + per
                             changed element the empirical entropy of the integer bit-pattern difference
 
@@ -37,6 +39,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -85,10 +88,18 @@ def measure_tensor(n: np.ndarray, o: np.ndarray, itemsize: int, args: argparse.N
     out = np.empty_like(n)
     reps = args.reps
 
+    size_class = "< 64 KiB" if n.size < 65536 else "< 1 MiB" if n.size < 1 << 20 else ">= 1 MiB"
+    group = f"{itemsize}-byte elements, tensors {size_class}"
+
     def add(method: str, nbytes: float, enc: float, app: float) -> None:
         res[method]["bytes"] += nbytes
         res[method]["encode"] += enc
         res[method]["apply"] += app
+        if method in (BASELINE, OURS):  # the same split by tensor class: where fixed per-chunk costs show
+            key = f"{group}|{method}"
+            res["by class"][f"{key}|encode"] += enc
+            res["by class"][f"{key}|apply"] += app
+            res["by class"][f"{group}|tensors"] += method == OURS
 
     t, _ = best(reps, lambda: np.copyto(out, n))
     add("full copy", n.size, t, t)
@@ -193,11 +204,34 @@ def generator_pairs(args: argparse.Namespace, lr: float) -> Iterator[Pair]:
         yield prev, new, {k: 2 for k in new}
 
 
-def trained_pairs(args: argparse.Namespace, lr: float, fractions: dict[str, Any]) -> Iterator[Pair]:
+def push_bytes(prev_t: dict[str, torch.Tensor], new_t: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A real push of prev then new (each one safetensors file) into a fresh local store: what the delta costs on
+    disk, chunks plus manifest (PushResult.bytes_written), as `deltafs push base STORE; deltafs push new STORE
+    --json` reports it."""
+    from safetensors.torch import save_file
+
+    from deltafs import push
+
+    with tempfile.TemporaryDirectory(prefix="codec-bench-push-") as tmp:
+        for name, tensors in (("base", prev_t), ("new", new_t)):
+            os.makedirs(os.path.join(tmp, name))
+            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name, "model.safetensors"))
+        store = os.path.join(tmp, "store")
+        push(store, os.path.join(tmp, "base"))
+        result = push(store, os.path.join(tmp, "new"))
+        manifests = [os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if "manifest" in d + f]
+    return {"bytes_written": result.bytes_written, "full_bytes": result.full_bytes, "kind": result.kind,
+            "chunks_written": result.chunks_written, "manifest_files": len(manifests)}
+
+
+def trained_pairs(args: argparse.Namespace, lr: float, fractions: dict[str, Any],
+                  pushed: dict[str, Any]) -> Iterator[Pair]:
     run = TrainedRun(config_for(parse_count(args.params)), seed=args.seed, lr=lr)
     prev_t = run.export()
     new_t = run.step()
     fractions.update(changed_fractions(prev_t, new_t))
+    if args.push_bytes:
+        pushed.update(push_bytes(prev_t, new_t))
     yield ({k: as_bytes(v) for k, v in prev_t.items()}, {k: as_bytes(v) for k, v in new_t.items()},
            {k: v.element_size() for k, v in new_t.items()})
 
@@ -210,11 +244,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for dataset, lr in plan:
         res = new_result()
         fractions: dict[str, Any] = {}
-        pairs = generator_pairs(args, lr) if dataset == "generator" else trained_pairs(args, lr, fractions)
+        pushed: dict[str, Any] = {}
+        pairs = generator_pairs(args, lr) if dataset == "generator" else trained_pairs(args, lr, fractions, pushed)
         for pair in pairs:
             measure_pair(pair, args, res)
         print(f"[{time.time() - started:6.0f}s] {dataset} lr {lr}", file=sys.stderr)
-        deltas.append({"dataset": dataset, "lr": lr, "changed_by_dtype": fractions,
+        deltas.append({"dataset": dataset, "lr": lr, "changed_by_dtype": fractions, "push": pushed,
                        "results": {k: dict(v) for k, v in res.items()}})
     trained_cfg = config_for(parse_count(args.params))
     return {
@@ -265,6 +300,23 @@ def table(report: dict[str, Any]) -> str:
                      f" | 1.000x | | | | |")
         kinds = ", ".join(f"{k}: {int(v)}" for k, v in sorted(res["codecs"].items()))
         lines.append(f"\ndeltafs chunks by codec: {kinds}")
+        cls = res.get("by class", {})
+        groups = sorted({k.split("|")[0] for k in cls})
+        if len(groups) > 1:
+            lines.append("\n| tensors | XOR+zstd-1 encode / apply (ms) | deltafs encode / apply (ms) | encode / apply vs XOR+zstd-1 |")
+            lines.append("|---|---:|---:|---:|")
+            for g in groups:
+                xe, xa = cls[f"{g}|{BASELINE}|encode"], cls[f"{g}|{BASELINE}|apply"]
+                de, da = cls[f"{g}|{OURS}|encode"], cls[f"{g}|{OURS}|apply"]
+                lines.append(f"| {int(cls[g + '|tensors'])} x {g} | {xe * 1e3:.2f} / {xa * 1e3:.2f} |"
+                             f" {de * 1e3:.2f} / {da * 1e3:.2f} | {xe / de:.2f}x / {xa / da:.2f}x |")
+        pushed = d.get("push")
+        if pushed:
+            written = pushed["bytes_written"]
+            lines.append(f"\nReal push of this step (`deltafs push` base, then new; {pushed['kind']} version, "
+                         f"{pushed['chunks_written']} chunks): bytes_written {written:,} (chunks + manifest) ="
+                         f" **{written / ent:.3f}x the entropy estimate**, {written / base['bytes']:.3f}x XOR + zstd-1;"
+                         f" codec payloads alone {res[OURS]['bytes'] / ent:.3f}x.")
     return "\n".join(lines)
 
 
@@ -285,6 +337,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="timing repetitions per measurement (least CPU time kept)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for making the data sets")
     ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--no-push-bytes", dest="push_bytes", action="store_false",
+                    help="skip the real push of each trained step (bytes_written including the manifest)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     report = run(args)

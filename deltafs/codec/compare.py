@@ -4,6 +4,8 @@ encodes. Vectorized numpy throughout: this pass touches every byte of the chunk.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from deltafs.codec import streams
@@ -30,7 +32,8 @@ def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.nd
     gn, gb = wn[hit].view(dtype), wb[hit].view(dtype)  # the changed words as lanes, word-major
     lane = (gn != gb).nonzero()[0]
     shift = lanes.bit_length() - 1
-    idx = (hit[lane >> shift] << shift) | (lane & (lanes - 1))
+    idx = (hit << shift)[lane >> shift]  # the shift on the (fewer) changed words, not on every change
+    idx |= lane & (lanes - 1)
     nv, bv = gn[lane], gb[lane]
     if words * 8 < n.size:  # a tail shorter than a word: element by element
         tn, tb = n[words * 8:].view(dtype), b[words * 8:].view(dtype)
@@ -41,18 +44,18 @@ def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.nd
     return idx, nv, bv
 
 
+_SIGNED: dict[int, np.dtype[Any]] = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+# Shift counts as numpy scalars of each width's dtype: a Python int operand costs a type resolution per call.
+_ONE = {w: streams.UINT[w].type(1) for w in streams.UINT}
+_TOP = {w: _SIGNED[w].type(8 * w - 1) for w in streams.UINT}
+
+
 def zigzag(d: np.ndarray) -> np.ndarray:
     """Wrapped differences (unsigned) as zigzag integers: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... (same dtype)."""
-    top = d.dtype.type(d.dtype.itemsize * 8 - 1)
-    out: np.ndarray = np.left_shift(d, d.dtype.type(1))
-    out ^= np.zeros(1, d.dtype) - (d >> top)
-    return out
-
-
-def unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of zigzag."""
-    out: np.ndarray = z >> z.dtype.type(1)
-    out ^= np.zeros(1, z.dtype) - (z & z.dtype.type(1))
+    # The arithmetic shift of the signed view is -1 for negative differences, 0 otherwise: three numpy calls.
+    w = d.dtype.itemsize
+    out: np.ndarray = np.left_shift(d, _ONE[w])
+    out ^= np.right_shift(d.view(_SIGNED[w]), _TOP[w]).view(d.dtype)
     return out
 
 

@@ -47,14 +47,36 @@ def registered() -> dict[str, type[Codec]]:
     return dict(_REGISTRY)
 
 
+# Records with no parameters but a width (same, raw, xor, dense) are few and frozen: parsed once, then shared.
+# A cache, not state: a record is only cached after the full parse accepted it, under the exact JSON it came from.
+_SIMPLE: dict[tuple[Any, Any], Codec] = {}
+
+
+def _simple_key(raw: dict[str, Any]) -> tuple[Any, Any] | None:
+    if len(raw) == 1:
+        return (raw.get("name"), None)
+    width = raw.get("width")
+    if len(raw) == 2 and type(width) is int:  # exactly int: True and 2.0 compare equal to 1 and 2
+        return (raw.get("name"), width)
+    return None
+
+
 def from_json(raw: Any) -> Codec:
     """The codec record a manifest describes; FormatError for an unknown name or malformed fields."""
+    key = _simple_key(raw) if type(raw) is dict else None
+    if key is not None:
+        rec = _SIMPLE.get(key)
+        if rec is not None:
+            return rec
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise FormatError(f"codec record must be an object with a name, got {raw!r}")
     cls = _REGISTRY.get(raw["name"])
     if cls is None:
         raise FormatError(f"unknown chunk codec {raw['name']!r}")
-    return cls.from_json(raw)
+    rec = cls.from_json(raw)
+    if key is not None and type(raw["name"]) is str and rec.to_json() == raw:
+        _SIMPLE[key] = rec
+    return rec
 
 
 def fields(raw: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:

@@ -169,6 +169,38 @@ def test_malformed_or_unknown_records(record: Any) -> None:
         codec.decode(record, b"x", np.zeros(8, np.uint8), 8, 2)
 
 
+def test_look_alike_records_are_refused_after_valid_ones_were_read() -> None:
+    """Valid records are parsed once and reused; values that only compare equal to them (True == 1, 2.0 == 2)
+    and extra or missing fields are still refused."""
+    new, base = bf16_pair()
+    for kind in ("raw", "xor", "dense"):
+        enc, n, b = encoded(kind)
+        assert decode_or_raise(enc.codec, enc.payload, b, n.size).tobytes() == n.tobytes()
+        for bad in ({**enc.codec, "width": float(enc.codec["width"])}, {**enc.codec, "width": True},
+                    {"name": kind}, {**enc.codec, "split": 0}, {"name": kind, "level": 2}):
+            with pytest.raises(FormatError):
+                decode_or_raise(bad, enc.payload, b, n.size)
+    assert decode_or_raise({"name": "same"}, None, base, base.size).tobytes() == base.tobytes()
+    with pytest.raises(FormatError):
+        decode_or_raise({"name": "same", "width": 2}, None, base, base.size)
+
+
+@pytest.mark.parametrize("field", ["count", "rice", "unary", "big", "big_rice", "big_unary", "frames"])
+@pytest.mark.parametrize("value", [True, 1.0, -1, 1 << 41, "1", None])
+def test_sparse_record_fields_must_be_plain_integers_in_range(field: str, value: Any) -> None:
+    enc, new, base = encoded("sparse")
+    bad = copy.deepcopy(enc.codec)
+    if field == "frames":
+        bad["frames"][0] = value
+    else:
+        bad["groups"][0][field] = value
+    if value == 1 << 41 and field == "frames":
+        value = -1  # a frame length has no upper bound of its own; too long is the payload's problem
+        bad["frames"][0] = value
+    with pytest.raises(FormatError):
+        decode_or_raise(bad, enc.payload, base, new.size)
+
+
 def test_same_refuses_a_payload_and_odd_width() -> None:
     with pytest.raises(FormatError):
         codec.decode({"name": "same"}, b"x", np.zeros(8, np.uint8), 8, 2)

@@ -35,6 +35,12 @@ def roundtrip(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> codec.
         inplace = np.array(base, dtype=np.uint8, copy=True)
         codec.decode(record, enc.payload, inplace, new.size, itemsize, out=inplace)
         assert inplace.tobytes() == new.tobytes()
+        # In place through two different view objects of one file buffer (a pull slicing its mapped file): the
+        # codec cannot tell them apart by identity, only by memory.
+        buf = np.zeros(new.size + 16, np.uint8)
+        buf[8:8 + new.size] = np.asarray(base, dtype=np.uint8).reshape(-1)
+        codec.decode(record, enc.payload, buf[8:8 + new.size], new.size, itemsize, out=buf[8:8 + new.size])
+        assert buf[8:8 + new.size].tobytes() == new.tobytes() and not buf[:8].any() and not buf[-8:].any()
     return enc
 
 
@@ -219,3 +225,19 @@ def test_rejects_mismatched_base_and_bad_itemsize() -> None:
         codec.encode(b"abcd", b"abc", 1)
     with pytest.raises(ValueError):
         codec.encode(b"abcd", None, 3)
+
+
+def test_small_chunk_of_unrelated_values_keeps_the_smallest_codec() -> None:
+    """A small, fully changed chunk is coded dense only when that is plainly a trainer step; new values unrelated
+    to the old ones still get the smallest of every codec."""
+    rng = np.random.default_rng(5)
+    base = (rng.standard_normal(256) * 0.02).astype(np.float32)
+    for new in ((rng.standard_normal(256) * 0.02).astype(np.float32), -base, base * np.float32(1e10)):
+        enc = roundtrip(new.view(np.uint8), base.view(np.uint8), 4)
+        n8, b8 = new.view(np.uint8), base.view(np.uint8)
+        nw, bw = new.view("<u4"), base.view("<u4")
+        idx = np.flatnonzero(nw != bw)
+        level = codec.DEFAULT_LEVEL
+        others = [codec.Sparse.encode(nw, bw, idx, level)[1], codec.Dense.encode(nw, bw, level)[1],
+                  codec.Xor.encode(n8, b8, 4, level)[1], codec.Raw.encode(n8, 4, level)[1]]
+        assert enc.payload is not None and len(enc.payload) == min(len(p) for p in others)
