@@ -14,11 +14,14 @@ import typer
 from deltafs.cli.options import Json, Quiet, StorageOptions, finite_seconds, parse_storage_options
 from deltafs.cli.output import Output
 
-from deltafs.engines.base import DEFAULT_LOAD_TIMEOUT
+from deltafs.defaults import (
+    DEFAULT_GROUP_TIMEOUT,
+    DEFAULT_HOST_STALE_AFTER,
+    DEFAULT_LOAD_TIMEOUT,
+    DEFAULT_MAX_WAIT,
+    DEFAULT_RETRY_MAX,
+)
 from deltafs.errors import EXIT_INTERNAL, EXIT_OK, UsageError
-from deltafs.watch.boundary import DEFAULT_MAX_WAIT
-from deltafs.watch.ledger import DEFAULT_STALE_AFTER
-from deltafs.watch.subscriber import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 
 # `status`: some host has a problem (the exit-code table's 1: see deltafs.errors.EXIT_MEANINGS).
 EXIT_FLEET_PROBLEM = EXIT_INTERNAL
@@ -104,7 +107,7 @@ def watch_cmd(
 def status_cmd(
     store: Annotated[str, typer.Argument(help="Store URL.")],
     storage_options: StorageOptions = None,
-    stale_after: Annotated[float, typer.Option("--stale-after", callback=finite_seconds("--stale-after", positive=True), help="A host silent for this many seconds is reported stale.")] = DEFAULT_STALE_AFTER,
+    stale_after: Annotated[float, typer.Option("--stale-after", callback=finite_seconds("--stale-after", positive=True), help="A host silent for this many seconds is reported stale.")] = DEFAULT_HOST_STALE_AFTER,
     prune_after: Annotated[float | None, typer.Option("--prune-after", callback=finite_seconds("--prune-after"), help="First delete the entries of hosts silent for more than this many seconds (retired hosts).")] = None,
     json_out: Json = False,
 ) -> int:

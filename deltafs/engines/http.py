@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from deltafs.engines.base import DEFAULT_LOAD_TIMEOUT, EngineUnreachableError, SwitchError, SwitchResult, Target
+from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
+from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
 from deltafs.errors import EngineError, UsageError
 
 

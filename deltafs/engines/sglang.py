@@ -23,7 +23,8 @@ import threading
 import time
 from typing import Any
 
-from deltafs.engines.base import DEFAULT_LOAD_TIMEOUT, EngineUnreachableError, SwitchError, SwitchResult, Target
+from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
+from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
 from deltafs.engines.http import HttpEngine, SwitchState, error_detail, one_line, short
 from deltafs.errors import EngineError, UsageError
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from deltafs.engines.base import DEFAULT_LOAD_TIMEOUT, EngineUnreachableError, Target
+from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
+from deltafs.engines.base import EngineUnreachableError, Target
 from deltafs.engines.http import HttpEngine, SwitchState, error_detail, short
 from deltafs.errors import EngineError, UsageError
 
