@@ -60,6 +60,7 @@ def watch_cmd(
     host_id: Annotated[str | None, typer.Option("--host-id", help="Name in the fleet ledger (default: the host name; set one per engine if a host runs several).")] = None,
     no_ledger: Annotated[bool, typer.Option("--no-ledger", help="Do not write fleet/<host-id>.json to the store.")] = False,
     load_timeout: Annotated[float, typer.Option("--load-timeout", callback=finite_seconds("--load-timeout", positive=True), help="Seconds the engine may take to load a version.")] = DEFAULT_LOAD_TIMEOUT,
+    verify_rollback: Annotated[bool, typer.Option("--verify-rollback", help="vLLM: record vLLM's sha256 of every weight before each load and count a rollback as done only if they match again (costs a copy of every weight to the host, inside the pause).")] = False,
     retry_max: Annotated[float, typer.Option("--retry-max", callback=finite_seconds("--retry-max", positive=True), help="Longest wait between retries after failures, in seconds.")] = DEFAULT_RETRY_MAX,
     once: Annotated[bool, typer.Option("--once", help="One cycle (stage, boundary, switch), then exit: 0 done or current, else the error's code.")] = False,
     engine_group: Annotated[str | None, typer.Option("--engine-group", help="Multi-node engine: the name all its hosts' watchers share (same DEST path on each).")] = None,
@@ -73,6 +74,7 @@ def watch_cmd(
       deltafs watch s3://bucket/run7 /models/run7 --engine sglang --engine-url http://127.0.0.1:30000
       deltafs watch /mnt/ckpt-store /models/run7 --boundary idle
       deltafs watch s3://bucket/run7 /models/run7 --engine-url http://127.0.0.1:30000 --engine-group big --engine-hosts 2
+      deltafs watch s3://bucket/run7 /models/run7 --engine vllm --engine-url http://127.0.0.1:8000 --verify-rollback
     """
     from deltafs.engines import make_engine
     from deltafs.watch.boundary import make_boundary
@@ -82,7 +84,12 @@ def watch_cmd(
     kind = engine or ("sglang" if engine_url else "none")
     # SGLang's --api-key and --admin-api-key come from DELTAFS_ENGINE_API_KEY and
     # DELTAFS_ENGINE_ADMIN_API_KEY (make_engine reads them), never flags: flags show up in ps.
-    options = {"pause_mode": pause_mode.value, "load_timeout": load_timeout, "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
+    options: dict[str, Any] = {"pause_mode": pause_mode.value, "load_timeout": load_timeout,
+                               "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
+    if verify_rollback:
+        if kind != "vllm":  # only vLLM's in-place reload can succeed and still keep tensors of another version
+            raise UsageError(f"--verify-rollback works with --engine vllm only, not {kind}")
+        options["verify_rollback"] = True
     eng = make_engine(kind, engine_url, **options) if kind != "none" else None
     if engine_hosts > 1 and not engine_group:
         raise UsageError("--engine-hosts needs --engine-group NAME (the same on every host of the engine)")

@@ -101,6 +101,33 @@ def test_watch_once_switches_vllm_to_the_newest_version(versions, engine, tmp_pa
     assert engine.count("reload") == 1  # the watcher went straight to the newest version
 
 
+def test_watch_verify_rollback_checks_vllms_checksums_after_a_failed_switch(versions, engine, tmp_path):
+    store, weights, push = versions
+    dest = str(tmp_path / "dest")
+    watch = ("watch", store, dest, "--engine", "vllm", "--engine-url", engine.url, "--once", "--host-id", "h1",
+             "--verify-rollback")
+    push()
+    assert deltafs(*watch).returncode == 0  # nothing to roll back to yet: no checksums are taken
+    assert engine.weight_version == "1" and engine.count("checksums") == 0
+    push()
+    engine.inject("midway")  # half of version 2 lands, then the reload fails
+    failed = deltafs(*watch)
+    assert failed.returncode == 10
+    assert failed.stderr.strip().splitlines()[-1].endswith("; serving version 1 again")
+    assert engine.count("checksums") == 2  # before the load, and the compare after the rollback
+    assert engine.weight_version == "1" and same_weights(engine.state_dict(), weights[1]) and not engine.paused
+
+
+def test_verify_rollback_is_refused_for_other_engines(versions, tmp_path):
+    store, _, push = versions
+    push()
+    proc = deltafs("watch", store, str(tmp_path / "dest"), "--engine", "sglang", "--engine-url", "http://127.0.0.1:9",
+                   "--once", "--verify-rollback")
+    assert proc.returncode == 2
+    assert proc.stderr == "deltafs: error: --verify-rollback works with --engine vllm only, not sglang\n"
+    assert not os.path.exists(tmp_path / "dest")
+
+
 # --- third-party engines --------------------------------------------------------------------------
 FILE_ENGINE = '''
 """A third-party engine: "serves" a checkpoint by recording it in a JSON file (url = the file)."""
