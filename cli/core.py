@@ -24,9 +24,8 @@ from deltafs.cli.options import (
     parse_storage_options,
 )
 from deltafs.cli.output import Output, human_bytes
-from deltafs.codec import DEFAULT_LEVEL
+from deltafs.defaults import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
 from deltafs.errors import EXIT_BUSY, EXIT_CODES, EXIT_CURRENT, EXIT_OK, IntegrityError, LockHeldError, UsageError
-from deltafs.publish.options import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY
 
 
 def _non_negative(flag: str) -> Callable[[int], int]:

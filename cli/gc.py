@@ -8,7 +8,7 @@ import typer
 
 from deltafs.cli.options import Json, Quiet, StorageOptions, finite_seconds, parse_storage_options
 from deltafs.cli.output import Output, human_bytes
-from deltafs.maintenance.gc import DEFAULT_GRACE
+from deltafs.defaults import DEFAULT_GRACE
 
 
 def gc_cmd(

@@ -14,11 +14,14 @@ import typer
 from deltafs.cli.options import Json, Quiet, StorageOptions, finite_seconds, parse_storage_options
 from deltafs.cli.output import Output
 
-from deltafs.engines.base import DEFAULT_LOAD_TIMEOUT
+from deltafs.defaults import (
+    DEFAULT_GROUP_TIMEOUT,
+    DEFAULT_HOST_STALE_AFTER,
+    DEFAULT_LOAD_TIMEOUT,
+    DEFAULT_MAX_WAIT,
+    DEFAULT_RETRY_MAX,
+)
 from deltafs.errors import EXIT_INTERNAL, EXIT_OK, UsageError
-from deltafs.watch.boundary import DEFAULT_MAX_WAIT
-from deltafs.watch.ledger import DEFAULT_STALE_AFTER
-from deltafs.watch.subscriber import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 
 # `status`: some host has a problem (the exit-code table's 1: see deltafs.errors.EXIT_MEANINGS).
 EXIT_FLEET_PROBLEM = EXIT_INTERNAL
@@ -57,6 +60,7 @@ def watch_cmd(
     host_id: Annotated[str | None, typer.Option("--host-id", help="Name in the fleet ledger (default: the host name; set one per engine if a host runs several).")] = None,
     no_ledger: Annotated[bool, typer.Option("--no-ledger", help="Do not write fleet/<host-id>.json to the store.")] = False,
     load_timeout: Annotated[float, typer.Option("--load-timeout", callback=finite_seconds("--load-timeout", positive=True), help="Seconds the engine may take to load a version.")] = DEFAULT_LOAD_TIMEOUT,
+    verify_rollback: Annotated[bool, typer.Option("--verify-rollback", help="vLLM: record vLLM's sha256 of every weight before each load and count a rollback as done only if they match again (costs a copy of every weight to the host, inside the pause).")] = False,
     retry_max: Annotated[float, typer.Option("--retry-max", callback=finite_seconds("--retry-max", positive=True), help="Longest wait between retries after failures, in seconds.")] = DEFAULT_RETRY_MAX,
     once: Annotated[bool, typer.Option("--once", help="One cycle (stage, boundary, switch), then exit: 0 done or current, else the error's code.")] = False,
     engine_group: Annotated[str | None, typer.Option("--engine-group", help="Multi-node engine: the name all its hosts' watchers share (same DEST path on each).")] = None,
@@ -70,6 +74,7 @@ def watch_cmd(
       deltafs watch s3://bucket/run7 /models/run7 --engine sglang --engine-url http://127.0.0.1:30000
       deltafs watch /mnt/ckpt-store /models/run7 --boundary idle
       deltafs watch s3://bucket/run7 /models/run7 --engine-url http://127.0.0.1:30000 --engine-group big --engine-hosts 2
+      deltafs watch s3://bucket/run7 /models/run7 --engine vllm --engine-url http://127.0.0.1:8000 --verify-rollback
     """
     from deltafs.engines import make_engine
     from deltafs.watch.boundary import make_boundary
@@ -79,7 +84,12 @@ def watch_cmd(
     kind = engine or ("sglang" if engine_url else "none")
     # SGLang's --api-key and --admin-api-key come from DELTAFS_ENGINE_API_KEY and
     # DELTAFS_ENGINE_ADMIN_API_KEY (make_engine reads them), never flags: flags show up in ps.
-    options = {"pause_mode": pause_mode.value, "load_timeout": load_timeout, "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
+    options: dict[str, Any] = {"pause_mode": pause_mode.value, "load_timeout": load_timeout,
+                               "api_key": os.environ.get("DELTAFS_ENGINE_API_KEY")}
+    if verify_rollback:
+        if kind != "vllm":  # only vLLM's in-place reload can succeed and still keep tensors of another version
+            raise UsageError(f"--verify-rollback works with --engine vllm only, not {kind}")
+        options["verify_rollback"] = True
     eng = make_engine(kind, engine_url, **options) if kind != "none" else None
     if engine_hosts > 1 and not engine_group:
         raise UsageError("--engine-hosts needs --engine-group NAME (the same on every host of the engine)")
@@ -104,7 +114,7 @@ def watch_cmd(
 def status_cmd(
     store: Annotated[str, typer.Argument(help="Store URL.")],
     storage_options: StorageOptions = None,
-    stale_after: Annotated[float, typer.Option("--stale-after", callback=finite_seconds("--stale-after", positive=True), help="A host silent for this many seconds is reported stale.")] = DEFAULT_STALE_AFTER,
+    stale_after: Annotated[float, typer.Option("--stale-after", callback=finite_seconds("--stale-after", positive=True), help="A host silent for this many seconds is reported stale.")] = DEFAULT_HOST_STALE_AFTER,
     prune_after: Annotated[float | None, typer.Option("--prune-after", callback=finite_seconds("--prune-after"), help="First delete the entries of hosts silent for more than this many seconds (retired hosts).")] = None,
     json_out: Json = False,
 ) -> int:

@@ -39,16 +39,15 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
+from engine_helpers import ModelServerControls
 from safetensors.torch import load_file, save_file
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-FAULTS = ("http500", "success_false", "hang", "slow", "wrong_version")
 
 
 # --- the model ------------------------------------------------------------------------------------
@@ -134,22 +133,10 @@ def greedy(model: TinyLM, vocab_size: int, prompt_ids: list[int], max_new_tokens
 
 
 # --- the server -----------------------------------------------------------------------------------
-@dataclass
-class _Fault:
-    kind: str
-    seconds: float = 0.0
-    remaining: int = 1
-
-
-@dataclass
-class Event:
-    at: float
-    what: str
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-class StandinSGLang:
+class StandinSGLang(ModelServerControls):
     """The stand-in server; start() binds 127.0.0.1 and serves in a background thread."""
+
+    FAULTS = ("http500", "success_false", "hang", "slow", "wrong_version")
 
     def __init__(self, model_path: str, *, port: int = 0, token_delay: float = 0.0) -> None:
         self.model_path = os.path.abspath(model_path)
@@ -160,9 +147,8 @@ class StandinSGLang:
         self.token_delay = token_delay
         self.running = 0
         self.waiting = 0
-        self.events: list[Event] = []
-        self._faults: list[_Fault] = []
         self._cond = threading.Condition()  # guards everything above and wakes paused generators
+        super().__init__(self._cond)  # the event log and injected faults, under the same lock
         self._abort_epoch = 0  # bumped by an abort-mode pause: requests in flight end
         self._port = port
         self._httpd: ThreadingHTTPServer | None = None
@@ -217,46 +203,13 @@ class StandinSGLang:
             self._cond.notify_all()
         self.stop()
 
-    # --- test controls ---------------------------------------------------------------------
-    def inject(self, kind: str, *, count: int = 1, seconds: float = 0.0) -> None:
-        """Make the next `count` weight updates fail (or be slow) in the given way."""
-        if kind not in FAULTS:
-            raise ValueError(f"unknown fault {kind!r}; one of {FAULTS}")
-        with self._cond:
-            self._faults.append(_Fault(kind, seconds, count))
-
-    def clear_faults(self) -> None:
-        with self._cond:
-            self._faults.clear()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        with self._cond:
-            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
+    # --- test controls (and ModelServerControls' inject, record, count, state_dict) ----------------
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         with self._cond:
             model = self.model
         return greedy(model, int(self.config["vocab_size"]), prompt_ids, max_new_tokens)
 
-    def record(self, what: str, **detail: Any) -> None:
-        with self._cond:
-            self.events.append(Event(time.time(), what, detail))
-
-    def count(self, what: str) -> int:
-        with self._cond:
-            return sum(1 for e in self.events if e.what == what)
-
     # --- endpoint logic ---------------------------------------------------------------------
-    def _take_fault(self) -> _Fault | None:
-        with self._cond:
-            if not self._faults:
-                return None
-            fault = self._faults[0]
-            fault.remaining -= 1
-            if fault.remaining <= 0:
-                self._faults.pop(0)
-            return fault
-
     def pause(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
@@ -288,7 +241,7 @@ class StandinSGLang:
 
     def _update(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         path, version = body["model_path"], body.get("weight_version")
-        fault = self._take_fault()
+        fault = self.take_fault()
         self.record("update", model_path=path, weight_version=version, fault=fault.kind if fault else None)
         if fault and fault.kind == "http500":
             return 500, {"detail": "Internal Server Error"}

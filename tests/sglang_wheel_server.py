@@ -46,7 +46,7 @@ import time
 import types
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, Optional
@@ -57,6 +57,7 @@ import torch
 import uvicorn
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import ORJSONResponse, Response
+from engine_helpers import ServerControls
 from safetensors.torch import safe_open
 from sglang_wheel import SGLANG_VERSION, extract, source
 
@@ -73,7 +74,6 @@ SCHED_UPDATER = "sglang/srt/managers/scheduler_components/weight_updater.py"
 RUNNER_UPDATER = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
 CHECKER = "sglang/srt/utils/weight_checker.py"
 
-FAULTS = ("slow", "fail", "fail_halfway", "fail_halfway_always", "die")
 _REQUEST_TYPES = ["PauseGenerationReqInput", "ContinueGenerationReqInput", "UpdateWeightFromDiskReqInput",
                   "UpdateWeightFromDiskReqOutput", "CheckWeightsReqInput", "ParallelismInfo", "ChecksumInfo",
                   "CheckWeightsReqOutput"]
@@ -136,20 +136,6 @@ class _Context:
 
     def config_leaf(self, name: str) -> Any:
         return self.values.get(name)
-
-
-@dataclass
-class Fault:
-    kind: str
-    seconds: float = 0.0
-    remaining: int = 1
-
-
-@dataclass
-class Event:
-    at: float
-    what: str
-    detail: dict[str, Any] = field(default_factory=dict)
 
 
 class _Model:
@@ -432,8 +418,10 @@ class _GlobalState:
 
 
 # --- the server -----------------------------------------------------------------------------------
-class WheelSGLang:
+class WheelSGLang(ServerControls):
     """SGLang's HTTP layer and update path on 127.0.0.1, over a stand-in scheduler and model."""
+
+    FAULTS = ("slow", "fail", "fail_halfway", "fail_halfway_always", "die")
 
     def __init__(self, model_path: str, *, weight_version: str | None = None, api_key: str | None = None,
                  admin_api_key: str | None = None, tokenizer_workers: int = 1, port: int = 0) -> None:
@@ -443,10 +431,9 @@ class WheelSGLang:
         self.admin_api_key = admin_api_key
         self.tokenizer_workers = tokenizer_workers
         self._port = port
-        self.events: list[Event] = []
         self.deaths: list[str] = []
-        self._faults: list[Fault] = []
         self._lock = threading.Lock()
+        super().__init__(self._lock)  # the event log and injected faults
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -580,31 +567,7 @@ class WheelSGLang:
         except Exception as exc:
             self.die(f"tokenizer manager handle loop crashed: {type(exc).__name__}: {exc}")
 
-    def record(self, what: str, **detail: Any) -> None:
-        with self._lock:
-            self.events.append(Event(time.time(), what, detail))
-
-    def count(self, what: str) -> int:
-        with self._lock:
-            return sum(1 for e in self.events if e.what == what)
-
     # --- test controls -----------------------------------------------------------------------
-    def inject(self, kind: str, *, seconds: float = 0.0, count: int = 1) -> None:
-        if kind not in FAULTS:
-            raise ValueError(f"unknown fault {kind!r}; one of {FAULTS}")
-        with self._lock:
-            self._faults.append(Fault(kind, seconds, count))
-
-    def take_fault(self) -> Fault | None:
-        with self._lock:
-            if not self._faults:
-                return None
-            fault = self._faults[0]
-            fault.remaining -= 1
-            if fault.remaining <= 0:
-                self._faults.pop(0)
-            return fault
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.scheduler.model.tensors.items()}
 

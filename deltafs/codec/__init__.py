@@ -17,6 +17,7 @@ import numpy as np
 
 from deltafs.codec import compare, streams
 from deltafs.codec.codecs import Dense, Raw, Same, Sparse, Xor, choose_split
+from deltafs.defaults import DEFAULT_LEVEL
 from deltafs.codec.registry import Codec, from_json, register, registered
 from deltafs.errors import FormatError, IntegrityError
 
@@ -37,8 +38,6 @@ __all__ = [
     "register",
     "registered",
 ]
-
-DEFAULT_LEVEL = 3
 
 # Below this fraction of changed elements sparse always wins (measured on bf16 trainer deltas: 0.52x the size of
 # xor at 11% changed, 0.78x even at 66%), so nothing else is tried. Above it, changes that look like small

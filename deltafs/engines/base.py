@@ -17,9 +17,6 @@ from typing import Protocol, runtime_checkable
 from deltafs.errors import EngineError
 
 
-# Seconds an engine may take to load a version before the switch is given up (and waited out, never retried).
-DEFAULT_LOAD_TIMEOUT = 900.0
-
 @dataclass(frozen=True)
 class Target:
     """A verified checkpoint directory and the weight version the engine should report for it."""

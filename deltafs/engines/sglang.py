@@ -23,13 +23,9 @@ import threading
 import time
 from typing import Any
 
-from deltafs.engines.base import (
-    DEFAULT_LOAD_TIMEOUT,
-    EngineUnreachableError,
-    SwitchError,
-    SwitchResult,
-    Target,
-)
+from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
+from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
+from deltafs.engines.http import HttpEngine, SwitchState, error_detail, one_line, short
 from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.engines.sglang")
@@ -87,11 +83,16 @@ class _Unanswered(EngineError):
     """The update was not answered by the deadline: it may still run, nothing else may be sent."""
 
 
-class SGLangEngine:
+class SGLangEngine(HttpEngine):
     """One SGLang server, reached at url (e.g. http://127.0.0.1:30000)."""
 
     kind = "sglang"
     loads_from_disk = True  # update_weights_from_disk re-reads the checkpoint: switch_engine warms the page cache
+    engine_name = "SGLang"
+    extra = "sglang"
+    resume_route = "continue_generation"
+    resume_final = (EngineAuthError,)
+    rollback_on = (_Refused,)  # SGLang answered and did not load it; other failures send nothing more
 
     def __init__(
         self,
@@ -108,21 +109,12 @@ class SGLangEngine:
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise UsageError(f"unknown pause mode {pause_mode!r}; use one of {', '.join(PAUSE_MODES)}")
-        try:
-            import requests
-        except ImportError:
-            raise UsageError("the SGLang adapter needs requests: pip install 'deltafs[sglang]'") from None
-        self._requests = requests
-        self.url = url.rstrip("/")
+        super().__init__(url, timeout=timeout, load_timeout=load_timeout, resume_attempts=resume_attempts)
         self.pause_mode = pause_mode
-        self.timeout = timeout
-        self.load_timeout = load_timeout
-        self.resume_attempts = resume_attempts
         self.poll_interval = poll_interval
         self.verify_reads = verify_reads
         self.api_key = api_key or None
         self.admin_api_key = admin_api_key or None
-        self._session = requests.Session()
         # The last update sent and its answer box, kept until the answer has been looked at.
         self._inflight: tuple[threading.Thread, Target, float, dict[str, Any]] | None = None
 
@@ -140,17 +132,7 @@ class SGLangEngine:
     def _call(self, method: str, route: str, body: dict[str, Any] | None, timeout: float | None,
               params: dict[str, str] | None = None, *, fresh: bool = False) -> Any:
         """One request; any transport error, non-2xx answer or non-JSON body becomes EngineError."""
-        url = self.url + route
-        sender = self._requests if fresh else self._session
-        try:
-            resp = sender.request(method, url, json=body, params=params, headers=self._headers(route, fresh),
-                                  timeout=(self.timeout, timeout))
-        except self._requests.Timeout:
-            raise EngineError(f"{method} {url} timed out after {timeout:g}s") from None
-        except self._requests.ConnectionError as exc:
-            raise EngineUnreachableError(f"cannot reach SGLang at {self.url} ({_short(exc)})") from None
-        except self._requests.RequestException as exc:
-            raise EngineError(f"{method} {url} failed: {_short(exc)}") from None
+        resp = self._send(method, route, body, timeout, params, self._headers(route, fresh), fresh=fresh)
         return self._answer(method, route, resp)
 
     def _answer(self, method: str, route: str, resp: Any) -> Any:
@@ -161,11 +143,10 @@ class SGLangEngine:
         if resp.status_code in (401, 403):
             raise EngineAuthError(self._auth_message(method, route, resp.status_code))
         if not 200 <= resp.status_code < 300:
-            detail = (data.get("message") or data.get("detail")) if isinstance(data, dict) else None
-            detail = detail or resp.text[:200] or resp.reason
-            raise EngineError(f"{method} {route} answered HTTP {resp.status_code}: {_one_line(str(detail))}")
+            detail = error_detail(resp, "message", "detail")
+            raise EngineError(f"{method} {route} answered HTTP {resp.status_code}: {detail}")
         if isinstance(data, dict) and data.get("success") is False:
-            raise EngineError(f"{method} {route} reported failure: {_one_line(str(data.get('message', '')))}")
+            raise EngineError(f"{method} {route} reported failure: {one_line(str(data.get('message', '')))}")
         return data
 
     def _auth_message(self, method: str, route: str, status: int) -> str:
@@ -226,26 +207,12 @@ class SGLangEngine:
         value = data.get("per_engine_checksum") if isinstance(data, dict) else None
         return str(value) if value else None
 
-    def resume(self, attempts: int | None = None) -> None:
-        """continue_generation, retried: a paused engine serves nobody, so try hard."""
-        attempts = attempts or self.resume_attempts
-        delay = 0.25
-        last: EngineError | None = None
-        for attempt in range(attempts):
-            try:
-                self._call("POST", CONTINUE_ROUTE, continue_body(), self.timeout)
-                return
-            except EngineAuthError:
-                raise
-            except EngineError as exc:
-                last = exc
-                log.debug("continue_generation attempt %d failed: %s", attempt + 1, exc)
-                if attempt + 1 < attempts:
-                    time.sleep(delay)
-                    delay *= 2
-        if isinstance(last, EngineUnreachableError):
-            raise last  # nothing answers: whether it is paused cannot be known, say what is known
-        raise EngineError(f"could not resume generation on {self.url}; the engine may still be paused: {last}")
+    # --- the switch ------------------------------------------------------------------------
+    def _pause(self) -> None:
+        self._call("POST", PAUSE_ROUTE, pause_body(self.pause_mode), self.timeout)
+
+    def _resume_once(self) -> None:
+        self._call("POST", CONTINUE_ROUTE, continue_body(), self.timeout)
 
     def switch(self, target: Target, previous: Target | None) -> SwitchResult:
         """pause -> update_weights_from_disk -> check /model_info -> continue; rollback on failure.
@@ -256,56 +223,22 @@ class SGLangEngine:
         late = self._refuse_if_update_in_flight(target)
         if late is not None:
             return late
-        started = time.monotonic()
-        failure: EngineError | None = None
-        loaded = rolled_back = dead = False
-        reached = True  # whether the pause may have reached the engine
-        where = ""
-        load_seconds = 0.0
+        return super().switch(target, previous)
+
+    def _switch_paused(self, target: Target, previous: Target | None, state: SwitchState) -> None:
         try:
-            try:
-                self._call("POST", PAUSE_ROUTE, pause_body(self.pause_mode), self.timeout)
-            except EngineUnreachableError:
-                reached = False
-                raise
-            t_load = time.monotonic()
-            try:
-                self._load(target)
-                loaded = True
-                load_seconds = time.monotonic() - t_load
-            except _Refused as exc:
-                failure = exc
-                log.error("loading version %s into %s failed: %s", target.version, self.url, exc)
-                if previous is None:
-                    where = "; no previous version to roll back to"
-                else:
-                    rolled_back, where = self._rollback(previous)
-            except _Unanswered as exc:
-                failure = exc
-                where = ("; no rollback was sent because the load may still be running (a second update "
-                         "breaks SGLang); the next try first checks what it serves")
-            except EngineDiedError as exc:
-                failure, dead = exc, True
-        except EngineAuthError as exc:
-            failure = exc
-        except EngineError as exc:  # the pause failed; unless unreachable, it may have arrived
-            failure = exc
-        finally:
-            # Whatever happened above (KeyboardInterrupt included), never leave the engine paused.
-            if not dead:
-                try:
-                    self.resume(None if reached else 1)
-                except EngineError as exc:
-                    if reached:
-                        log.critical("%s", exc)
-                    if failure is None:
-                        failure = exc
-                        where = "; it holds the new version but may still be paused"
-        pause_seconds = time.monotonic() - started
-        if failure is not None:
-            raise SwitchError(f"switch to version {target.version} failed: {failure}{where}", rolled_back=rolled_back,
-                              previous=previous, serving=target if loaded else None)
-        return SwitchResult(version=target.version, pause_seconds=pause_seconds, load_seconds=load_seconds)
+            super()._switch_paused(target, previous, state)  # rolls back after _Refused only
+        except _Unanswered as exc:
+            state.failure = exc
+            state.where = ("; no rollback was sent because the load may still be running (a second update "
+                           "breaks SGLang); the next try first checks what it serves")
+        except EngineDiedError as exc:
+            state.failure, state.resumable = exc, False
+
+    def _go_back(self, previous: Target | None) -> tuple[bool, str]:
+        if previous is None:
+            return False, "; no previous version to roll back to"
+        return self._rollback(previous)
 
     # --- the one update in flight ----------------------------------------------------------------
     def _refuse_if_update_in_flight(self, target: Target) -> SwitchResult | None:
@@ -394,7 +327,7 @@ class SGLangEngine:
                 time.sleep(0.25)
         if info is None:
             raise EngineDiedError(f"SGLang at {self.url} died during the load of version {target.version} "
-                                  f"({_short(error)}); restart it (it will serve its launch checkpoint)") from None
+                                  f"({short(error)}); restart it (it will serve its launch checkpoint)") from None
         raise EngineDiedError(f"SGLang at {self.url} restarted during the load of version {target.version}; "
                               f"it now serves weight_version {info.get('weight_version')!r} from {info.get('model_path')}")
 
@@ -428,11 +361,3 @@ class SGLangEngine:
         log.warning("rolled %s back to version %s", self.url, previous.version)
         return True, f"; serving version {previous.version} again"
 
-
-def _short(exc: BaseException) -> str:
-    text = str(exc)
-    return text if len(text) < 200 else text[:200] + "..."
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())

@@ -17,10 +17,11 @@ against the pinned release's source by tests/engines/test_vllm_source.py.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
-from deltafs.engines.base import DEFAULT_LOAD_TIMEOUT, EngineUnreachableError, SwitchError, SwitchResult, Target
+from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
+from deltafs.engines.base import EngineUnreachableError, Target
+from deltafs.engines.http import HttpEngine, SwitchState, error_detail, short
 from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.engines.vllm")
@@ -76,7 +77,7 @@ def loading_label(version: str) -> str:
     return LOADING_PREFIX + version
 
 
-class VLLMEngine:
+class VLLMEngine(HttpEngine):
     """One vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1, reached at url (http://127.0.0.1:8000).
 
     verify_rollback=True records vLLM's sha256 of every weight (POST /weight_checker) before each
@@ -87,6 +88,10 @@ class VLLMEngine:
 
     kind = "vllm"
     loads_from_disk = True  # reload_weights re-reads the checkpoint: switch_engine warms the page cache
+    engine_name = "vLLM"
+    extra = "vllm"
+    resume_route = "resume"
+    resume_final = (DevRoutesMissingError,)  # a server without /resume cannot have been paused through /pause either
 
     def __init__(
         self,
@@ -102,18 +107,10 @@ class VLLMEngine:
         mode = PAUSE_ALIASES.get(pause_mode, pause_mode)
         if mode not in PAUSE_MODES:
             raise UsageError(f"unknown pause mode {pause_mode!r} for vLLM; use one of {', '.join(PAUSE_MODES)}")
-        try:
-            import requests
-        except ImportError:
-            raise UsageError("the vLLM adapter needs requests: pip install 'deltafs[vllm]'") from None
-        self._requests = requests
-        self.url = url.rstrip("/")
+        super().__init__(url, timeout=timeout, load_timeout=load_timeout, resume_attempts=resume_attempts)
         self.pause_mode = mode
-        self.timeout = timeout
-        self.load_timeout = load_timeout
-        self.resume_attempts = resume_attempts
         self.verify_rollback = verify_rollback
-        self._session = requests.Session()
+        self._baseline: dict[str, str] | None = None  # the checksums taken at the start of this switch
         if api_key:  # only /v1/... checks it, but a proxy in front may check every route
             self._session.headers["Authorization"] = f"Bearer {api_key}"
 
@@ -124,20 +121,13 @@ class VLLMEngine:
     def _call(self, method: str, route: str, body: dict[str, Any] | None, timeout: float,
               params: dict[str, str] | None = None, *, text: bool = False) -> Any:
         """One request; any transport error or non-2xx answer becomes a one-line EngineError."""
-        url = self.url + route
-        try:
-            resp = self._session.request(method, url, json=body, params=params, timeout=(self.timeout, timeout))
-        except self._requests.Timeout:
-            raise EngineError(f"{method} {url} timed out after {timeout:g}s") from None
-        except self._requests.ConnectionError as exc:
-            raise EngineUnreachableError(f"cannot reach vLLM at {self.url} ({_short(exc)})") from None
-        except self._requests.RequestException as exc:
-            raise EngineError(f"{method} {url} failed: {_short(exc)}") from None
+        resp = self._send(method, route, body, timeout, params)
         if not 200 <= resp.status_code < 300:
             if resp.status_code == 404 and route in DEV_ROUTES:
                 raise DevRoutesMissingError(f"vLLM at {self.url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1 "
                                   "(deltafs uses the development routes of vLLM 0.33)")
-            raise EngineError(f"{method} {route} answered HTTP {resp.status_code}: {_detail(resp)}")
+            raise EngineError(f"{method} {route} answered HTTP {resp.status_code}: "
+                              f"{short(error_detail(resp, 'error', 'detail', 'message'))}")
         if text:
             return resp.text
         try:
@@ -165,80 +155,31 @@ class VLLMEngine:
             return None
         return busy_from_metrics(text)
 
-    def resume(self, attempts: int | None = None) -> None:
-        """POST /resume, retried: a paused engine serves nobody, so try hard."""
-        attempts = attempts or self.resume_attempts
-        delay = 0.25
-        last: EngineError | None = None
-        for attempt in range(attempts):
-            try:
-                self._call("POST", RESUME_ROUTE, None, self.timeout)
-                return
-            except DevRoutesMissingError:
-                raise  # a server without /resume cannot have been paused through /pause either
-            except EngineError as exc:
-                last = exc
-                log.debug("resume attempt %d failed: %s", attempt + 1, exc)
-                if attempt + 1 < attempts:
-                    time.sleep(delay)
-                    delay *= 2
-        if isinstance(last, EngineUnreachableError):
-            raise last  # nothing answers: whether it is paused cannot be known, say what is known
-        raise EngineError(f"could not resume generation on {self.url}; the engine may still be paused: {last}")
+    # --- the switch ------------------------------------------------------------------------
+    def _pause(self) -> None:
+        pause_timeout = self.load_timeout if self.pause_mode == "wait" else self.timeout  # "wait" drains
+        self._call("POST", PAUSE_ROUTE, None, pause_timeout, params=pause_params(self.pause_mode))
 
-    def switch(self, target: Target, previous: Target | None) -> SwitchResult:
-        """pause -> label "loading" -> reload_weights -> label target -> check /weight_info -> resume.
+    def _resume_once(self) -> None:
+        self._call("POST", RESUME_ROUTE, None, self.timeout)
+
+    def _switch_paused(self, target: Target, previous: Target | None, state: SwitchState) -> None:
+        """label "loading" -> reload_weights -> label target -> check /weight_info, all while paused.
 
         On failure, previous is reloaded the same way (rollback), still paused, so no request sees
-        a mix of versions; the engine is resumed in every case.
+        a mix of versions.
         """
-        started = time.monotonic()
-        failure: EngineError | None = None
-        attempted = loaded = rolled_back = False
-        reached = True  # whether the pause may have reached the engine
-        load_seconds = 0.0
-        try:
-            try:
-                pause_timeout = self.load_timeout if self.pause_mode == "wait" else self.timeout  # "wait" drains
-                self._call("POST", PAUSE_ROUTE, None, pause_timeout, params=pause_params(self.pause_mode))
-            except EngineUnreachableError:
-                reached = False
-                raise
-            # Taken before anything changes, so a failure here leaves the weights untouched.
-            baseline = self._checksums() if self.verify_rollback and previous is not None else None
-            t_load = time.monotonic()
-            attempted = True
-            try:
-                self._load(target)
-                loaded = True
-                load_seconds = time.monotonic() - t_load
-            except EngineError as exc:
-                failure = exc
-                log.error("loading version %s into %s failed: %s", target.version, self.url, exc)
-                if previous is not None:
-                    rolled_back = self._rollback(previous, baseline)
-        except EngineError as exc:  # the pause failed; unless unreachable, it may have arrived
-            failure = exc
-        finally:
-            # Whatever happened above (KeyboardInterrupt included), never leave the engine paused.
-            try:
-                self.resume(None if reached else 1)
-            except EngineError as exc:
-                if reached:
-                    log.critical("%s", exc)
-                if failure is None:
-                    failure = exc
-        pause_seconds = time.monotonic() - started
-        if failure is not None:
-            where = ("; it holds the new version but may still be paused" if loaded
-                     else "" if not attempted  # the pause failed: the weights were not touched
-                     else f"; serving version {previous.version} again" if rolled_back and previous
-                     else "; could not confirm the previous version is back" if previous
-                     else "; its weights may be partly replaced (vLLM reloads in place) and no previous "
-                          "version was given to go back to")
-            raise SwitchError(f"switch to version {target.version} failed: {failure}{where}", rolled_back=rolled_back,
-                              previous=previous, serving=target if loaded else None)
-        return SwitchResult(version=target.version, pause_seconds=pause_seconds, load_seconds=load_seconds)
+        # Taken before anything changes, so a failure here leaves the weights untouched.
+        self._baseline = self._checksums() if self.verify_rollback and previous is not None else None
+        super()._switch_paused(target, previous, state)
+
+    def _go_back(self, previous: Target | None) -> tuple[bool, str]:
+        if previous is None:
+            return False, ("; its weights may be partly replaced (vLLM reloads in place) and no previous "
+                           "version was given to go back to")
+        if self._rollback(previous, self._baseline):
+            return True, f"; serving version {previous.version} again"
+        return False, "; could not confirm the previous version is back"
 
     def _load(self, target: Target) -> None:
         self._set_label(loading_label(target.version))
@@ -304,22 +245,3 @@ def busy_from_metrics(text: str) -> int | None:
             continue
     return int(total) if seen else None
 
-
-def _detail(resp: Any) -> str:
-    """vLLM's error text: {"error": {"message"}}, {"error": "..."} or FastAPI's {"detail"}."""
-    try:
-        data = resp.json()
-    except ValueError:
-        data = None
-    detail: Any = None
-    if isinstance(data, dict):
-        detail = data.get("error") or data.get("detail") or data.get("message")
-        if isinstance(detail, dict):
-            detail = detail.get("message")
-    text = str(detail) if detail else (resp.text[:200] or resp.reason)
-    return _short(" ".join(text.split()))
-
-
-def _short(exc: BaseException | str) -> str:
-    text = str(exc)
-    return text if len(text) < 200 else text[:200] + "..."

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from deltafs.defaults import DEFAULT_GRACE
 from deltafs.errors import DeltafsError, FormatError, IntegrityError, UsageError
 from deltafs.read.chain import FOLD_PREFIX, fold_key, load_fold, parse_fold_key, plan_chain
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key, parse_manifest_key
@@ -34,9 +35,6 @@ from deltafs.format.records import parse_timestamp
 from deltafs.store.base import ObjectStore
 from deltafs.store.repo import Repository
 
-# A version stays this long after it stopped being HEAD, and an unreferenced chunk this long after it
-# was written: long enough for any pull or push in flight to finish.
-DEFAULT_GRACE = 3600.0
 # gc waits at least this long between taking its lock and its last look at the manifests, so that a
 # push which checked for the lock just before gc took it has committed by then (see publish.py).
 DEFAULT_SETTLE = 2.0

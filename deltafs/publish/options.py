@@ -6,15 +6,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypedDict
 
-from deltafs import codec
+from deltafs.defaults import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
 from deltafs.format.versions import check_version
 from deltafs.errors import UsageError
 from deltafs.format.manifest import canonical_json
-
-# Keyframe policy defaults: a full version every 50 versions, or sooner once the deltas since the
-# last full version add up to the size of a full version (a reader then reads at most ~2x full).
-DEFAULT_KEYFRAME_EVERY = 50
-DEFAULT_KEYFRAME_BUDGET = 1.0
 
 # How the push cache takes a pushed file: "auto" tries a reflink (copy-on-write clone), then a hard
 # link, then an in-kernel copy; "copy" never links (for trainers that rewrite checkpoint files in
@@ -31,7 +26,7 @@ class PushOptions:
     full: bool = False  # write a full version even if a delta is possible
     keyframe_every: int | None = DEFAULT_KEYFRAME_EVERY  # a full version at least every N versions
     keyframe_budget: float | None = DEFAULT_KEYFRAME_BUDGET  # ... or once deltas since the last one reach this x full
-    level: int = codec.DEFAULT_LEVEL  # zstd level of the chunk payloads
+    level: int = DEFAULT_LEVEL  # zstd level of the chunk payloads
     threads: int | None = None  # encoding threads; default deltafs.parallel.default_threads()
     fold: bool = False  # also write a folded delta from the last full version (deltafs.read.chain)
     cache_dir: str | None = None  # the push cache; default $DELTAFS_CACHE or ~/.cache/deltafs/push/<store id>

@@ -20,12 +20,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
+from deltafs.defaults import DEFAULT_MAX_WAIT
 from deltafs.engines.base import Engine
 from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.watch")
 
-DEFAULT_MAX_WAIT = 300.0  # idle boundary: switch anyway after this many seconds
 
 BOUNDARY_KINDS = ("immediate", "idle", "signal")
 

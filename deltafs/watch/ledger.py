@@ -14,6 +14,7 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deltafs.defaults import DEFAULT_HOST_STALE_AFTER
 from deltafs.errors import DeltafsError, UsageError
 from deltafs.format.keys import FLEET_PREFIX, check_host_id, fleet_key
 from deltafs.format.records import FLEET_FORMAT, FLEET_MAX_BYTES, HostStatus, parse_timestamp, utcnow
@@ -28,7 +29,6 @@ LEDGER_FORMAT = FLEET_FORMAT
 STATES = ("starting", "serving", "staging", "waiting", "waiting-group", "switching", "needs-restart", "degraded",
           "stopped")
 CHECKSUMS_KEPT = 8  # loaded-weight checksums per host, newest versions
-DEFAULT_STALE_AFTER = 300.0  # `deltafs status`: a host silent this long is reported stale
 
 
 def parse_time(text: str | None) -> _dt.datetime | None:
@@ -127,7 +127,7 @@ class FleetReport:
                 "hosts": [r.to_json() for r in self.hosts]}
 
 
-def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_STALE_AFTER, now: _dt.datetime | None = None) -> FleetReport:
+def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_HOST_STALE_AFTER, now: _dt.datetime | None = None) -> FleetReport:
     """Every host's ledger entry compared with HEAD."""
     head = repo.head()
     head_version = head.version if head else None

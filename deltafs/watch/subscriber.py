@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltafs import metrics
+from deltafs.defaults import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 from deltafs.engines import weight_version
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, Target
 from deltafs.engines.switch import current_target, loaded_checksum, switch_engine
@@ -56,8 +57,6 @@ from deltafs.watch.notify import Notifier, jittered
 
 log = logging.getLogger("deltafs.watch")
 
-DEFAULT_RETRY_MAX = 300.0  # longest wait between retries after failures, seconds
-DEFAULT_GROUP_TIMEOUT = 600.0  # multi-node engine: a host that has not staged a version by then is a failure
 
 
 @dataclass(frozen=True)

@@ -10,45 +10,27 @@ after SGLang answered; a dead or restarted server reported as such; never left p
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import requests
-import torch
-from sglang_standin import random_weights, tiny_config, write_checkpoint
+from engine_helpers import same_weights, wait_for
 from sglang_wheel_server import WheelSGLang
 
-from deltafs.engines.base import SwitchError, Target
+from deltafs.engines.base import SwitchError
 from deltafs.engines.sglang import EngineAuthError, SGLangEngine
 from deltafs.errors import EngineError
 from deltafs.watch.boundary import Idle
 
-CONFIG = tiny_config()
 
-
-def wait_for(cond, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def same(live: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
-    return sorted(live) == sorted(expected) and all(
-        torch.equal(live[k].view(torch.uint8), expected[k].contiguous().view(torch.uint8)) for k in expected)
+def wait_for_slow(cond) -> None:
+    """wait_for with this file's longer deadline and poll interval."""
+    wait_for(cond, timeout=15.0, interval=0.02)
 
 
 def fast_engine(url: str, **kw) -> SGLangEngine:
     kw.setdefault("timeout", 2)
     kw.setdefault("load_timeout", 10)
     return SGLangEngine(url, poll_interval=0.1, **kw)
-
-
-@pytest.fixture()
-def ckpts(tmp_path):
-    w1, w2 = random_weights(CONFIG, 1), random_weights(CONFIG, 2)
-    return (Target(write_checkpoint(str(tmp_path / "v1"), w1, CONFIG), "1"), w1,
-            Target(write_checkpoint(str(tmp_path / "v2"), w2, CONFIG), "2"), w2)
 
 
 @pytest.fixture()
@@ -63,7 +45,7 @@ def test_switch_runs_through_sglangs_own_update_path(server, ckpts):
     result = engine.switch(v2, v1)
     info = engine.model_info()
     assert (info["weight_version"], info["model_path"]) == ("2", v2.path)
-    assert same(server.state_dict(), w2) and not server.paused
+    assert same_weights(server.state_dict(), w2) and not server.paused
     assert server.count("update") == 1 and not server.deaths
     assert [e.detail["flush_cache"] for e in server.events if e.what == "update"] == [True]
     assert 0 < result.load_seconds <= result.pause_seconds
@@ -75,7 +57,7 @@ def test_slow_load_is_waited_out_with_a_single_update(server, ckpts):
     result = fast_engine(server.url, load_timeout=20).switch(v2, v1)
     assert result.load_seconds >= 1.0
     assert server.count("update") == 1 and not server.deaths
-    assert same(server.state_dict(), w2) and not server.paused
+    assert same_weights(server.state_dict(), w2) and not server.paused
 
 
 def test_sglang_itself_breaks_on_a_second_update_while_paused(server, ckpts):
@@ -94,7 +76,7 @@ def test_sglang_itself_breaks_on_a_second_update_while_paused(server, ckpts):
 
     first = threading.Thread(target=update, args=(v2.path, "2"))
     first.start()
-    wait_for(lambda: server.count("update") == 1)
+    wait_for_slow(lambda: server.count("update") == 1)
     update(v1.path, "1")  # a "rollback" while the first load still runs
     first.join(15)
     assert server.deaths and "handle loop crashed" in server.deaths[0]
@@ -112,8 +94,8 @@ def test_load_past_the_deadline_sends_nothing_more_and_resumes(server, ckpts):
     with pytest.raises(SwitchError, match="still unanswered"):
         engine.switch(v1, v2)
     assert server.count("update") == 1
-    wait_for(lambda: server.count("update_done") == 1)
-    wait_for(lambda: not server.scheduler.paused)  # it took continue_generation after the load
+    wait_for_slow(lambda: server.count("update_done") == 1)
+    wait_for_slow(lambda: not server.scheduler.paused)  # it took continue_generation after the load
     results: list = []
 
     def try_again() -> bool:
@@ -124,9 +106,9 @@ def test_load_past_the_deadline_sends_nothing_more_and_resumes(server, ckpts):
             assert "still unanswered" in str(exc)
             return False
 
-    wait_for(try_again)  # once SGLang has answered, its late success is adopted: nothing is reloaded
+    wait_for_slow(try_again)  # once SGLang has answered, its late success is adopted: nothing is reloaded
     assert results[0].version == "2" and server.count("update") == 1
-    assert engine.served_version() == "2" and same(server.state_dict(), w2)
+    assert engine.served_version() == "2" and same_weights(server.state_dict(), w2)
     engine.switch(v1, v2)  # the next switch goes through as usual
     assert engine.served_version() == "1" and server.count("update") == 2 and not server.deaths
 
@@ -136,7 +118,7 @@ def test_in_place_pause_loads_without_a_cache_flush(server, ckpts):
     server.scheduler.running = 2  # requests stay in the running batch under in_place
     fast_engine(server.url, pause_mode="in_place").switch(v2, v1)
     assert [e.detail["flush_cache"] for e in server.events if e.what == "update"] == [False]
-    assert same(server.state_dict(), w2) and server.scheduler.running == 2
+    assert same_weights(server.state_dict(), w2) and server.scheduler.running == 2
 
 
 def test_in_place_with_flush_is_refused_by_sglang_after_swapping(server, ckpts):
@@ -147,7 +129,7 @@ def test_in_place_with_flush_is_refused_by_sglang_after_swapping(server, ckpts):
     resp = requests.post(server.url + "/update_weights_from_disk",
                          json={"model_path": v2.path, "weight_version": "2", "flush_cache": True}, timeout=10)
     assert resp.status_code == 400 and "cache was not flushed" in resp.json()["message"]
-    assert same(server.state_dict(), w2)
+    assert same_weights(server.state_dict(), w2)
     assert requests.get(server.url + "/model_info", timeout=5).json()["weight_version"] == "1"
 
 
@@ -161,7 +143,7 @@ def test_failed_load_is_rolled_back_only_after_sglang_answered(server, ckpts):
     assert info.value.rolled_back
     updates = [e for e in server.events if e.what in ("update", "update_done")]
     assert [e.what for e in updates] == ["update", "update_done", "update", "update_done"]
-    assert engine.served_version() == "1" and same(server.state_dict(), w1)
+    assert engine.served_version() == "1" and same_weights(server.state_dict(), w1)
     assert not server.paused and not server.deaths
 
 
@@ -180,7 +162,7 @@ def test_restart_mid_switch_is_reported_with_what_it_serves_now(server, ckpts):
     server.inject("slow", seconds=1.0)
     engine = fast_engine(server.url, timeout=3)
     def restart_once_loading() -> None:
-        wait_for(lambda: server.count("update") == 1)
+        wait_for_slow(lambda: server.count("update") == 1)
         server.restart()
 
     threading.Thread(target=restart_once_loading, daemon=True).start()
@@ -203,7 +185,7 @@ def test_two_keys_each_where_sglang_wants_it(ckpts):
         both = fast_engine(srv.url, api_key="user-key", admin_api_key="admin-key")
         assert both.busy_requests() == 0
         both.switch(v2, v1)
-        assert both.served_version() == "2" and same(srv.state_dict(), w2)
+        assert both.served_version() == "2" and same_weights(srv.state_dict(), w2)
 
         user_only = fast_engine(srv.url, api_key="user-key")
         with pytest.raises(SwitchError, match="DELTAFS_ENGINE_ADMIN_API_KEY") as info:
@@ -240,7 +222,7 @@ def test_several_tokenizer_workers_do_not_cause_a_false_rollback(ckpts):
     with WheelSGLang(v1.path, weight_version="1", tokenizer_workers=2) as srv:
         engine = fast_engine(srv.url)
         engine.switch(v2, v1)
-        assert srv.count("update") == 1 and same(srv.state_dict(), w2)
+        assert srv.count("update") == 1 and same_weights(srv.state_dict(), w2)
         # SGLang keeps weight_version per worker process: the other one still says "1".
         assert sorted(srv.reported_versions()) == ["1", "2"]
 

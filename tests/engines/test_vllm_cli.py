@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-import torch
+from engine_helpers import same_weights
 from sglang_standin import random_weights, tiny_config, write_checkpoint
 from vllm_standin import StandinVLLM
 
@@ -29,11 +29,6 @@ def deltafs(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     assert os.path.exists(CONSOLE), f"the deltafs console command is not installed beside {sys.executable}"
     return subprocess.run([CONSOLE, *map(str, args)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
-
-
-def same(live: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
-    return sorted(live) == sorted(expected) and all(
-        torch.equal(live[n].view(torch.uint8), t.contiguous().view(torch.uint8)) for n, t in expected.items())
 
 
 @pytest.fixture()
@@ -67,7 +62,7 @@ def test_pull_once_switches_vllm_and_repairs_a_failed_switch(versions, engine, t
     first = deltafs(*pull, env=env)
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout)["engine_reloaded"] is True
-    assert engine.weight_version == "1" and same(engine.state_dict(), weights[1]) and not engine.paused
+    assert engine.weight_version == "1" and same_weights(engine.state_dict(), weights[1]) and not engine.paused
     assert deltafs(*pull, env=env).returncode == 100  # current, and the engine serves it: nothing to do
     push()
     engine.inject("midway")  # vLLM reloads in place: half of version 2 lands before the failure
@@ -77,10 +72,10 @@ def test_pull_once_switches_vllm_and_repairs_a_failed_switch(versions, engine, t
     assert last.startswith("deltafs: error: switch to version 2 failed: reload_weights from ")
     assert "HTTP 500: injected failure after" in last and last.endswith("; serving version 1 again")
     # The rollback target was version 1's directory, which pull kept beside DEST.
-    assert engine.weight_version == "1" and same(engine.state_dict(), weights[1]) and not engine.paused
+    assert engine.weight_version == "1" and same_weights(engine.state_dict(), weights[1]) and not engine.paused
     repaired = deltafs(*pull, env=env)  # DEST is already current; the engine is not
     assert repaired.returncode == 0, repaired.stderr
-    assert engine.weight_version == "2" and same(engine.state_dict(), weights[2])
+    assert engine.weight_version == "2" and same_weights(engine.state_dict(), weights[2])
 
 
 def test_pull_once_against_a_server_without_dev_mode_says_what_to_do(versions, tmp_path):
@@ -102,8 +97,35 @@ def test_watch_once_switches_vllm_to_the_newest_version(versions, engine, tmp_pa
     proc = deltafs("watch", store, dest, "--engine", "vllm", "--engine-url", engine.url, "--once", "--host-id", "h1",
                    "--quiet")
     assert proc.returncode == 0, proc.stderr
-    assert engine.weight_version == "2" and same(engine.state_dict(), weights[2]) and not engine.paused
+    assert engine.weight_version == "2" and same_weights(engine.state_dict(), weights[2]) and not engine.paused
     assert engine.count("reload") == 1  # the watcher went straight to the newest version
+
+
+def test_watch_verify_rollback_checks_vllms_checksums_after_a_failed_switch(versions, engine, tmp_path):
+    store, weights, push = versions
+    dest = str(tmp_path / "dest")
+    watch = ("watch", store, dest, "--engine", "vllm", "--engine-url", engine.url, "--once", "--host-id", "h1",
+             "--verify-rollback")
+    push()
+    assert deltafs(*watch).returncode == 0  # nothing to roll back to yet: no checksums are taken
+    assert engine.weight_version == "1" and engine.count("checksums") == 0
+    push()
+    engine.inject("midway")  # half of version 2 lands, then the reload fails
+    failed = deltafs(*watch)
+    assert failed.returncode == 10
+    assert failed.stderr.strip().splitlines()[-1].endswith("; serving version 1 again")
+    assert engine.count("checksums") == 2  # before the load, and the compare after the rollback
+    assert engine.weight_version == "1" and same_weights(engine.state_dict(), weights[1]) and not engine.paused
+
+
+def test_verify_rollback_is_refused_for_other_engines(versions, tmp_path):
+    store, _, push = versions
+    push()
+    proc = deltafs("watch", store, str(tmp_path / "dest"), "--engine", "sglang", "--engine-url", "http://127.0.0.1:9",
+                   "--once", "--verify-rollback")
+    assert proc.returncode == 2
+    assert proc.stderr == "deltafs: error: --verify-rollback works with --engine vllm only, not sglang\n"
+    assert not os.path.exists(tmp_path / "dest")
 
 
 # --- third-party engines --------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -38,12 +38,11 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from safetensors.torch import load_file
+from engine_helpers import ModelServerControls
 from sglang_standin import TinyLM, greedy, load_checkpoint
 
 VLLM_VERSION = "0.33.0"
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"vllm-{VLLM_VERSION}")
-FAULTS = ("error", "midway", "hang", "slow")
-
 
 def source_path(name: str) -> str:
     return os.path.join(DATA, name)
@@ -123,20 +122,6 @@ def _weight_checksum() -> dict[str, Any]:
 
 
 # --- the stand-in engine ----------------------------------------------------------------------------
-@dataclass
-class _Fault:
-    kind: str
-    seconds: float = 0.0
-    remaining: int = 1
-
-
-@dataclass
-class Event:
-    at: float
-    what: str
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
 class StandinWorker:
     """One worker: the methods /collective_rpc may name, over a tiny torch model."""
 
@@ -226,8 +211,10 @@ class StandinEngineClient:
             return self.server.weight_version
 
 
-class StandinVLLM:
+class StandinVLLM(ModelServerControls):
     """The stand-in server; start() binds 127.0.0.1 and serves (uvicorn) in a background thread."""
+
+    FAULTS = ("error", "midway", "hang", "slow")
 
     def __init__(self, model_path: str, *, port: int = 0, dev_mode: bool = True, api_key: str | None = None,
                  token_delay: float = 0.0) -> None:
@@ -240,9 +227,8 @@ class StandinVLLM:
         self.running = 0
         self.waiting = 0
         self.token_delay = token_delay
-        self.events: list[Event] = []
         self.lock = threading.RLock()
-        self._faults: list[_Fault] = []
+        super().__init__(self.lock)  # the event log and injected faults
         self.dev_mode = dev_mode
         self.api_key = api_key
         self._port = port
@@ -288,43 +274,10 @@ class StandinVLLM:
             self.paused = False
         self.stop()
 
-    # --- test controls ---------------------------------------------------------------------
-    def inject(self, kind: str, *, count: int = 1, seconds: float = 0.0) -> None:
-        """Make the next `count` reloads fail (or be slow) in the given way."""
-        if kind not in FAULTS:
-            raise ValueError(f"unknown fault {kind!r}; one of {FAULTS}")
-        with self.lock:
-            self._faults.append(_Fault(kind, seconds, count))
-
-    def take_fault(self) -> _Fault | None:
-        with self.lock:
-            if not self._faults:
-                return None
-            fault = self._faults[0]
-            fault.remaining -= 1
-            if fault.remaining <= 0:
-                self._faults.pop(0)
-            return fault
-
-    def clear_faults(self) -> None:
-        with self.lock:
-            self._faults.clear()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        with self.lock:
-            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
+    # --- test controls (and ModelServerControls' inject, record, count, state_dict) ----------------
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         with self.lock:
             return greedy(self.model, int(self.config["vocab_size"]), prompt_ids, max_new_tokens)
-
-    def record(self, what: str, **detail: Any) -> None:
-        with self.lock:
-            self.events.append(Event(time.time(), what, detail))
-
-    def count(self, what: str) -> int:
-        with self.lock:
-            return sum(1 for e in self.events if e.what == what)
 
     def metrics_text(self) -> str:
         with self.lock:
