@@ -55,14 +55,20 @@ def _two_tensor_ckpt(path, a: bytes, b: bytes) -> None:
                       {"a": ("BF16", (len(a) // 2,), a), "b": ("BF16", (len(b) // 2,), b)})
 
 
-def test_a_cache_that_cannot_link_is_patched_in_place_with_only_the_changed_chunks(tmp_path):
-    rng = np.random.default_rng(1)
-    a, b = (rng.integers(0, 256, 3 << 20, dtype=np.uint8).tobytes() for _ in range(2))
+def _first_push(tmp_path, rng, size: int) -> tuple[str, str, object, bytes, bytes]:
+    """Version 1 of a two-tensor checkpoint pushed with a cache that may not link (so later pushes patch it)."""
+    a, b = (rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(2))
     store, cache, src = str(tmp_path / "store"), str(tmp_path / "cache"), tmp_path / "src"
     src.mkdir()
     _two_tensor_ckpt(src, a, b)
     Repository.open(store, create=True, chunk_bytes=1 << 20)  # several chunks per tensor
     push(store, str(src), cache_dir=cache, link="copy")
+    return store, cache, src, a, b
+
+
+def test_a_cache_that_cannot_link_is_patched_in_place_with_only_the_changed_chunks(tmp_path):
+    rng = np.random.default_rng(1)
+    store, cache, src, a, b = _first_push(tmp_path, rng, 3 << 20)
     first = _cache_file(cache)
     for _step in range(3):
         a = perturb(a, 2, 0.01, rng)  # b stays: its chunks are never written
@@ -100,12 +106,7 @@ def test_a_push_that_fails_while_patching_leaves_no_cached_version_and_the_next_
     from deltafs.publish import encode
 
     rng = np.random.default_rng(3)
-    a, b = (rng.integers(0, 256, 2 << 20, dtype=np.uint8).tobytes() for _ in range(2))
-    store, cache, src = str(tmp_path / "store"), str(tmp_path / "cache"), tmp_path / "src"
-    src.mkdir()
-    _two_tensor_ckpt(src, a, b)
-    Repository.open(store, create=True, chunk_bytes=1 << 20)  # several chunks per tensor
-    push(store, str(src), cache_dir=cache, link="copy")
+    store, cache, src, a, b = _first_push(tmp_path, rng, 2 << 20)
     a2 = perturb(a, 2, 0.02, rng)
     _two_tensor_ckpt(src, a2, perturb(b, 2, 0.02, rng))
     real_put, calls = encode.Encoder._put, []
