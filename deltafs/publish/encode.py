@@ -43,7 +43,7 @@ from deltafs.format import digests
 from deltafs.format.manifest import ChunkRef, FileEntry, Segment
 from deltafs.publish.source import DiskReader, FileReader, SourceFile, SourceSegment
 from deltafs.read.dest import LocalState
-from deltafs.read.rebuild import LocalBaseError
+from deltafs.read.rebuild import LocalBaseError, pwrite_all
 from deltafs.store.repo import Repository
 
 MAX_PUT_QUEUE = 32  # runs of encoded payloads waiting for the store, at most
@@ -134,7 +134,6 @@ class Encoder:
         self.patch = patch
         self.cb = repo.config.chunk_bytes
         self.stats = EncodeStats()
-        self.placed: dict[str, str] = {}  # file → how its cache copy was made
         # Remote stores are latency-bound: many uploads in flight; a local disk is fsync-bound.
         self.io_threads = min(4, repo.objects.capabilities.concurrency) if repo.objects.local_root else 16
         self._put_slots = threading.BoundedSemaphore(MAX_PUT_QUEUE)
@@ -213,21 +212,19 @@ class Encoder:
             return None
         dst = os.path.join(self.stage_dir, f.path)
         if self.patch:
-            self.placed[f.path] = "patch"
             return os.open(dst, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # the base file itself
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         if f.pieces is None:
             def place() -> None:
-                self.placed[f.path] = place_file(f.abspath, dst, allow_link=self.allow_link)
+                place_file(f.abspath, dst, allow_link=self.allow_link)
             ctx.placing.append(ctx.io.submit(place))
             return None
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(fd, f.size)
-        self.placed[f.path] = "write"
         return fd
 
     def _chunk(self, reader: FileReader, seg: SourceSegment, i: int, base_fd: int | None, base_offset: int,
-               stage_fd: int | None, ctx: _Context) -> _Chunk:
+               stage_fd: int | None) -> _Chunk:
         """One chunk: read it (and its base), encode, hash; the payload is stored by _chunks. Runs in a worker."""
         if self._failed.is_set():
             raise DeltafsError("push aborted")
@@ -251,7 +248,7 @@ class Encoder:
         # digest is taken before a patch overwrites it.
         digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None
         if stage_fd is not None and not (self.patch and old is not None and enc.changed == 0):
-            _pwrite_all(stage_fd, memoryview(new), seg.offset + start)
+            pwrite_all(stage_fd, memoryview(new), seg.offset + start)
         oid = hashlib.sha256(enc.payload).hexdigest() if enc.payload is not None else None
         return _Chunk(new, old, enc, oid, held, digest, base_digest)
 
@@ -259,7 +256,7 @@ class Encoder:
                 ctx: _Context) -> list[_Chunk]:
         """A run of chunks of one file: one chunk, or several small ones (tiny tensors), as one task and one store
         write, so a model of thousands of small tensors does not pay a thread hand-off per tensor."""
-        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd, ctx) for seg, i, base_fd, base_offset in run]
+        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd) for seg, i, base_fd, base_offset in run]
         batch = [(c.oid, c.enc.payload) for c in out if c.oid is not None and c.enc.payload is not None]
         if batch:
             # Uploads run in their own pool, so store latency overlaps encoding; the semaphore bounds the
@@ -429,12 +426,6 @@ class _Lane:
         return Segment(key=seg.key, kind=seg.kind, offset=seg.offset, size=seg.size,
                        digest=digests.segment_digest(chunk_digests, seg.size), chunks=tuple(chunks), dtype=seg.dtype,
                        shape=seg.shape)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def patchable(files: list[SourceFile], base: LocalState) -> bool:

@@ -264,10 +264,8 @@ class Builder:
         view = np.frombuffer(out, dtype=np.uint8)
         try:
             for i, rec in enumerate(seg.chunks):
-                part = view[i * self.chunk_bytes:i * self.chunk_bytes + rec.size]
-                got = self._chunk(_Task(f, seg, i), out=part)
-                if not np.may_share_memory(got, part):
-                    part[:] = got
+                # Decoded into this slice of out (codec.decode's out contract); the digest below checks it.
+                self._chunk(_Task(f, seg, i), out=view[i * self.chunk_bytes:i * self.chunk_bytes + rec.size])
         finally:
             self._close_local()
         actual = digests.segment_digest_like(seg.digest, out, self.chunk_bytes)
@@ -333,7 +331,7 @@ class Builder:
                     view = data.data
                     out = by_path[task.file.path]
                     if out.fd is not None:
-                        _pwrite_all(out.fd, view, task.seg.offset + task.index * self.chunk_bytes)
+                        pwrite_all(out.fd, view, task.seg.offset + task.index * self.chunk_bytes)
                     digest = digests.chunk_digest(view)
                     self.on_bytes(data.size)
                     with lock:
@@ -478,7 +476,8 @@ def _range_digest(path: str, seg: Segment, chunk_bytes: int) -> str | None:
     return segment_digest_on_disk(path, seg, chunk_bytes)
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of view at offset (pwrite may write less than asked)."""
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
