@@ -169,8 +169,7 @@ class Dense:
         # unzigzagged and added there. out may be the base or overlap it (a view of the same buffer): then the
         # target is a new array, so the base is read whole before out is written.
         target: np.ndarray = np.empty(size, np.uint8) if out is None or np.may_share_memory(out, b) else out
-        np.copyto(target.reshape(-1, width), data.reshape(width, -1).T)
-        t = target.view(dtype)
+        t = streams.from_planes(data, width, out=target).view(dtype)
         sign = np.bitwise_and(t, dtype.type(1))
         t >>= dtype.type(1)
         t ^= np.negative(sign, out=sign)

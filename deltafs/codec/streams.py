@@ -135,8 +135,11 @@ def to_planes(data: np.ndarray, width: int) -> np.ndarray:
     return np.ascontiguousarray(data.reshape(-1, width).T).reshape(-1)
 
 
-def from_planes(planes: np.ndarray, width: int) -> np.ndarray:
-    """Inverse of to_planes."""
+def from_planes(planes: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of to_planes; into out (uint8, planes' size) when given, with no other temporary."""
+    if out is not None:
+        np.copyto(out.reshape(-1, width), planes.reshape(width, -1).T)
+        return out
     if width == 1:
         return planes
     return np.ascontiguousarray(planes.reshape(width, -1).T).reshape(-1)
