@@ -459,9 +459,32 @@ def xz_apply(base: Path, delta: Path, out: Path, threads: int) -> None:
 
 
 # --- driver -------------------------------------------------------------------------------------------------
+WARM = {"bytes": 0}  # set by cmd_run from --warm-gib / the data set's size
+
+
+def warm_pages(nbytes: int) -> None:
+    """Touch and free nbytes of anonymous memory, so the next step's new pages come from recently freed ones.
+
+    On a VM whose balloon driver reports free pages to the host (virtio free page reporting), a page that has
+    been free for a few seconds costs the next process that touches it a host-side fault: writing 1 GB of new
+    files measured 0.55-0.67 s right after memory was freed and 1.1-2.9 s after it was not (the step before had
+    just filled the same tmpfs with `cp -a`). Which step got which pages depended on the order of the run, not
+    on the tool; warming before every step gives each the same start.
+    """
+    if nbytes <= 0:
+        return
+    # In a child process: touched in the driver, the pages would count in every later step's ru_maxrss (a forked
+    # process inherits its parent's high-water mark).
+    subprocess.run([sys.executable, "-c", "import mmap, sys, numpy as np\n"
+                    "m = mmap.mmap(-1, int(sys.argv[1]))\n"
+                    "np.frombuffer(m, dtype=np.uint8)[::4096] = 1  # one write per page faults every page in\n",
+                    str(nbytes)], check=True)
+
+
 def measure(cmd: list[str], key: str = "cli") -> dict[str, Any]:
     """Run cmd to completion: its wall time, CPU seconds, peak RSS and bytes written, plus its last JSON line
     under `key` ("out" for our workers, whose `seconds` then replaces the process's wall time)."""
+    warm_pages(WARM["bytes"])
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         w0, t0 = io_so_far(), time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
@@ -572,6 +595,7 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
     size = info["checkpoint_bytes"]
     base, new = ds / "base", ds / "new"
     prepare_deltafs(ds)
+    WARM["bytes"] = int(args.warm_gib * 2**30) if args.warm_gib is not None else 2 * size + (512 << 20)
     run_dir = Path(args.scratch) / ds.name if args.scratch else ds / "run"
     fresh(run_dir).mkdir(parents=True)
     cli = deltafs_cli()
@@ -857,6 +881,8 @@ def main() -> None:
     r.add_argument("--trained-warmup", type=int, default=2)
     r.add_argument("--scratch", help="where measured steps write (stores, caches, outputs), e.g. a tmpfs to "
                    "measure the pipelines without the disk; default WORK/<data set>/run")
+    r.add_argument("--warm-gib", type=float, help="GiB of memory touched and freed before every measured step "
+                   "(see warm_pages; default twice the checkpoint plus 0.5; 0: off)")
     r.add_argument("--keep", action="store_true", help="keep the scratch directory at the end")
     r.add_argument("--out", help="write all results as JSON here")
     r.set_defaults(func=cmd_run)

@@ -8,7 +8,12 @@ import sys
 import time
 import traceback
 
-import typer
+# numpy's OpenBLAS starts a spinning thread per core when it loads; deltafs never calls BLAS, and on a small host
+# those threads cost ~0.1 CPU-s per command (a push of 40 MB: 0.64 -> 0.54 s user). Set before anything imports
+# numpy; a value in the environment wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import typer  # noqa: E402
 
 from deltafs.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MEANINGS, DeltafsError, exit_code
 
