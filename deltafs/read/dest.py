@@ -488,7 +488,9 @@ def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
     finally:
         os.close(fd)
     raw = parse_dest_state(data)
-    manifest = Manifest.from_parsed(raw["manifest"], where=path)
+    # The manifest a push or pull has just checked (the store's, the one it installed) is embedded verbatim.
+    manifest = Manifest.embedded_in(data, raw["manifest"].get("digest")) \
+        or Manifest.from_parsed(raw["manifest"], where=path)
     with _STATE_MEMO_LOCK:
         if len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
             _STATE_MEMO.pop(next(iter(_STATE_MEMO)))

@@ -209,3 +209,26 @@ def test_a_state_file_edited_in_place_is_read_again_even_with_its_old_mtime(tmp_
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
     assert read_version_state(state.path)[1]["store_url"].startswith("X")
+
+
+def test_a_state_file_whose_embedded_manifest_was_edited_is_refused_though_the_manifest_was_checked_before(
+        tmp_path, maker):
+    """The process has checked this version's manifest (pull just did); an edit inside the copy a state file
+    embeds, with the digest field left as it was, is still caught: only a verbatim copy is taken as known."""
+    from deltafs.errors import FormatError
+    from deltafs.read.dest import LocalCheckpoint, read_version_state
+
+    store = _two_versions(tmp_path, maker)
+    dest = str(tmp_path / "dest")
+    pull(store, dest)
+    state = LocalCheckpoint(dest).state()
+    path = state.path + ".json"
+    assert read_version_state(state.path)[0].digest == state.digest
+    with open(path, "rb") as fh:
+        data = bytearray(fh.read())
+    at = data.index(b'"created":"') + len(b'"created":"')  # inside the embedded manifest, not under its digest
+    data[at:at + 1] = b"1" if data[at:at + 1] != b"1" else b"2"
+    with open(path, "wb") as fh:
+        fh.write(data)
+    with pytest.raises(FormatError, match="digest field does not match"):
+        read_version_state(state.path)
