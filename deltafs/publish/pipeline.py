@@ -130,7 +130,7 @@ def from_root(world: World, what: str, fn: Callable[[], T]) -> T:
 class RankReport:
     """What a rank sends the root after encoding."""
 
-    files: list[dict[str, Any]]
+    files: list[FileEntry]  # objects, not JSON: built by our own code on every rank (pickled across ranks)
     stats: EncodeStats
     rederived: bool
     lapsed: bool  # its in-flight marker may have expired: the root checks every chunk
@@ -316,7 +316,7 @@ class _Rank:
             self.encoded = files
             assert self.guard is not None
             self.guard.refresh()  # protected again from here, whatever happened while encoding
-            return RankReport([e.to_json() for e in entries], enc.stats, rederived, self.guard.lapsed)
+            return RankReport(entries, enc.stats, rederived, self.guard.lapsed)
         raise AssertionError("unreachable")
 
     def _patch_cache(self, files: list[SourceFile], base: LocalState, allow_link: bool) -> bool:
@@ -342,7 +342,8 @@ class _Rank:
     # --- commit (root) -----------------------------------------------------------------------
     def commit(self, reports: list[RankReport], *, last: bool, t0: float) -> Outcome:
         repo = self.open_repo()
-        entries = sorted((FileEntry.from_json(f) for r in reports for f in r.files), key=lambda f: f.path)
+        # The assembled manifest is checked whole below (Manifest.checked): no JSON round trip per file here.
+        entries = sorted((f for r in reports for f in r.files), key=lambda f: f.path)
         if not entries:
             raise DeltafsError("no rank had a file to push")
         stats = EncodeStats()
