@@ -106,13 +106,48 @@ class LocalObjectStore(ObjectStore):
         finally:
             os.close(fd)
 
-    def _write_temp(self, key: str, data: bytes) -> str:
-        final = self.path(key)
-        directory = os.path.dirname(final)
-        _refuse_symlinked_dirs(self.root, directory)  # before makedirs, which would create through one
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    def _parent_fd(self, key: str) -> tuple[int, str]:
+        """(an fd of the directory that holds key, key's last component); the directory is created if missing.
+
+        Opened one component at a time from the root, never following a symlink: nothing is written through a
+        link planted anywhere below the root (say chunks/ab -> /etc), and a link planted after the check cannot
+        redirect the write either (the writes go through this fd).
+        """
+        *parts, name = key.split("/")
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            os.makedirs(self.root, exist_ok=True)  # a store being created (its first object)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        probe = self.root
+        try:
+            for part in parts:
+                probe = os.path.join(probe, part)
+                try:
+                    sub = _open_subdir(part, fd)
+                except FileNotFoundError:
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # another writer made it meanwhile
+                    sub = _open_subdir(part, fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(probe):
+                        raise StoreError(f"{probe} is a symlink; deltafs writes only into real directories of the "
+                                         "store (remove it)") from None
+                    raise
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name
+
+    @staticmethod
+    def _write_temp(dir_fd: int, data: bytes) -> str:
+        """A new temp file in the directory, holding data, fsynced; its name."""
+        tmp = f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
         try:
             view = memoryview(data)
             while view:
@@ -120,42 +155,43 @@ class LocalObjectStore(ObjectStore):
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(tmp)  # a failed write (disk full) leaves no temp file behind
+            _unlink_quietly(tmp, dir_fd)  # a failed write (disk full) leaves no temp file behind
             raise
         os.close(fd)
         return tmp
 
-    def _fsync_dir(self, key: str) -> None:
-        fd = os.open(os.path.dirname(self.path(key)), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def _write(self, key: str, data: bytes) -> None:
-        tmp = self._write_temp(key, data)
+        dir_fd, name = self._parent_fd(key)
         try:
-            os.replace(tmp, self.path(key))
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        self._fsync_dir(key)
+            tmp = self._write_temp(dir_fd, data)
+            try:
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                _unlink_quietly(tmp, dir_fd)
+                raise
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def _create(self, key: str, data: bytes) -> bool:
-        # link(2) fails with EEXIST if the name is taken: an atomic create of a complete file.
-        tmp = self._write_temp(key, data)
+        dir_fd, name = self._parent_fd(key)
         try:
+            tmp = self._write_temp(dir_fd, data)
             try:
-                os.link(tmp, self.path(key))
-            except FileExistsError:
-                # NFSv3 may retransmit a LINK that already succeeded and answer EEXIST; the link
-                # count of our temp file tells whether the name is ours (the classic NFS lock trick).
-                if os.stat(tmp).st_nlink != 2:
-                    return False
+                # link(2) fails with EEXIST if the name is taken: an atomic create of a complete file.
+                try:
+                    os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                except FileExistsError:
+                    # NFSv3 may retransmit a LINK that already succeeded and answer EEXIST; the link
+                    # count of our temp file tells whether the name is ours (the classic NFS lock trick).
+                    if os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False).st_nlink != 2:
+                        return False
+            finally:
+                _unlink_quietly(tmp, dir_fd)
+            os.fsync(dir_fd)
+            return True
         finally:
-            _unlink_quietly(tmp)
-        self._fsync_dir(key)
-        return True
+            os.close(dir_fd)
 
     def _isfile(self, key: str) -> bool:
         return os.path.isfile(self.path(key))
@@ -211,18 +247,12 @@ class LocalObjectStore(ObjectStore):
             _unlink_quietly(name)
 
 
-def _refuse_symlinked_dirs(root: str, directory: str) -> None:
-    """Refuse to write below root through a symlinked directory (e.g. a planted chunks/ab -> /etc)."""
-    rel = os.path.relpath(directory, root)
-    probe = root
-    for part in ([] if rel == "." else rel.split(os.sep)):
-        probe = os.path.join(probe, part)
-        if os.path.islink(probe):
-            raise StoreError(f"{probe} is a symlink; deltafs writes only into real directories of the store (remove it)")
+def _open_subdir(name: str, dir_fd: int) -> int:
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path: str, dir_fd: int | None = None) -> None:
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
     except OSError:
         pass

@@ -17,3 +17,17 @@ def test_push_refuses_a_planted_chunk_directory_symlink(tmp_path, store, maker):
     maker.advance()
     one_line(deltafs("push", maker.write(), store), 3, "symlink", chunks)
     assert os.listdir(elsewhere) == []
+
+
+def test_push_refuses_a_planted_symlink_higher_up_the_chunk_path(tmp_path, store, maker):
+    """Every component below the store root is opened without following links, chunks/ itself included."""
+    import shutil
+
+    elsewhere = tmp_path / "elsewhere"
+    chunks = os.path.join(store, "chunks")
+    shutil.move(chunks, elsewhere)  # the real chunks now live elsewhere; the store names them through a link
+    os.symlink(elsewhere, chunks)
+    before = sorted(os.walk(elsewhere))
+    maker.advance()
+    one_line(deltafs("push", maker.write(), store), 3, "symlink", chunks)
+    assert sorted(os.walk(elsewhere)) == before
