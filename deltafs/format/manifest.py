@@ -332,10 +332,7 @@ class Manifest:
     def checked(self) -> Manifest:
         """This manifest, built by this process (a push's), after the checks a parsed one gets: its digest is its
         body's and it keeps every invariant (validate); remembered, so its bytes read back are not parsed again."""
-        if self.digest != "sha256:" + sha256_hex(canonical_json(self.body())):
-            raise FormatError(f"manifest of version {self.version}: digest field does not match its contents")
-        validate(self)
-        return _remember(self)
+        return _remember(self._verified(f"manifest of version {self.version}"))
 
     @classmethod
     def _check_parsed(cls, raw: Any, where: str) -> Manifest:
@@ -343,14 +340,17 @@ class Manifest:
             man = cls._from_json(raw)
         except FormatError as exc:
             raise FormatError(f"{where}: {exc}") from None
-        expected = "sha256:" + sha256_hex(canonical_json(man.body()))
-        if man.digest != expected:
+        return man._verified(where)
+
+    def _verified(self, where: str) -> Manifest:
+        """self, if its digest field is the hash of its body and it keeps every invariant; else FormatError."""
+        if self.digest != "sha256:" + sha256_hex(canonical_json(self.body())):
             raise FormatError(f"{where}: digest field does not match its contents (corrupt or edited)")
         try:
-            validate(man)
+            validate(self)
         except FormatError as exc:
             raise FormatError(f"{where}: {exc}") from None
-        return man
+        return self
 
     @classmethod
     def _from_json(cls, raw: Any) -> Manifest:
