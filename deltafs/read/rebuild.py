@@ -22,6 +22,7 @@ from collections.abc import Callable, Generator, Iterator
 import numpy as np
 import xxhash
 
+from deltafs.buffers import aligned_empty, pread_aligned
 from deltafs import codec
 from deltafs.errors import ChunkNotFoundError, DeltafsError, IntegrityError, ObjectNotFoundError
 from deltafs.format import digests
@@ -39,13 +40,14 @@ class LocalBaseError(IntegrityError):
 def _range_xxh3(path: str, offset: int, size: int, block: int = 8 << 20) -> str | None:
     """XXH3-128 of a byte range of a file, read in blocks (a tensor can be larger than memory allows)."""
     h = xxhash.xxh3_128()
+    buf = aligned_empty(min(block, size))
     with open(path, "rb") as fh:
         done = 0
         while done < size:
-            data = os.pread(fh.fileno(), min(block, size - done), offset + done)
-            if not data:
+            data = pread_aligned(fh.fileno(), min(block, size - done), offset + done, buf)
+            if not data.size:
                 return None  # truncated
-            h.update(data)
+            h.update(data.data)
             done += len(data)
     return "xxh3-128:" + h.hexdigest()
 
@@ -187,7 +189,8 @@ class Builder:
             else:
                 # Into a buffer the worker reuses: a fresh 4 MiB object per read costs more in page faults
                 # than the read itself.
-                data, got = out, os.preadv(self._local_fd(path), [out.data], offset)
+                data = pread_aligned(self._local_fd(path), size, offset, out)
+                got = data.size
         except OSError as exc:
             raise LocalBaseError(f"local base file {path} unreadable: {exc}") from None
         if got != size:
@@ -316,7 +319,7 @@ class Builder:
         failure: list[BaseException] = []
 
         def worker() -> None:
-            buf = np.empty(self.chunk_bytes, dtype=np.uint8)  # this worker's chunk, reused for every task
+            buf = aligned_empty(self.chunk_bytes)  # this worker's chunk, reused for every task (deltafs.buffers)
             while True:
                 with lock:
                     if failure:
