@@ -344,7 +344,7 @@ def worker_api_pull(a: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     _, pull = import_deltafs_api()
     import_s = time.perf_counter() - t0
-    seconds, written, res = _timed(lambda: pull(a["store"], a["dest"], threads=a["threads"]))
+    seconds, written, res = _timed(lambda: pull(a["store"], a["dest"], threads=a["threads"], recycle=a["recycle"]))
     return {"seconds": seconds, "import_s": import_s, "wchar": written, "result": res.to_json()}
 
 
@@ -561,10 +561,34 @@ def writer_fingerprint() -> str:
     return f"deltafs {deltafs.__version__} format {FORMAT_VERSION} sources {h.hexdigest()[:16]}"
 
 
+def make_older(base: Path, out: Path) -> None:
+    """A version before base, for DEST's history: base with the lowest bit of every 997th tensor byte flipped.
+
+    In blocks, not through a mapping: this process's RSS is inherited by every step it starts (ru_maxrss
+    counts the pre-exec image of a fork), so it must stay small."""
+    import numpy as np
+
+    fresh(out).mkdir()
+    block = 997 << 12
+    for f in sorted(p for p in base.iterdir() if p.is_file()):
+        shutil.copyfile(f, out / f.name)
+        if f.suffix != ".safetensors":
+            continue
+        with open(out / f.name, "r+b") as fh:
+            pos = 8 + struct.unpack("<Q", fh.read(8))[0]
+            while chunk := os.pread(fh.fileno(), block, pos):
+                data = np.frombuffer(chunk, np.uint8).copy()
+                data[::997] ^= 1
+                os.pwrite(fh.fileno(), data.tobytes(), pos)
+                pos += len(chunk)
+
+
 def prepare_deltafs(ds: Path) -> None:
-    """tmpl-push/{store,cache}: the base pushed as version 1; tmpl-pull/{store,dest}: the base pulled, new in the
-    store as version 2. Each measured run works on a cp -a of a template (untimed). Both are remade when the
-    deltafs that would write them differs from the one that did (writer_fingerprint)."""
+    """tmpl-push/{store,cache}: the base pushed as version 1. tmpl-pull/{store,dest}: a store of an older
+    version (make_older), the base and new as versions 1-3, and a DEST that pulled 1 then 2, as a host that
+    follows a trainer has: the update pull of version 3 is the one measured, with the previous versions beside
+    DEST as pull keeps them. Each measured run works on a cp -a of a template (untimed). Both are remade when
+    the deltafs that would write them differs from the one that did (writer_fingerprint)."""
     cli = deltafs_cli()
     mark = writer_fingerprint()
     for t in (ds / "tmpl-push", ds / "tmpl-pull"):
@@ -581,12 +605,14 @@ def prepare_deltafs(ds: Path) -> None:
     pull_t = ds / "tmpl-pull"
     if not (pull_t / "done").exists():
         fresh(pull_t).mkdir()
-        tmp = copy_tree(push_t, ds / "tmpl-tmp")
-        subprocess.run([cli, "push", str(ds / "new"), str(tmp / "store"), "--cache", str(tmp / "cache"), "-q"],
-                       check=True)
-        shutil.move(str(tmp / "store"), str(pull_t / "store"))
-        fresh(tmp)
-        subprocess.run([cli, "pull", str(pull_t / "store"), str(pull_t / "dest"), "--version", "1", "-q"], check=True)
+        make_older(ds / "base", ds / "older")
+        store, cache = pull_t / "store", ds / "tmpl-tmp-cache"
+        for src in ("older", "base", "new"):
+            subprocess.run([cli, "push", str(ds / src), str(store), "--cache", str(cache), "-q"], check=True)
+        fresh(cache)
+        fresh(ds / "older")
+        for v in ("1", "2"):
+            subprocess.run([cli, "pull", str(store), str(pull_t / "dest"), "--version", v, "-q"], check=True)
         (pull_t / "done").write_text(mark)
 
 
@@ -669,14 +695,16 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
             p = pull_run()
             return measure([cli, "pull", str(p / "store"), str(p / "dest"), "--threads", str(t), "--json"])
 
-        def one_api_pull() -> dict[str, Any]:
+        def one_api_pull(recycle: bool = True) -> dict[str, Any]:
             p = pull_run()
-            return run_worker("api_pull", store=str(p / "store"), dest=str(p / "dest"), threads=t)
+            return run_worker("api_pull", store=str(p / "store"), dest=str(p / "dest"), threads=t, recycle=recycle)
 
         best(f"deltafs push (CLI) t{t}", one_cli_push, drop=("push",))
         best(f"deltafs push (API) t{t}", one_api_push, drop=("push",))
         best(f"deltafs pull (CLI) t{t}", one_cli_pull, lambda: same_tree(new, run_dir / "pull" / "dest"), drop=("pull",))
         best(f"deltafs pull (API) t{t}", one_api_pull, lambda: same_tree(new, run_dir / "pull" / "dest"), drop=("pull",))
+        best(f"deltafs pull (API, new files) t{t}", lambda: one_api_pull(recycle=False),
+             lambda: same_tree(new, run_dir / "pull" / "dest"), drop=("pull",))
     if not args.keep:
         fresh(run_dir)
     return {"dataset": info, "checkpoint_bytes": size, "rows": rows}

@@ -142,6 +142,7 @@ def pull_cmd(
     once: Annotated[bool, typer.Option("--once", help=f"Cron mode: never wait for another pull's lock; exit {EXIT_OK} updated (or repaired), {EXIT_CURRENT} already current, {EXIT_BUSY} busy.")] = False,
     full_check: Annotated[bool, typer.Option("--verify", help="Re-hash every file of the current DEST (default: compare sizes and mtimes recorded at install).")] = False,
     no_chunk_cache: Annotated[bool, typer.Option("--no-chunk-cache", help="Do not keep fetched chunks beside DEST (less disk; a killed pull refetches).")] = False,
+    no_recycle: Annotated[bool, typer.Option("--no-recycle", help="Write the new version into new files; by default the files of the oldest version that falls out of the kept two are rewritten (faster, but a process still reading that version sees it change).")] = False,
     engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine: sglang, vllm, one an installed package registers, or none (see `deltafs watch --help`).")] = None,
     engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     threads: Threads = None,
@@ -170,7 +171,7 @@ def pull_cmd(
     try:
         res = pull(store, dest, version=version, storage_options=parse_storage_options(storage_options), force=force,
                    progress=out.progress, wait_lock=not once, threads=threads, verify_files=full_check,
-                   chunk_cache=not no_chunk_cache)
+                   chunk_cache=not no_chunk_cache, recycle=not no_recycle)
     except LockHeldError as exc:
         if not once:
             raise

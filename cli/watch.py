@@ -59,6 +59,7 @@ def watch_cmd(
     storage_options: StorageOptions = None,
     host_id: Annotated[str | None, typer.Option("--host-id", help="Name in the fleet ledger (default: the host name; set one per engine if a host runs several).")] = None,
     no_ledger: Annotated[bool, typer.Option("--no-ledger", help="Do not write fleet/<host-id>.json to the store.")] = False,
+    no_recycle: Annotated[bool, typer.Option("--no-recycle", help="Pull each version into new files instead of rewriting those of the oldest kept version (see `deltafs pull --help`).")] = False,
     load_timeout: Annotated[float, typer.Option("--load-timeout", callback=finite_seconds("--load-timeout", positive=True), help="Seconds the engine may take to load a version.")] = DEFAULT_LOAD_TIMEOUT,
     verify_rollback: Annotated[bool, typer.Option("--verify-rollback", help="vLLM: record vLLM's sha256 of every weight before each load and count a rollback as done only if they match again (costs a copy of every weight to the host, inside the pause).")] = False,
     retry_max: Annotated[float, typer.Option("--retry-max", callback=finite_seconds("--retry-max", positive=True), help="Longest wait between retries after failures, in seconds.")] = DEFAULT_RETRY_MAX,
@@ -96,7 +97,7 @@ def watch_cmd(
     bound = make_boundary(boundary.value, max_wait=max_wait, file=boundary_file, port=boundary_port)
     sub = Subscriber(store, dest, eng, storage_options=parse_storage_options(storage_options), boundary=bound,
                      host_id=host_id, ledger=not no_ledger, poll=poll, retry_max=retry_max, engine_group=engine_group,
-                     engine_hosts=engine_hosts, group_timeout=group_timeout)
+                     engine_hosts=engine_hosts, group_timeout=group_timeout, recycle=not no_recycle)
     if once:
         try:
             sub.start()

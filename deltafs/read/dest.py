@@ -257,11 +257,42 @@ class LocalCheckpoint:
         """
         if os.path.dirname(state.path) != self.sidecar or not VERSION_DIR.match(os.path.basename(state.path)):
             raise DestinationError(f"{state.path} is not a version directory of {self.dest}")
+        return self._to_staging(state.path)
+
+    def _to_staging(self, version_dir: str) -> str:
         staging = os.path.join(self.sidecar, f"staging-{uuid.uuid4().hex[:12]}")
-        os.rename(state.path, staging)  # same directory: atomic; the name pattern is ours (no planted link)
+        os.rename(version_dir, staging)  # same directory: atomic; the name pattern is ours (no planted link)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(state.path + ".json")
+            os.unlink(version_dir + ".json")
         fsync_dir(self.sidecar)
+        return staging
+
+    def recycle_as_staging(self, keep: int, paths: set[str]) -> str | None:
+        """A staging directory made of the version that installing one more version would make cleanup(keep)
+        remove (the oldest such), or None if there is none.
+
+        Its files are written over by the next build instead of being freed while the build allocates new
+        ones: writing into pages a file already has is several times cheaper than into new pages (tmpfs,
+        page cache; see docs/sync_bench.md, "Round 4"). Never the version DEST points to (the delta's base,
+        and what engines load) nor one of the keep - 1 newest by mtime (what the watcher touches to protect
+        the version its engine serves). Only regular files with one link whose path the next version has
+        stay; everything else in it (other files, symlinks, hard-linked files shared with other versions,
+        anything not a regular file or directory) is removed first, so no write can reach outside it.
+        """
+        try:
+            self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
+        except FileNotFoundError:
+            return None
+        current = self.state()
+        versions = self._versions_by_age()
+        survivors = set(versions[-(keep - 1):]) if keep > 1 else set()
+        if current is not None:
+            survivors.add(os.path.basename(current.path))
+        old = [n for n in versions if n not in survivors]
+        if not old:
+            return None
+        staging = self._to_staging(os.path.join(self.sidecar, old[0]))
+        _prune_for_reuse(staging, paths)
         return staging
 
     @property
@@ -329,9 +360,7 @@ class LocalCheckpoint:
         current = self.state()
         current_name = os.path.basename(current.path) if current else None
         entries = {n: os.lstat(os.path.join(self.sidecar, n)) for n in os.listdir(self.sidecar)}
-        versions = sorted((n for n, st in entries.items() if VERSION_DIR.match(n) and stat.S_ISDIR(st.st_mode)
-                           and _is_state(os.path.join(self.sidecar, n + ".json"))),
-                          key=lambda n: entries[n].st_mtime)
+        versions = self._versions_by_age(entries)
         keep_names = set(versions[-keep:]) if keep > 0 else set()
         if current_name:
             keep_names.add(current_name)
@@ -350,6 +379,14 @@ class LocalCheckpoint:
                 os.unlink(full)
         return removed
 
+    def _versions_by_age(self, entries: dict[str, os.stat_result] | None = None) -> list[str]:
+        """Names of the sidecar's version directories (with their state file), oldest mtime first."""
+        if entries is None:
+            entries = {n: os.lstat(os.path.join(self.sidecar, n)) for n in os.listdir(self.sidecar)}
+        return sorted((n for n, st in entries.items() if VERSION_DIR.match(n) and stat.S_ISDIR(st.st_mode)
+                       and _is_state(os.path.join(self.sidecar, n + ".json"))),
+                      key=lambda n: entries[n].st_mtime)
+
     def version_dirs(self) -> list[str]:
         try:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
@@ -357,6 +394,19 @@ class LocalCheckpoint:
             return []
         return sorted(os.path.join(self.sidecar, n) for n in os.listdir(self.sidecar)
                       if VERSION_DIR.match(n) and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode))
+
+
+def _prune_for_reuse(root: str, paths: set[str]) -> None:
+    """Leave in root only real directories and regular files with one link whose relative path is in paths."""
+    for top, dirs, files in os.walk(root, topdown=False):  # never follows links; children before parents
+        for name in files + dirs:
+            full = os.path.join(top, name)
+            st = os.lstat(full)
+            if stat.S_ISDIR(st.st_mode):
+                with contextlib.suppress(OSError):
+                    os.rmdir(full)  # only if empty: it holds a file of the next version otherwise
+            elif not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and os.path.relpath(full, root) in paths):
+                os.unlink(full)  # another version shares it (hard link), or a link, socket, stray file
 
 
 def file_sha256(path: str, block: int = 8 << 20) -> str:

@@ -88,12 +88,17 @@ def resolve_version(repo: Repository, version: int | None) -> int:
 def pull(store: str | Repository, dest: str, *, version: int | None = None,
          storage_options: dict[str, Any] | None = None, force: bool = False, progress: bool = False,
          wait_lock: bool = True, threads: int | None = None, keep: int = 2, verify_files: bool = False,
-         chunk_cache: bool = True) -> PullResult:
+         chunk_cache: bool = True, recycle: bool = True) -> PullResult:
     """Make DEST a complete, verified checkpoint of `version` (default: newest).
 
     DEST is a symlink into DEST.deltafs/; at every instant it points to one complete version. A DEST
     that already holds the version is checked (sizes and install mtimes; every digest with
     verify_files) and repaired if a file was edited or removed.
+
+    recycle: write the new version into the files of the version this pull's cleanup would remove (the oldest
+    beyond the `keep` newest; never the current one), instead of new files; off, that version is deleted
+    after the install as before. Either way it is gone after a successful pull; with recycle it is also
+    gone after a failed one, and a process still reading it sees its bytes change.
     """
     t0 = time.monotonic()
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
@@ -115,7 +120,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
         chain = None
         try:
             chain = _plan(repo, target, state, repaired is not None)
-            path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache)
+            path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, keep if recycle else 0)
             fallback = False
         except (LocalBaseError, IntegrityError, ObjectNotFoundError) as exc:
             if state is None and (chain is None or chain.final is None):
@@ -125,7 +130,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             log.warning(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
             chain = plan_chain(repo, target, None)
             try:
-                path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache)
+                path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, keep if recycle else 0)
             except (IntegrityError, ObjectNotFoundError) as exc2:
                 raise _name_version(exc2, target) from None
             fallback = True
@@ -166,10 +171,16 @@ def _name_version(exc: BaseException, version: int) -> BaseException:
 
 
 def _materialize(repo: Repository, local: LocalCheckpoint, chain: Chain, progress: bool,
-                 threads: int | None, chunk_cache: bool) -> tuple[str, ChunkSource, Any]:
+                 threads: int | None, chunk_cache: bool, recycle_keep: int) -> tuple[str, ChunkSource, Any]:
+    """Build the chain's target into a staging directory and install it; recycle_keep > 0: the staging
+    directory may be the version that cleanup(recycle_keep) removes after the install."""
     check_layout(chain.target)  # a version that cannot be laid out fails before anything is written
     source = ChunkSource(repo, local.open_chunk_cache() if chunk_cache else None)
-    staging = local.new_staging()
+    staging = None
+    if recycle_keep > 0:
+        staging = local.recycle_as_staging(recycle_keep, {f.path for f in chain.target.files})
+    if staging is None:
+        staging = local.new_staging()
     total = chain.target.raw_bytes
     try:
         with Progress(f"pull v{chain.target.version}", total, enabled=progress) as bar:

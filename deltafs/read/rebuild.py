@@ -12,9 +12,11 @@ threads (a few chunks each). A v1 target's digests are serial streams, so it is 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from collections.abc import Callable, Generator, Iterator
@@ -303,7 +305,7 @@ class Builder:
     # v2: every chunk of every file in parallel, written at its offset, verified by its chunk digest.
     def _build_parallel(self, to_build: list[FileEntry], out_dir: str | None) -> None:
         if out_dir is not None:
-            _check_space(out_dir, sum(f.size for f in to_build))
+            _check_space(out_dir, sum(f.size - _reusable_bytes(out_dir, f) for f in to_build))
         outs: list[_FileOut] = []
         try:
             for f in to_build:
@@ -376,10 +378,9 @@ class Builder:
     def _open_out(self, f: FileEntry, out_dir: str | None) -> _FileOut:
         fd = None
         if out_dir is not None:
-            path = _mkparents(out_dir, f.path)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = _open_for_rewrite(_mkparents(out_dir, f.path))
             try:
-                os.ftruncate(fd, f.size)
+                os.ftruncate(fd, f.size)  # every byte below size is written next (segments tile the file)
             except BaseException:
                 os.close(fd)
                 raise
@@ -460,6 +461,8 @@ class Builder:
                     if file_digest_on_disk(src, f, self.chunk_bytes) != f.digest:
                         return False
                     dst = _mkparents(out_dir, f.path)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(dst)  # a file of a recycled version (DEST.recycle_as_staging)
                     try:
                         os.link(src, dst)
                     except OSError:
@@ -484,6 +487,36 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _open_for_rewrite(path: str) -> int:
+    """A file to write a version's bytes into: the regular, single-link file already at path (a recycled
+    version's: its pages are reused, not allocated again), else a new one. Never through a symlink."""
+    flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        fd = -1
+    if fd >= 0:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            return fd
+        os.close(fd)
+    os.unlink(path)  # a link, or a file another name shares: writing into it would change that one too
+    return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+
+
+def _reusable_bytes(out_dir: str, f: FileEntry) -> int:
+    """Bytes of f that a file already in out_dir (a recycled version's) holds allocated."""
+    try:
+        st = os.lstat(os.path.join(out_dir, f.path))
+    except OSError:
+        return 0
+    return min(st.st_size, f.size) if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
 
 
 def _check_space(out_dir: str, need: int) -> None:

@@ -105,6 +105,7 @@ class Subscriber:
         retry_base: float = 2.0,
         retry_max: float = DEFAULT_RETRY_MAX,
         keep: int = 3,
+        recycle: bool = True,
         threads: int | None = None,
         engine_group: str | None = None,
         engine_hosts: int = 1,
@@ -123,6 +124,7 @@ class Subscriber:
         self.retry_base = retry_base
         self.retry_max = retry_max
         self.keep = keep
+        self.recycle = recycle
         self.threads = threads
         self.stop_event = threading.Event()
         self.served: Target | None = None  # what the engine serves, known verified
@@ -416,7 +418,8 @@ class Subscriber:
     def _pull_one(self, version: int) -> PullResult:
         """pull() verifies every byte and itself falls back to the nearest full version when the
         local base is unusable; what is left to handle here is a DEST of another store."""
-        kwargs: dict[str, Any] = {"version": version, "keep": self.keep, "threads": self.threads}
+        kwargs: dict[str, Any] = {"version": version, "keep": self.keep, "threads": self.threads,
+                                  "recycle": self.recycle}
         if self.served is not None:
             # pull's cleanup keeps the newest version directories by mtime; touching the one the
             # engine serves keeps it as the rollback target however many versions arrive meanwhile.

@@ -136,3 +136,29 @@ def test_program_version_flag_and_command_version_option(tmp_path, maker):
     run_cli("push", maker.write(), store, "--version", "3", check=0)  # after a command, --version is the checkpoint's
     assert json.loads(run_cli("pull", store, tmp_path / "dest", "--version", "3", "--json", check=0).stdout)["version"] == 3
     assert run_cli("pull", store, tmp_path / "dest", "-v", "3").returncode == 2  # no -v anywhere
+
+
+def test_pull_no_recycle_leaves_the_oldest_version_to_its_readers(tmp_path, maker):
+    """`deltafs pull` rewrites the files of the version that falls out of the kept two; --no-recycle writes new
+    files, so a process that still has the old file open keeps reading the old bytes."""
+    store, dest = tmp_path / "store", tmp_path / "dest"
+    sources = []
+    for _ in range(4):
+        sources.append(maker.write())
+        run_cli("push", sources[-1], store, "-q", check=0)
+        maker.advance()
+    readers = {}
+    for version, flag in ((3, ["--no-recycle"]), (4, [])):
+        run_cli("pull", store, dest, "--version", str(version - 2), "-q", check=0)
+        run_cli("pull", store, dest, "--version", str(version - 1), "-q", check=0)
+        oldest = sorted(p for p in os.listdir(f"{dest}.deltafs") if p.startswith(f"v{version - 2:010d}-")
+                        and not p.endswith(".json"))[0]
+        fd = os.open(os.path.join(f"{dest}.deltafs", oldest, "model.safetensors"), os.O_RDONLY)
+        try:
+            run_cli("pull", store, dest, "--version", str(version), "-q", *flag, check=0)
+            readers[version] = os.pread(fd, 1 << 20, 0)
+        finally:
+            os.close(fd)
+        assert files_of(dest) == files_of(sources[version - 1])
+    assert readers[3] == files_of(sources[0])["model.safetensors"]  # --no-recycle: the reader kept version 1
+    assert readers[4] == files_of(sources[3])["model.safetensors"]  # default: version 2's file became version 4

@@ -1,0 +1,201 @@
+"""An update pull writes into the files of the version it would otherwise delete, and never into anything else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from deltafs.maintenance.verify import verify
+from deltafs.read.dest import LocalCheckpoint
+from deltafs.read.pull import local_version, pull
+from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import CheckpointMaker, files_of
+
+from tests.read.test_crash import DRIVER
+
+
+def _versions(tmp_path, n: int, **kw):
+    """n versions pushed to a store; their source directories in order."""
+    store = str(tmp_path / "store")
+    Repository.open(store, create=True, chunk_bytes=kw.pop("chunk_bytes", 4 << 10))
+    maker = CheckpointMaker(str(tmp_path / "src"), seed=7, **kw)
+    sources = []
+    for _ in range(n):
+        sources.append(maker.write())
+        from deltafs.publish import push
+
+        push(store, sources[-1])
+        maker.advance()
+    return store, sources
+
+
+def _make_oldest(version_dir: str) -> None:
+    """Editing a version directory makes it the newest by mtime, which cleanup and recycling go by: undo that."""
+    os.utime(version_dir, (1_000_000_000, 1_000_000_000))
+
+
+def _inodes(version_dir: str) -> dict[str, int]:
+    out = {}
+    for top, _dirs, files in os.walk(version_dir):
+        for name in files:
+            full = os.path.join(top, name)
+            out[os.path.relpath(full, version_dir)] = os.lstat(full).st_ino
+    return out
+
+
+def test_pull_rewrites_the_version_it_would_delete(tmp_path):
+    store, src = _versions(tmp_path, 3)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    v1 = local_version(dest).path
+    before = _inodes(v1)
+    pull(store, dest, version=2)
+    v2 = local_version(dest).path
+    v2_files = files_of(dest)
+    res = pull(store, dest, version=3, keep=2)
+    assert files_of(dest) == files_of(src[2])
+    assert not os.path.exists(v1)  # it became version 3
+    assert sorted(os.listdir(dest + ".deltafs")) == sorted(
+        [os.path.basename(v2), os.path.basename(v2) + ".json", os.path.basename(res.path),
+         os.path.basename(res.path) + ".json", "lock"])
+    after = _inodes(res.path)
+    # The weights file of version 1 (one link, changed in every version) now holds version 3.
+    assert after["model.safetensors"] == before["model.safetensors"]
+    # Version 2 is untouched, including the files it shares with version 1 by hard link (config.json).
+    assert os.stat(os.path.join(v2, "config.json")).st_nlink >= 1
+    assert files_of(v2) == v2_files
+    assert verify(store, local=dest).ok
+
+
+@pytest.mark.parametrize("recycle", [True, False])
+def test_a_reader_of_the_oldest_version_sees_what_recycle_says(tmp_path, recycle):
+    """With recycle, an open file of the version that falls out of `keep` changes under its reader; without, the
+    reader keeps the old bytes (the file is deleted, not rewritten)."""
+    store, src = _versions(tmp_path, 3)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    v1 = local_version(dest).path
+    v1_weights = files_of(v1)["model.safetensors"]
+    pull(store, dest, version=2)
+    fd = os.open(os.path.join(v1, "model.safetensors"), os.O_RDONLY)
+    try:
+        pull(store, dest, version=3, recycle=recycle)
+        data = os.pread(fd, 1 << 20, 0)
+    finally:
+        os.close(fd)
+    assert files_of(dest) == files_of(src[2])
+    assert data == (files_of(src[2])["model.safetensors"] if recycle else v1_weights)
+    assert len(LocalCheckpoint(dest).version_dirs()) == 2
+
+
+def test_the_current_version_is_never_rewritten(tmp_path):
+    """keep=1 removes the previous version after the install; it is also the delta's base, so it is not reused."""
+    store, src = _versions(tmp_path, 3)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1, keep=1)
+    pull(store, dest, version=2, keep=1)
+    v2 = local_version(dest).path
+    v2_files = files_of(v2)
+    ino = _inodes(v2)
+    fd = os.open(os.path.join(v2, "model.safetensors"), os.O_RDONLY)  # an engine still reading it
+    try:
+        pull(store, dest, version=3, keep=1)
+        assert files_of(dest) == files_of(src[2])
+        assert os.fstat(fd).st_ino == ino["model.safetensors"]
+        data = os.pread(fd, 1 << 20, 0)
+    finally:
+        os.close(fd)
+    assert data == v2_files["model.safetensors"]  # the open file kept version 2's bytes
+    assert len(LocalCheckpoint(dest).version_dirs()) == 1
+
+
+def test_planted_links_and_extra_files_in_the_old_version_are_not_followed(tmp_path):
+    store, src = _versions(tmp_path, 3, shards=2)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    v1 = local_version(dest).path
+    pull(store, dest, version=2)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"do not touch")
+    victim_dir = tmp_path / "victim-dir"
+    victim_dir.mkdir()
+    # Every file of version 1 replaced by a symlink out of it, its subdirectory too, plus a stray file.
+    for name in os.listdir(v1):
+        full = os.path.join(v1, name)
+        if os.path.isfile(full) and not os.path.islink(full):
+            os.unlink(full)
+            os.symlink(outside, full)
+    os.rename(os.path.join(v1, "tokenizer"), os.path.join(v1, "tokenizer-real"))
+    os.symlink(victim_dir, os.path.join(v1, "tokenizer"))
+    with open(os.path.join(v1, "stray.txt"), "w") as fh:
+        fh.write("left by someone")
+    _make_oldest(v1)
+    res = pull(store, dest, version=3)
+    assert files_of(dest) == files_of(src[2])
+    assert outside.read_bytes() == b"do not touch"
+    assert os.listdir(victim_dir) == []
+    assert not os.path.exists(os.path.join(res.path, "stray.txt"))
+    assert not os.path.exists(os.path.join(res.path, "tokenizer-real"))
+    assert verify(store, local=dest).ok
+
+
+def test_a_file_shared_by_hard_link_with_a_kept_version_is_not_written(tmp_path):
+    store, src = _versions(tmp_path, 3)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    v1 = local_version(dest).path
+    pull(store, dest, version=2)
+    v2 = local_version(dest).path
+    # As if a tool had deduplicated the two versions: version 1's weights are a hard link of version 2's.
+    os.unlink(os.path.join(v1, "model.safetensors"))
+    os.link(os.path.join(v2, "model.safetensors"), os.path.join(v1, "model.safetensors"))
+    _make_oldest(v1)
+    v2_files = files_of(v2)
+    pull(store, dest, version=3)
+    assert files_of(dest) == files_of(src[2])
+    assert files_of(v2) == v2_files
+
+
+def test_old_version_sizes_differ(tmp_path):
+    """The recycled files are longer or shorter than the new ones: truncated or extended to the exact size."""
+    store, src = _versions(tmp_path, 2)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    v1 = local_version(dest).path
+    pull(store, dest, version=2)
+    with open(os.path.join(v1, "model.safetensors"), "ab") as fh:
+        fh.write(b"\xff" * 100_000)  # longer than any new file
+    with open(os.path.join(v1, "tokenizer", "tokenizer.json"), "r+b") as fh:  # its own file (changes every step)
+        fh.truncate(3)
+    _make_oldest(v1)
+    maker = CheckpointMaker(str(tmp_path / "src3"), seed=8)
+    third = maker.write()
+    from deltafs.publish import push
+
+    push(store, third)
+    pull(store, dest)
+    assert files_of(dest) == files_of(third)
+    assert verify(store, local=dest).ok
+
+
+@pytest.mark.parametrize("count", [0, 3])
+def test_pull_killed_while_rewriting_an_old_version(tmp_path, count):
+    store, src = _versions(tmp_path, 3)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    pull(store, dest, version=2)
+    v2 = local_version(dest).path
+    proc = subprocess.run([sys.executable, "-c", DRIVER, "fetch", str(count), "pull", store, dest, "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    state = local_version(dest)
+    assert state.version == 2 and state.path == v2  # DEST never pointed at the half-written directory
+    assert files_of(dest) == files_of(src[1])
+    assert verify(store, local=dest).ok
+    res = pull(store, dest)
+    assert res.version == 3 and files_of(dest) == files_of(src[2])
+    assert not [n for n in os.listdir(dest + ".deltafs") if n.startswith("staging-")]
