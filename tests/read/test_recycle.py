@@ -33,6 +33,16 @@ def _versions(tmp_path, n: int, **kw):
     return store, sources
 
 
+def _at_version_2(tmp_path, n: int = 3, **kw):
+    """A store of n versions and a DEST that pulled 1 then 2: (store, sources, dest, v1 dir, v2 dir)."""
+    store, src = _versions(tmp_path, n, **kw)
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    v1 = local_version(dest).path
+    pull(store, dest, version=2)
+    return store, src, dest, v1, local_version(dest).path
+
+
 def _make_oldest(version_dir: str) -> None:
     """Editing a version directory makes it the newest by mtime, which cleanup and recycling go by: undo that."""
     os.utime(version_dir, (1_000_000_000, 1_000_000_000))
@@ -48,13 +58,8 @@ def _inodes(version_dir: str) -> dict[str, int]:
 
 
 def test_pull_rewrites_the_version_it_would_delete(tmp_path):
-    store, src = _versions(tmp_path, 3)
-    dest = str(tmp_path / "dest")
-    pull(store, dest, version=1)
-    v1 = local_version(dest).path
+    store, src, dest, v1, v2 = _at_version_2(tmp_path)
     before = _inodes(v1)
-    pull(store, dest, version=2)
-    v2 = local_version(dest).path
     v2_files = files_of(dest)
     res = pull(store, dest, version=3, keep=2)
     assert files_of(dest) == files_of(src[2])
@@ -75,12 +80,8 @@ def test_pull_rewrites_the_version_it_would_delete(tmp_path):
 def test_a_reader_of_the_oldest_version_sees_what_recycle_says(tmp_path, recycle):
     """With recycle, an open file of the version that falls out of `keep` changes under its reader; without, the
     reader keeps the old bytes (the file is deleted, not rewritten)."""
-    store, src = _versions(tmp_path, 3)
-    dest = str(tmp_path / "dest")
-    pull(store, dest, version=1)
-    v1 = local_version(dest).path
+    store, src, dest, v1, _v2 = _at_version_2(tmp_path)
     v1_weights = files_of(v1)["model.safetensors"]
-    pull(store, dest, version=2)
     fd = os.open(os.path.join(v1, "model.safetensors"), os.O_RDONLY)
     try:
         pull(store, dest, version=3, recycle=recycle)
@@ -114,11 +115,7 @@ def test_the_current_version_is_never_rewritten(tmp_path):
 
 
 def test_planted_links_and_extra_files_in_the_old_version_are_not_followed(tmp_path):
-    store, src = _versions(tmp_path, 3, shards=2)
-    dest = str(tmp_path / "dest")
-    pull(store, dest, version=1)
-    v1 = local_version(dest).path
-    pull(store, dest, version=2)
+    store, src, dest, v1, _v2 = _at_version_2(tmp_path, shards=2)
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"do not touch")
     victim_dir = tmp_path / "victim-dir"
@@ -144,12 +141,7 @@ def test_planted_links_and_extra_files_in_the_old_version_are_not_followed(tmp_p
 
 
 def test_a_file_shared_by_hard_link_with_a_kept_version_is_not_written(tmp_path):
-    store, src = _versions(tmp_path, 3)
-    dest = str(tmp_path / "dest")
-    pull(store, dest, version=1)
-    v1 = local_version(dest).path
-    pull(store, dest, version=2)
-    v2 = local_version(dest).path
+    store, src, dest, v1, v2 = _at_version_2(tmp_path)
     # As if a tool had deduplicated the two versions: version 1's weights are a hard link of version 2's.
     os.unlink(os.path.join(v1, "model.safetensors"))
     os.link(os.path.join(v2, "model.safetensors"), os.path.join(v1, "model.safetensors"))
@@ -162,11 +154,7 @@ def test_a_file_shared_by_hard_link_with_a_kept_version_is_not_written(tmp_path)
 
 def test_old_version_sizes_differ(tmp_path):
     """The recycled files are longer or shorter than the new ones: truncated or extended to the exact size."""
-    store, src = _versions(tmp_path, 2)
-    dest = str(tmp_path / "dest")
-    pull(store, dest, version=1)
-    v1 = local_version(dest).path
-    pull(store, dest, version=2)
+    store, src, dest, v1, _v2 = _at_version_2(tmp_path, 2)
     with open(os.path.join(v1, "model.safetensors"), "ab") as fh:
         fh.write(b"\xff" * 100_000)  # longer than any new file
     with open(os.path.join(v1, "tokenizer", "tokenizer.json"), "r+b") as fh:  # its own file (changes every step)
@@ -184,11 +172,7 @@ def test_old_version_sizes_differ(tmp_path):
 
 @pytest.mark.parametrize("count", [0, 3])
 def test_pull_killed_while_rewriting_an_old_version(tmp_path, count):
-    store, src = _versions(tmp_path, 3)
-    dest = str(tmp_path / "dest")
-    pull(store, dest, version=1)
-    pull(store, dest, version=2)
-    v2 = local_version(dest).path
+    store, src, dest, _v1, v2 = _at_version_2(tmp_path)
     proc = subprocess.run([sys.executable, "-c", DRIVER, "fetch", str(count), "pull", store, dest, "-q"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL
