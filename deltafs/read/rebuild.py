@@ -497,10 +497,8 @@ def _open_for_rewrite(path: str) -> int:
         fd = os.open(path, flags)
     except FileNotFoundError:
         return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        fd = -1
+    except OSError:
+        fd = -1  # a link (ELOOP), a file made read-only, a directory: replaced below
     if fd >= 0:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
