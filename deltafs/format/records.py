@@ -12,13 +12,19 @@ import itertools
 import json
 import os
 import re
-import socket
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from deltafs.errors import FormatError
 from deltafs.format.keys import is_valid_version
+
+
+def hostname() -> str:
+    """This host's name (socket is imported here: most commands never need it, and it costs ~4 ms to load)."""
+    import socket
+
+    return socket.gethostname()
 
 # Size limits of control files, in bytes (stored and, for compressed manifests, decoded).
 HEAD_MAX_BYTES = 4 << 10
@@ -182,7 +188,7 @@ class LockRecord:
 
     @classmethod
     def mine(cls, owner: str, purpose: str) -> LockRecord:
-        return cls(owner, socket.gethostname(), os.getpid(), time.time(), purpose)
+        return cls(owner, hostname(), os.getpid(), time.time(), purpose)
 
     def to_bytes(self) -> bytes:
         return canonical_json({"format": LOCK_FORMAT, "owner": self.owner, "host": self.host, "pid": self.pid,
@@ -249,7 +255,7 @@ class HostStatus:
     checksums: dict[str, str] = field(default_factory=dict)  # weight version -> loaded-weight checksum
     started_at: str = field(default_factory=utcnow)
     updated_at: str = field(default_factory=utcnow)
-    hostname: str = field(default_factory=socket.gethostname)
+    hostname: str = field(default_factory=hostname)
     pid: int = field(default_factory=os.getpid)
 
     def to_bytes(self) -> bytes:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import abc
 import builtins
-import asyncio
 import enum
 import errno
 import random
+import sys
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
@@ -95,6 +95,14 @@ _TRANSIENT_ERRNOS = {
 _BACKEND_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "fsspec", "s3fs", "gcsfs")
 
 
+def _asyncio_timeout() -> tuple[type[BaseException], ...]:
+    """asyncio's TimeoutError where it is its own class (Python 3.10) and asyncio is loaded (fsspec's async
+    backends load it); not importing asyncio here keeps it out of a local store's start-up."""
+    asyncio = sys.modules.get("asyncio")
+    timeout = getattr(asyncio, "TimeoutError", TimeoutError)
+    return () if timeout is TimeoutError else (timeout,)
+
+
 def classify(exc: BaseException) -> _Kind | None:
     """What kind of failure exc is; None for exceptions that are not storage errors (bugs)."""
     if isinstance(exc, DeltafsError):
@@ -102,7 +110,7 @@ def classify(exc: BaseException) -> _Kind | None:
     names = {cls.__name__ for cls in type(exc).__mro__}
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
         return _Kind.DENIED
-    if names & _TRANSIENT_NAMES or isinstance(exc, (TimeoutError, ConnectionError, asyncio.TimeoutError)):
+    if names & _TRANSIENT_NAMES or isinstance(exc, (TimeoutError, ConnectionError, *_asyncio_timeout())):
         return _Kind.TRANSIENT
     if isinstance(exc, FileExistsError):
         return _Kind.EXISTS

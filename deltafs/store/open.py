@@ -12,8 +12,6 @@ import logging
 import os
 from typing import Any
 
-import fsspec
-
 from deltafs.errors import StoreError, UsageError
 from deltafs.store.base import ObjectStore, RetryPolicy
 from deltafs.store.fsspec import FsspecObjectStore
@@ -61,6 +59,8 @@ def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:
 
     Anything the user set, in storage options or fsspec's config, wins.
     """
+    import fsspec  # only for remote stores: a local path never loads it (~45 ms of every CLI start)
+
     configured = {**fsspec.config.conf.get("s3", {}), **options}
     out = dict(options)
     # Listings are our source of truth for versions: never answer them from a cache.
@@ -111,6 +111,8 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
 
 
 def _filesystem(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:
+    import fsspec
+
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
         return fs, str(root)
