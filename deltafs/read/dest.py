@@ -331,6 +331,9 @@ class LocalCheckpoint:
                                  digest=manifest.digest, manifest_json=json.loads(manifest.to_bytes()),
                                  files=_file_stamps(staging, manifest))
         atomic_write(final + ".json", state)
+        # Versions are ordered by mtime (cleanup, recycling): a recycled directory whose files were all rewritten
+        # in place still has the mtime of the version it was, so the install dates it.
+        os.utime(staging)
         os.replace(staging, final)
         fsync_dir(self.sidecar)
         if os.path.lexists(self.dest) and not os.path.islink(self.dest):

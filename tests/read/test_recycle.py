@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from deltafs.maintenance.verify import verify
@@ -183,3 +184,24 @@ def test_pull_killed_while_rewriting_an_old_version(tmp_path, count):
     res = pull(store, dest)
     assert res.version == 3 and files_of(dest) == files_of(src[2])
     assert not [n for n in os.listdir(dest + ".deltafs") if n.startswith("staging-")]
+
+
+def test_keep_follows_pull_order_when_every_file_is_rewritten_in_place(tmp_path):
+    """A recycled directory keeps its old mtime unless the install refreshes it: cleanup (which goes by mtime)
+    would then take the newest version for the oldest and delete the previous one instead."""
+    from deltafs.publish import push
+    from deltafs.testing.checkpoints import random_bytes, write_safetensors
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    Repository.open(store, create=True, chunk_bytes=4 << 10)
+    rng = np.random.default_rng(11)
+    paths = {}
+    for v in range(1, 6):  # one file, every byte new: nothing is hard-linked, nothing pruned
+        src = tmp_path / f"src{v}"
+        write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (64, 64), random_bytes(rng, 64 * 64 * 4))})
+        push(store, str(src))
+        pull(store, dest, keep=2)
+        paths[v] = local_version(dest).path
+        kept = {os.path.basename(p) for p in LocalCheckpoint(dest).version_dirs()}
+        assert kept == {os.path.basename(paths[v])} | ({os.path.basename(paths[v - 1])} if v > 1 else set()), v
+        assert files_of(dest) == files_of(src)
