@@ -88,3 +88,26 @@ def test_no_chunk_cache_pulls_where_the_cache_does_not_fit(tmp_path, small_disk,
     assert _leftovers(disk) == []
     deltafs("pull", s3_url, dest, "--no-chunk-cache", "--storage-options", opts, check=0)
     assert files_of(dest) == files_of(src)
+
+
+def test_recycling_pulls_into_the_space_of_the_version_it_replaces(tmp_path, small_disk):
+    """A disk that holds two versions: the third pull fits by rewriting the oldest one; --no-recycle needs room
+    for a third copy first, fails with exit 12, and leaves DEST on its version with nothing half-written."""
+    store = str(tmp_path / "store")
+    rng = np.random.default_rng(5)
+    sources = []
+    for v in range(3):  # every byte new each version: nothing is shared by hard link
+        src = tmp_path / f"src{v}"
+        n = 6 * MiB // 4
+        write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (n,), random_bytes(rng, n * 4))})
+        push(store, str(src))
+        sources.append(src)
+    disk = small_disk(13 * MiB + MiB // 2)
+    dest = os.path.join(disk, "dest")
+    deltafs("pull", store, dest, "--version", "1", check=0)
+    deltafs("pull", store, dest, "--version", "2", check=0)
+    one_line(deltafs("pull", store, dest, "--no-recycle"), 12, "No space left", disk)
+    assert files_of(dest) == files_of(sources[1]) and _leftovers(disk) == []
+    deltafs("pull", store, dest, check=0)
+    assert files_of(dest) == files_of(sources[2]) and _leftovers(disk) == []
+    assert len([n for n in os.listdir(dest + ".deltafs") if n.startswith("v") and not n.endswith(".json")]) == 2
