@@ -272,8 +272,8 @@ class LocalCheckpoint:
         remove (the oldest such), or None if there is none.
 
         Its files are written over by the next build instead of being freed while the build allocates new
-        ones: writing into pages a file already has is about 3x cheaper than into new pages (tmpfs,
-        page cache; see docs/sync_bench.md, "Round 4"). Never the version DEST points to (the delta's base,
+        ones: writing into pages a file already has is about 3x cheaper than into new pages (tmpfs;
+        see docs/sync_bench.md, "Round 4"). Never the version DEST points to (the delta's base,
         and what engines load) nor one of the keep - 1 newest by mtime (what the watcher touches to protect
         the version its engine serves). Only regular files with one link whose path the next version has
         stay; everything else in it (other files, symlinks, hard-linked files shared with other versions,
