@@ -399,6 +399,12 @@ class LocalCheckpoint:
                       if VERSION_DIR.match(n) and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode))
 
 
+def rewritable(st: os.stat_result) -> bool:
+    """Whether a pull may write a new version into this file in place: a regular file with no other name (a hard
+    link shared with a kept version would change that version too)."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
 def _prune_for_reuse(root: str, paths: set[str]) -> None:
     """Leave in root only real directories and regular files with one link whose relative path is in paths."""
     for top, dirs, files in os.walk(root, topdown=False):  # never follows links; children before parents
@@ -408,7 +414,7 @@ def _prune_for_reuse(root: str, paths: set[str]) -> None:
             if stat.S_ISDIR(st.st_mode):
                 with contextlib.suppress(OSError):
                     os.rmdir(full)  # only if empty: it holds a file of the next version otherwise
-            elif not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and os.path.relpath(full, root) in paths):
+            elif not (rewritable(st) and os.path.relpath(full, root) in paths):
                 os.unlink(full)  # another version shares it (hard link), or a link, socket, stray file
 
 

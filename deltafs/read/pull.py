@@ -118,9 +118,10 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             else:
                 state = None  # same number, other contents (store rewritten): rebuild
         chain = None
+        recycle_keep = keep if recycle else 0
         try:
             chain = _plan(repo, target, state, repaired is not None)
-            path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, keep if recycle else 0)
+            path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, recycle_keep)
             fallback = False
         except (LocalBaseError, IntegrityError, ObjectNotFoundError) as exc:
             if state is None and (chain is None or chain.final is None):
@@ -130,7 +131,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             log.warning(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
             chain = plan_chain(repo, target, None)
             try:
-                path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, keep if recycle else 0)
+                path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, recycle_keep)
             except (IntegrityError, ObjectNotFoundError) as exc2:
                 raise _name_version(exc2, target) from None
             fallback = True

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import hashlib
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from collections.abc import Callable, Generator, Iterator
@@ -31,7 +30,7 @@ from deltafs.format import digests
 from deltafs.format.manifest import DELTA_CODECS, ChunkRef, FileEntry, Segment
 from deltafs.parallel import ordered_map
 from deltafs.read.chain import Chain
-from deltafs.read.dest import file_digest_on_disk, segment_digest_on_disk
+from deltafs.read.dest import file_digest_on_disk, rewritable, segment_digest_on_disk
 from deltafs.store.repo import Repository
 
 
@@ -498,10 +497,9 @@ def _open_for_rewrite(path: str) -> int:
     except FileNotFoundError:
         return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError:
-        fd = -1  # a link (ELOOP), a file made read-only, a directory: replaced below
-    if fd >= 0:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        pass  # a link (ELOOP), a file made read-only, a directory: replaced below
+    else:
+        if rewritable(os.fstat(fd)):
             return fd
         os.close(fd)
     os.unlink(path)  # a link, or a file another name shares: writing into it would change that one too
@@ -514,7 +512,7 @@ def _reusable_bytes(out_dir: str, f: FileEntry) -> int:
         st = os.lstat(os.path.join(out_dir, f.path))
     except OSError:
         return 0
-    return min(st.st_size, f.size) if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+    return min(st.st_size, f.size) if rewritable(st) else 0
 
 
 def _check_space(out_dir: str, need: int) -> None:
