@@ -616,7 +616,8 @@ def prepare_deltafs(ds: Path) -> None:
         (pull_t / "done").write_text(mark)
 
 
-def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, Any]:
+def bench_dataset(args: argparse.Namespace, name: str, work: Path,
+                  on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     ds, info = prepare_dataset(args, name, work)
     size = info["checkpoint_bytes"]
     base, new = ds / "base", ds / "new"
@@ -649,6 +650,8 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
         r = min(runs, key=lambda x: x.get("out", {}).get("seconds", x["wall_s"]))
         r["seconds"] = r.get("out", {}).get("seconds", r["wall_s"])
         rows[key] = r
+        if on_row is not None:  # the rows so far, in case the run is cut short (a time-limited machine)
+            on_row({"dataset": info, "checkpoint_bytes": size, "rows": rows, "partial": True})
         print(f"[sync-bench] {name} {key}: {r['seconds']:.3f} s (process {r['wall_s']:.2f} s, "
               f"rss {r['max_rss'] / 2**20:.0f} MiB)", file=sys.stderr)
 
@@ -699,9 +702,12 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path) -> dict[str, 
             p = pull_run()
             return run_worker("api_pull", store=str(p / "store"), dest=str(p / "dest"), threads=t, recycle=recycle)
 
-        best(f"deltafs push (CLI) t{t}", one_cli_push, drop=("push",))
+        if not args.no_cli:
+            best(f"deltafs push (CLI) t{t}", one_cli_push, drop=("push",))
         best(f"deltafs push (API) t{t}", one_api_push, drop=("push",))
-        best(f"deltafs pull (CLI) t{t}", one_cli_pull, lambda: same_tree(new, run_dir / "pull" / "dest"), drop=("pull",))
+        if not args.no_cli:
+            best(f"deltafs pull (CLI) t{t}", one_cli_pull, lambda: same_tree(new, run_dir / "pull" / "dest"),
+                 drop=("pull",))
         best(f"deltafs pull (API) t{t}", one_api_pull, lambda: same_tree(new, run_dir / "pull" / "dest"), drop=("pull",))
         best(f"deltafs pull (API, new files) t{t}", lambda: one_api_pull(recycle=False),
              lambda: same_tree(new, run_dir / "pull" / "dest"), drop=("pull",))
@@ -721,8 +727,12 @@ def machine() -> dict[str, Any]:
 def slime_commit(slime_dir: str | None) -> str | None:
     if not slime_dir:
         return None
-    r = subprocess.run(["git", "-C", slime_dir, "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = r.stdout.strip() if r.returncode == 0 else "unknown (not a git checkout)"
+    stamp = Path(slime_dir) / "COMMIT"  # the three files alone, as benchmarks/device_prepare.sh copies them
+    if stamp.is_file():
+        commit = stamp.read_text().strip()
+    else:
+        r = subprocess.run(["git", "-C", slime_dir, "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = r.stdout.strip() if r.returncode == 0 else "unknown (not a git checkout)"
     if commit != SLIME_COMMIT_DOCUMENTED:
         print(f"[sync-bench] note: slime at {commit}; docs/sync_bench.md used {SLIME_COMMIT_DOCUMENTED}",
               file=sys.stderr)
@@ -872,8 +882,14 @@ def cmd_run(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"machine": machine(), "slime_commit": slime_commit(args.slime_dir),
                                "args": {k: v for k, v in vars(args).items() if k != "func"}, "datasets": {},
                                "bytecode": precompile()}
+
+    def save_partial(name: str, partial: dict[str, Any]) -> None:
+        if args.out:
+            results["datasets"][name] = partial
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
     for name in args.datasets.split(","):
-        results["datasets"][name] = bench_dataset(args, name, work)
+        results["datasets"][name] = bench_dataset(args, name, work, lambda p, name=name: save_partial(name, p))
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
     results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -932,6 +948,7 @@ def main() -> None:
     r.add_argument("--warm-gib", type=float, help="GiB of memory touched and freed before every measured step "
                    "(see warm_pages; default twice the checkpoint plus 0.5; 0: off)")
     r.add_argument("--keep", action="store_true", help="keep the scratch directory at the end")
+    r.add_argument("--no-cli", action="store_true", help="skip the CLI rows (the API rows time the same work)")
     r.add_argument("--out", help="write all results as JSON here")
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("report", help="print the markdown tables of a --out JSON again")
