@@ -4,6 +4,10 @@
    put large buffers 16 bytes past one; deltafs.buffers aligns them to the page).
 2. pwrite of a chunk into a file: into pages the file already has (a recycled version's, deltafs.read.dest) or into
    a new file whose pages are allocated by the write (a fresh staging directory).
+3. A pull's copy of a version into a recycled file, chunk by chunk: read the base chunk, change 1.3% of its
+   2-byte elements, hash it (xxh3-128), write it; then fsync. Done as deltafs does it (pread into an aligned
+   buffer, pwrite), with the output file memory-mapped (pread straight into the mapping, no pwrite), and with
+   both files mapped (a memory copy between the mappings).
 
     python benchmarks/io_paths.py --dir /dev/shm/io-paths --json docs/io_paths.json
 
@@ -41,6 +45,56 @@ def at_offset(size: int, offset: int) -> np.ndarray:
     out = raw[start:start + size]
     out[:] = 1  # pages present: only the copy is timed
     return out
+
+
+def pull_copy_rates(src_fd: int, out: Path, chunk: int, total: int, repeat: int) -> dict[str, float]:
+    """GB/s of the three ways (module docstring, 3) to copy src into the existing file out with a sparse change."""
+    import mmap
+
+    import xxhash
+
+    rng = np.random.default_rng(1)
+    pos = np.sort(rng.choice(chunk // 2, size=int(chunk // 2 * 0.013), replace=False))
+    vals = rng.integers(0, 1 << 16, size=pos.size, dtype=np.uint16)
+    buf = at_offset(chunk, 0)
+
+    def change_and_hash(view: np.ndarray) -> None:
+        view.view(np.uint16)[pos] = vals
+        xxhash.xxh3_128_digest(view)
+
+    def with_pwrite() -> None:
+        wfd = os.open(out, os.O_WRONLY)
+        try:
+            for p in range(0, total, chunk):
+                os.preadv(src_fd, [buf.data], p)
+                change_and_hash(buf)
+                os.pwrite(wfd, buf.data, p)
+            os.fsync(wfd)
+        finally:
+            os.close(wfd)
+
+    def mapped(src_too: bool) -> None:
+        wfd = os.open(out, os.O_RDWR)
+        try:
+            os.posix_fallocate(wfd, 0, total)  # a hole written through a mapping would SIGBUS on a full disk
+            with mmap.mmap(wfd, total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as m, \
+                    mmap.mmap(src_fd, total, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as sm:
+                dst, src = np.frombuffer(m, np.uint8), np.frombuffer(sm, np.uint8)
+                for p in range(0, total, chunk):
+                    view = dst[p:p + chunk]
+                    if src_too:
+                        np.copyto(view, src[p:p + chunk])
+                    else:
+                        os.preadv(src_fd, [view.data], p)
+                    change_and_hash(view)
+                del dst, src, view
+            os.fsync(wfd)
+        finally:
+            os.close(wfd)
+
+    return {"pread, pwrite (deltafs)": round(best_rate(total, repeat, with_pwrite), 2),
+            "pread into a mapped output": round(best_rate(total, repeat, lambda: mapped(False)), 2),
+            "both files mapped, memory copy": round(best_rate(total, repeat, lambda: mapped(True)), 2)}
 
 
 def main() -> None:
@@ -93,6 +147,7 @@ def main() -> None:
     write_all(out, os.O_CREAT)
     res["pwrite_GBps"]["existing file, same size (pages reused)"] = round(
         best_rate(total, args.repeat, lambda: write_all(out, 0)), 2)
+    res["pull_copy_GBps"] = pull_copy_rates(fd, out, chunk, total, args.repeat)
     os.close(fd)
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(res, indent=1))
