@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import posixpath
 import re
 import threading
@@ -314,7 +315,8 @@ class Manifest:
         known = _known(lambda man: man.to_bytes() == data)
         if known is not None:
             return known
-        return cls.from_parsed(load_json(data, where, max_bytes=MANIFEST_MAX_BYTES), where=where)
+        raw = load_json(data, where, max_bytes=MANIFEST_MAX_BYTES)
+        return _remember(cls._check_parsed(raw, where, text=bytes(data)))
 
     @classmethod
     def embedded_in(cls, text: bytes, digest: Any) -> Manifest | None:
@@ -332,19 +334,48 @@ class Manifest:
     def checked(self) -> Manifest:
         """This manifest, built by this process (a push's), after the checks a parsed one gets: its digest is its
         body's and it keeps every invariant (validate); remembered, so its bytes read back are not parsed again."""
-        return _remember(self._verified(f"manifest of version {self.version}"))
+        # The canonical JSON is encoded here once, fresh from the fields, and serves both the digest check and
+        # every later to_bytes() (commit, broadcast, install): one encode instead of two.
+        text = self._canonical
+        return _remember(self._verified(f"manifest of version {self.version}", self._text_hash_matches(text)))
 
     @classmethod
-    def _check_parsed(cls, raw: Any, where: str) -> Manifest:
+    def _check_parsed(cls, raw: Any, where: str, text: bytes | None = None) -> Manifest:
+        """A manifest from parsed JSON, checked; text: the JSON it was parsed from, when there is one."""
         try:
             man = cls._from_json(raw)
         except FormatError as exc:
             raise FormatError(f"{where}: {exc}") from None
-        return man._verified(where)
+        matched = text is not None and man._text_hash_matches(text)
+        man = man._verified(where, matched)
+        if matched:
+            man.__dict__["_canonical"] = text  # what to_bytes() would encode again (install embeds it)
+        return man
 
-    def _verified(self, where: str) -> Manifest:
-        """self, if its digest field is the hash of its body and it keeps every invariant; else FormatError."""
-        if self.digest != "sha256:" + sha256_hex(canonical_json(self.body())):
+    def _text_hash_matches(self, text: bytes) -> bool:
+        """Whether text, without its top-level digest member, hashes to the digest field.
+
+        For the JSON a writer produced (canonical: sorted keys, no whitespace) that text is exactly the canonical
+        JSON of the body, so the check needs no encoding: about a third of what checking a manifest costs
+        (~10 us per chunk record, ~0.5 s for a 70B model's 35,000). The keys before "digest" are "chunk_bytes"
+        (a number) and "created" (a string, which cannot hold an unescaped quote), so the first ',"digest":'
+        is the member itself. Text written any other way fails here and is checked by encoding instead.
+        """
+        member = b',"digest":' + json.dumps(self.digest, ensure_ascii=False).encode() + b","
+        at = text.find(member)
+        if at < 0:
+            return False
+        view = memoryview(text)
+        h = hashlib.sha256(view[:at + 1])
+        h.update(view[at + len(member):])
+        return "sha256:" + h.hexdigest() == self.digest
+
+    def _verified(self, where: str, text_matched: bool = False) -> Manifest:
+        """self, if its digest field is the hash of its body and it keeps every invariant; else FormatError.
+
+        text_matched: the digest was already found to be the hash of the body's canonical JSON taken from a text
+        of the whole manifest (_text_hash_matches); otherwise the body is encoded here and hashed."""
+        if not text_matched and self.digest != "sha256:" + sha256_hex(canonical_json(self.body())):
             raise FormatError(f"{where}: digest field does not match its contents (corrupt or edited)")
         try:
             validate(self)

@@ -60,3 +60,51 @@ def test_a_manifest_built_here_is_checked_before_it_counts_as_known(tmp_path):
         replace(built, metadata={"step": 8}).checked()  # not resealed: its digest is the other body's
     with pytest.raises(FormatError, match="parent and parent_digest"):
         replace(built, parent=None, parent_digest="sha256:" + "0" * 64).seal().checked()
+
+
+def _forget_checked() -> None:
+    from deltafs.format import manifest as mod
+
+    with mod._CHECKED_LOCK:
+        mod._CHECKED.clear()
+
+
+def test_a_canonical_manifest_is_checked_without_encoding_it_again(tmp_path, monkeypatch):
+    """The stored JSON of a manifest, less its digest member, is the body's canonical JSON: its hash is checked
+    directly, and the stored bytes are what to_bytes() gives back (no encode for the digest or the install)."""
+    from deltafs.format import manifest as mod
+
+    data = _stored_manifest(tmp_path)
+    _forget_checked()
+    calls = []
+    real = mod.canonical_json
+    monkeypatch.setattr(mod, "canonical_json", lambda obj: calls.append(1) or real(obj))
+    man = Manifest.from_bytes(data)
+    assert calls == [] and man.to_bytes() == data
+    # JSON written another way (a space, members in another order) is checked by encoding its body.
+    _forget_checked()
+    spaced = Manifest.from_bytes(data.replace(b'"version":', b'"version": ', 1))
+    assert calls and spaced.digest == man.digest and spaced.to_bytes() == data
+    _forget_checked()
+    calls.clear()
+    member = b',"digest":"' + man.digest.encode() + b'"'
+    moved = data.replace(member, b"", 1)[:-1] + member + b"}"
+    assert Manifest.from_bytes(moved).digest == man.digest and calls
+
+
+@pytest.mark.parametrize("edit", ["chunk size", "object id", "version", "a duplicate key after the digest"])
+def test_an_edit_anywhere_in_a_canonical_manifest_is_refused(tmp_path, edit):
+    data = _stored_manifest(tmp_path)
+    _forget_checked()
+    if edit == "chunk size":
+        edited = data.replace(b'"size":8192', b'"size":8190', 1)
+    elif edit == "object id":
+        at = data.index(b'"object":"') + len(b'"object":"')
+        edited = data[:at] + (b"0" if data[at:at + 1] != b"0" else b"1") + data[at + 1:]
+    elif edit == "version":
+        edited = data.replace(b'"version":1}', b'"version":2}')
+    else:
+        edited = data[:-1] + b',"kind":"delta"}'  # JSON keeps the last of duplicate keys
+    assert edited != data
+    with pytest.raises(FormatError):
+        Manifest.from_bytes(edited)

@@ -1,0 +1,88 @@
+"""What a push and a pull spend on one manifest of a large model, by step: a synthetic manifest of N chunk records.
+
+    python benchmarks/manifest_scale.py --records 35000 --rounds 3
+
+A 70B model in 4 MiB chunks has ~35,000 chunk records per version (a 1T model ~500,000). The manifest here is one
+safetensors file of tensors of 32 chunks, each chunk a sparse-codec record like a trainer step's. Timed, least of
+--rounds: a push's `seal()` (digest), `checked()` (digest again and the invariants) and `to_bytes()` (the canonical
+JSON it commits and installs), `encode()` (the zstd frame), and a pull's `Manifest.decode()` of the stored bytes in
+a process that has not seen them (parse, build, digest, invariants), then its `to_bytes()` (the JSON the install
+embeds in DEST's state record).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+
+from deltafs.format import manifest as mod
+from deltafs.format.manifest import ChunkRef, FileEntry, Manifest, Segment
+
+PER_TENSOR = 32
+CHUNK = 4 << 20
+
+
+def synthetic(records: int) -> Manifest:
+    codec = {"name": "sparse", "width": 2, "split": 0, "frames": [5000, 20000, 3300, 80, 190, 300, 300],
+             "groups": [{"count": 27000, "rice": 6, "unary": 7000, "big": 300, "big_rice": 5, "big_unary": 80}]}
+    header = 8 + 4096
+    segs = [Segment("h:model.safetensors", "header", 0, header, "xxh3-tree:" + "ef" * 16,
+                    (ChunkRef(0, header, {"name": "same"}, None, 0),))]
+    off = header
+    for t in range(max(1, records // PER_TENSOR)):
+        chunks = tuple(ChunkRef(i, CHUNK, dict(codec), hashlib.sha256(f"{t}-{i}".encode()).hexdigest(), 31000)
+                       for i in range(PER_TENSOR))
+        segs.append(Segment(f"t:model.layers.{t}.mlp.weight", "tensor", off, PER_TENSOR * CHUNK,
+                            "xxh3-tree:" + "ab" * 16, chunks, "BF16", (PER_TENSOR * CHUNK // 2,)))
+        off += PER_TENSOR * CHUNK
+    f = FileEntry("model.safetensors", off, "xxh3-tree:" + "cd" * 16, "safetensors", tuple(segs))
+    return Manifest(store_id="0" * 32, version=2, parent=1, parent_digest="sha256:" + "0" * 64, kind="delta",
+                    chunk_bytes=CHUNK, created="2026-12-01T00:00:00.000000Z", files=(f,), metadata={}, stats={})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=35000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    base = synthetic(args.records)
+    best: dict[str, float] = {}
+    size = (0, 0)
+    for _ in range(args.rounds):
+        with mod._CHECKED_LOCK:
+            mod._CHECKED.clear()
+        times = {}
+        t = time.perf_counter()
+        man = base.seal()
+        times["push: seal()"] = time.perf_counter() - t
+        t = time.perf_counter()
+        man.checked()
+        times["push: checked()"] = time.perf_counter() - t
+        t = time.perf_counter()
+        text = man.to_bytes()
+        times["push: to_bytes()"] = time.perf_counter() - t
+        t = time.perf_counter()
+        stored = man.encode()
+        times["push: encode() (zstd)"] = time.perf_counter() - t
+        with mod._CHECKED_LOCK:
+            mod._CHECKED.clear()
+        t = time.perf_counter()
+        pulled = Manifest.decode(stored)
+        times["pull: decode() in a new process"] = time.perf_counter() - t
+        t = time.perf_counter()
+        pulled.to_bytes()
+        times["pull: to_bytes() (the DEST state record embeds it)"] = time.perf_counter() - t
+        size = (len(text), len(stored))
+        for k, v in times.items():
+            best[k] = min(best.get(k, v), v)
+    print(f"{args.records} chunk records: canonical JSON {size[0] / 1e6:.1f} MB, stored {size[1] / 1e6:.2f} MB")
+    print("| step | seconds |\n|---|---|")
+    for k, v in best.items():
+        print(f"| {k} | {v:.3f} |")
+    for side in ("push", "pull"):
+        print(f"| {side} total | {sum(v for k, v in best.items() if k.startswith(side)):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
