@@ -270,6 +270,9 @@ class Manifest:
     def _canonical(self) -> bytes:
         # Computed once per object: a push commits, broadcasts and installs the same manifest, and a 70B model's
         # has ~35,000 chunk records (~10 us each to encode).
+        return self._encode_canonical()
+
+    def _encode_canonical(self) -> bytes:
         body = self.body()
         body["digest"] = self.digest
         return canonical_json(body)
@@ -334,9 +337,10 @@ class Manifest:
     def checked(self) -> Manifest:
         """This manifest, built by this process (a push's), after the checks a parsed one gets: its digest is its
         body's and it keeps every invariant (validate); remembered, so its bytes read back are not parsed again."""
-        # The canonical JSON is encoded here once, fresh from the fields, and serves both the digest check and
-        # every later to_bytes() (commit, broadcast, install): one encode instead of two.
-        text = self._canonical
+        # The canonical JSON is encoded here once, fresh from the fields (never an earlier to_bytes()), and serves
+        # both the digest check and every later to_bytes() (commit, broadcast, install): one encode instead of two.
+        text = self._encode_canonical()
+        self.__dict__["_canonical"] = text
         return _remember(self._verified(f"manifest of version {self.version}", self._text_hash_matches(text)))
 
     @classmethod

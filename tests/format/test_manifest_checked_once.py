@@ -108,3 +108,14 @@ def test_an_edit_anywhere_in_a_canonical_manifest_is_refused(tmp_path, edit):
     assert edited != data
     with pytest.raises(FormatError):
         Manifest.from_bytes(edited)
+
+
+def test_checked_encodes_the_fields_as_they_are_now_not_an_earlier_to_bytes(tmp_path):
+    from dataclasses import replace
+
+    data = _stored_manifest(tmp_path)
+    built = replace(Manifest.from_bytes(data), metadata={"step": 7}).seal()
+    built.to_bytes()
+    built.metadata["step"] = 8  # changed in place after its JSON was taken: the digest no longer fits
+    with pytest.raises(FormatError, match="digest field does not match"):
+        built.checked()
