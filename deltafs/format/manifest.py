@@ -318,8 +318,7 @@ class Manifest:
         known = _known(lambda man: man.to_bytes() == data)
         if known is not None:
             return known
-        raw = load_json(data, where, max_bytes=MANIFEST_MAX_BYTES)
-        return _remember(cls._check_parsed(raw, where, text=bytes(data)))
+        return cls.from_parsed(load_json(data, where, max_bytes=MANIFEST_MAX_BYTES), where=where, text=bytes(data))
 
     @classmethod
     def embedded_in(cls, text: bytes, digest: Any) -> Manifest | None:
@@ -330,9 +329,10 @@ class Manifest:
         return _known(lambda man: man.digest == digest and b'"manifest":' + man.to_bytes() in text)
 
     @classmethod
-    def from_parsed(cls, raw: Any, *, where: str = "manifest") -> Manifest:
-        """A manifest from JSON already parsed within the limits (load_json), e.g. the one a DEST state embeds."""
-        return _remember(cls._check_parsed(raw, where))
+    def from_parsed(cls, raw: Any, *, where: str = "manifest", text: bytes | None = None) -> Manifest:
+        """A manifest from JSON already parsed within the limits (load_json), e.g. the one a DEST state embeds;
+        text: the JSON it was parsed from, when the caller has it (its digest is then checked without encoding)."""
+        return _remember(cls._check_parsed(raw, where, text))
 
     def checked(self) -> Manifest:
         """This manifest, built by this process (a push's), after the checks a parsed one gets: its digest is its

@@ -26,6 +26,7 @@ def hostname() -> str:
 
     return socket.gethostname()
 
+
 # Size limits of control files, in bytes (stored and, for compressed manifests, decoded).
 HEAD_MAX_BYTES = 4 << 10
 CONFIG_MAX_BYTES = 64 << 10

@@ -12,16 +12,13 @@ from deltafs.publish import push
 from deltafs.read import pull
 from deltafs.read.inspect import open_version, plan_pull
 from deltafs.store.repo import Repository
+from history_helpers import push_history
 
 
 def _history(tmp_path, maker, n=3):
     store = str(tmp_path / "store")
-    srcs = []
-    for _ in range(n):
-        srcs.append(maker.write())
-        push(store, srcs[-1])
-        maker.advance()
-    return store, srcs
+    history = push_history(store, maker, n)
+    return store, [history[v] for v in sorted(history)]
 
 
 def test_tensors_equal_the_pushed_bytes_at_every_version(tmp_path, maker):

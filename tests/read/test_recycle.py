@@ -16,6 +16,7 @@ from deltafs.read.pull import local_version, pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import CheckpointMaker, files_of
 
+from history_helpers import push_history
 from tests.read.test_crash import DRIVER
 
 
@@ -23,15 +24,8 @@ def _versions(tmp_path, n: int, **kw):
     """n versions pushed to a store; their source directories in order."""
     store = str(tmp_path / "store")
     Repository.open(store, create=True, chunk_bytes=kw.pop("chunk_bytes", 4 << 10))
-    maker = CheckpointMaker(str(tmp_path / "src"), seed=7, **kw)
-    sources = []
-    for _ in range(n):
-        sources.append(maker.write())
-        from deltafs.publish import push
-
-        push(store, sources[-1])
-        maker.advance()
-    return store, sources
+    history = push_history(store, CheckpointMaker(str(tmp_path / "src"), seed=7, **kw), n)
+    return store, [history[v] for v in sorted(history)]
 
 
 def _at_version_2(tmp_path, n: int = 3, **kw):
