@@ -15,8 +15,6 @@ what any coder that does not know the values in advance can reach; the bit-lengt
 from __future__ import annotations
 
 import argparse
-import json
-import struct
 from collections import defaultdict
 from typing import Any
 
@@ -26,18 +24,15 @@ import zstandard
 from deltafs import codec
 from deltafs.codec.compare import zigzag
 from deltafs.format.dtypes import DTYPE_SIZES
+from deltafs.testing.checkpoints import safetensors_layout
 from deltafs.testing.entropy import delta_entropy_bits
 
 CHUNK = 4 << 20
 
 
 def tensors(path: str) -> dict[str, tuple[str, np.ndarray]]:
-    with open(path, "rb") as fh:
-        n = struct.unpack("<Q", fh.read(8))[0]
-        header = json.loads(fh.read(n))
-        data = np.frombuffer(fh.read(), dtype=np.uint8)
-    return {name: (m["dtype"], data[m["data_offsets"][0]:m["data_offsets"][1]])
-            for name, m in header.items() if name != "__metadata__"}
+    data = np.fromfile(path, dtype=np.uint8)
+    return {name: (dtype, data[offset:offset + nb]) for name, (dtype, offset, nb) in safetensors_layout(path).items()}
 
 
 def bit_length_model_bytes(new: np.ndarray, old: np.ndarray, itemsize: int) -> float:

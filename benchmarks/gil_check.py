@@ -17,7 +17,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import struct
 import sys
 import threading
 import time
@@ -27,23 +26,15 @@ import numpy as np
 
 from deltafs import codec
 from deltafs.format.dtypes import DTYPE_SIZES
+from deltafs.testing.checkpoints import safetensors_layout
 
 CHUNK = 4 << 20
 
 
 def chunks_of(path: str) -> list[tuple[int, int, int]]:
     """(offset, size, itemsize) of every 4 MiB piece of every tensor of a safetensors file."""
-    with open(path, "rb") as fh:
-        n = struct.unpack("<Q", fh.read(8))[0]
-        header = json.loads(fh.read(n))
-    out = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = meta["data_offsets"]
-        for start in range(a, b, CHUNK):
-            out.append((8 + n + start, min(CHUNK, b - start), DTYPE_SIZES[meta["dtype"]]))
-    return out
+    return [(offset + start, min(CHUNK, nb - start), DTYPE_SIZES[dtype])
+            for dtype, offset, nb in safetensors_layout(path).values() for start in range(0, nb, CHUNK)]
 
 
 def load(path: str, pieces: list[tuple[int, int, int]]) -> list[np.ndarray]:

@@ -13,9 +13,7 @@ Rounds alternate original and re-sliced; wall seconds of each call are printed.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import struct
 import time
 from pathlib import Path
 
@@ -24,20 +22,16 @@ import numpy as np
 
 def reslice(src: Path, dst: Path, piece: int) -> int:
     """Write dst/model.safetensors holding src's 2-byte tensors cut into 1-D tensors of piece bytes; returns count."""
-    from deltafs.testing.checkpoints import write_safetensors
+    from deltafs.testing.checkpoints import safetensors_layout, write_safetensors
 
-    with open(src, "rb") as fh:
-        n = struct.unpack("<Q", fh.read(8))[0]
-        header = json.loads(fh.read(n))
     raw = np.memmap(src, dtype=np.uint8, mode="r")
     out = {}
-    for name, meta in header.items():
-        if name == "__metadata__" or meta["dtype"] not in ("BF16", "F16"):
+    for name, (dtype, offset, nb) in safetensors_layout(str(src)).items():
+        if dtype not in ("BF16", "F16"):
             continue
-        a, b = meta["data_offsets"]
-        for k, start in enumerate(range(a, b, piece)):
-            end = min(b, start + piece)
-            out[f"{name}.piece{k}"] = (meta["dtype"], ((end - start) // 2,), raw[8 + n + start:8 + n + end].tobytes())
+        for k, start in enumerate(range(0, nb, piece)):
+            end = min(nb, start + piece)
+            out[f"{name}.piece{k}"] = (dtype, ((end - start) // 2,), raw[offset + start:offset + end].tobytes())
     dst.mkdir(parents=True, exist_ok=True)
     write_safetensors(str(dst / "model.safetensors"), out)
     return len(out)

@@ -37,6 +37,15 @@ def write_safetensors(path: str, tensors: Mapping[str, tuple[str, tuple[int, ...
             fh.write(data)
 
 
+def safetensors_layout(path: str) -> dict[str, tuple[str, int, int]]:
+    """Tensor name -> (dtype, absolute byte offset in the file, nbytes), in header order (benchmarks and tests)."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    return {name: (m["dtype"], 8 + n + m["data_offsets"][0], m["data_offsets"][1] - m["data_offsets"][0])
+            for name, m in header.items() if name != "__metadata__"}
+
+
 def random_bytes(rng: np.random.Generator, n: int) -> bytes:
     return rng.integers(0, 256, size=n, dtype=np.uint8).tobytes()
 
