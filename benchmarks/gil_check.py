@@ -114,8 +114,9 @@ def main() -> None:
         if not np.array_equal(codec.decode(e.codec, e.payload, out, out.size, ITEM[k], out=out), NEW[k]):
             raise SystemExit(f"chunk {k} does not decode to the new bytes")
     gb = sum(b.size for b in BASE) / 1e9
+    counts = [int(x) for x in args.workers.split(",")]
     rows: dict[str, Any] = {}
-    for n in [int(x) for x in args.workers.split(",")]:
+    for n in counts:
         for step, fn in (("encode", encode_part), ("decode", decode_part)):
             for how in ("threads", "processes"):
                 rows[f"{step} {how} {n}"] = min(timed(fn, n, how) for _ in range(args.repeat))
@@ -123,9 +124,9 @@ def main() -> None:
     print("| step | workers | threads s | processes s | threads speed-up | processes speed-up |")
     print("|---|---|---|---|---|---|")
     for step in ("encode", "decode"):
-        for n in [int(x) for x in args.workers.split(",")]:
+        t1, p1 = rows[f"{step} threads {counts[0]}"], rows[f"{step} processes {counts[0]}"]
+        for n in counts:
             t, p = rows[f"{step} threads {n}"], rows[f"{step} processes {n}"]
-            t1, p1 = rows[f"{step} threads {args.workers.split(',')[0]}"], rows[f"{step} processes {args.workers.split(',')[0]}"]
             print(f"| {step} | {n} | {t:.3f} | {p:.3f} | {t1 / t:.2f}x | {p1 / p:.2f}x |")
     if args.json:
         with open(args.json, "w") as fh:
