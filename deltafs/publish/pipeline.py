@@ -388,7 +388,7 @@ class _Rank:
         final = self.cache.install(self.stage, store_id=man.store_id, store_url=self.open_repo().url, manifest=man)
         self.encoded = [_moved(f, self.stage, final) for f in self.encoded]  # a patched stage is the version now
         self.stage = None
-        self.cache.cleanup(keep=1)
+        self.cache.cleanup(keep=1, background=True)  # the push is done once installed: freeing the old files is not its work
 
     # --- fold ------------------------------------------------------------------------------
     def fold(self, man: Manifest) -> int:

@@ -145,3 +145,65 @@ def test_a_new_layout_is_not_patched_and_still_pushes_right(tmp_path):
     assert _cache_file(cache).st_ino != first.st_ino
     pull(store, str(tmp_path / "dest"))
     assert files_of(tmp_path / "dest") == files_of(src)
+
+
+def _cleanup_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "deltafs-cleanup"]
+
+
+def test_the_previous_cache_version_is_freed_after_the_push_returns_and_nothing_of_it_stays(tmp_path):
+    # The trainer keeps only its newest checkpoint: after it deletes step 1, the cache holds the only link to it.
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
+    step1, step2 = tmp_path / "step1", tmp_path / "step2"
+    step1.mkdir()
+    step2.mkdir()
+    _write(step1, data)
+    push(store, str(step1), cache_dir=cache)
+    old = LocalCheckpoint(os.path.join(cache, "base")).state()
+    assert old is not None
+    os.unlink(step1 / "model.safetensors")
+    _write(step2, perturb(data, 2, 0.01, rng))
+    res = push(store, str(step2), cache_dir=cache)
+    assert res.kind == "delta"
+    # The old version stopped being one before push returned; only its files may still be on their way out.
+    assert not os.path.exists(old.path) and not os.path.exists(old.path + ".json")
+    for t in _cleanup_threads():
+        t.join(timeout=30)
+    now = LocalCheckpoint(os.path.join(cache, "base")).state()
+    assert now is not None and now.version == 2
+    current = os.path.basename(now.path)
+    sidecar = os.path.join(cache, "base.deltafs")
+    assert sorted(n for n in os.listdir(sidecar) if not n.endswith(".lock")) == [current, current + ".json"]
+    pull(store, str(tmp_path / "dest"))
+    assert files_of(tmp_path / "dest") == files_of(step2)
+
+
+def test_cleanup_in_the_background_removes_what_a_killed_deletion_left_and_never_follows_links(tmp_path):
+    rng = np.random.default_rng(4)
+    data = rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
+    src = tmp_path / "src"
+    src.mkdir()
+    _write(src, data)
+    push(store, str(src), cache_dir=cache)
+    # What a process killed during its background deletion leaves: a staging directory, here with a planted
+    # symlink to a directory outside the cache.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    leftover = os.path.join(cache, "base.deltafs", "staging-0123456789ab")
+    os.mkdir(leftover)
+    with open(os.path.join(leftover, "model.safetensors"), "wb") as fh:
+        fh.write(b"\0" * 4096)
+    os.symlink(outside, os.path.join(leftover, "link"))
+    local = LocalCheckpoint(os.path.join(cache, "base"))
+    assert local.cleanup(keep=1, background=True) == ["staging-0123456789ab"]
+    assert local.deleting is not None
+    local.deleting.join(timeout=30)
+    assert not os.path.exists(leftover)
+    assert (outside / "keep.txt").read_text() == "mine"
+    assert local.state() is not None and local.check_files(local.state()) is None
