@@ -694,6 +694,17 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path,
             p = push_run()
             return run_worker("api_push", store=str(p / "store"), new=str(new), cache=str(p / "cache"), threads=t)
 
+        def one_api_push_beside() -> dict[str, Any]:
+            # The cache on the checkpoint's own filesystem (the default ~/.cache and a checkpoint on the same
+            # disk): push hard-links the new files instead of writing them. The cache's base is a copy, so it
+            # holds the only link to the previous version, as when the trainer has deleted that checkpoint.
+            p = fresh(run_dir / "push")
+            p.mkdir()
+            copy_tree(ds / "tmpl-push" / "store", p / "store")
+            cache = copy_tree(ds / "tmpl-push" / "cache", ds / "run-cache")
+            os.sync()
+            return run_worker("api_push", store=str(p / "store"), new=str(new), cache=str(cache), threads=t)
+
         def one_cli_pull() -> dict[str, Any]:
             p = pull_run()
             return measure([cli, "pull", str(p / "store"), str(p / "dest"), "--threads", str(t), "--json"])
@@ -705,6 +716,8 @@ def bench_dataset(args: argparse.Namespace, name: str, work: Path,
         if not args.no_cli:
             best(f"deltafs push (CLI) t{t}", one_cli_push, drop=("push",))
         best(f"deltafs push (API) t{t}", one_api_push, drop=("push",))
+        best(f"deltafs push (API, cache beside the checkpoint) t{t}", one_api_push_beside, drop=("push",))
+        fresh(ds / "run-cache")
         if not args.no_cli:
             best(f"deltafs pull (CLI) t{t}", one_cli_pull, lambda: same_tree(new, run_dir / "pull" / "dest"),
                  drop=("pull",))
