@@ -391,6 +391,10 @@ class Manifest:
     def _from_json(cls, raw: Any) -> Manifest:
         _require(isinstance(raw, dict), "manifest must be a JSON object")
         _require(raw.get("format") == MANIFEST_FORMAT, f"not a deltafs manifest (format={raw.get('format')!r})")
+        # A member the format does not define would be outside the digest (body() never writes it): refused, as
+        # the JSON Schema does, rather than silently dropped.
+        extra = raw.keys() - _TOP_LEVEL
+        _require(not extra, f"unknown top-level member(s) {', '.join(sorted(map(repr, extra)))}")
         fv = raw.get("format_version")
         if fv not in READ_FORMAT_VERSIONS or isinstance(fv, bool):
             raise FormatError(f"unknown manifest format version {fv!r} (this deltafs reads "
@@ -423,6 +427,10 @@ class Manifest:
             digest=raw["digest"],
             format_version=fv,
         )
+
+
+_TOP_LEVEL = frozenset(("format", "format_version", "store_id", "version", "parent", "parent_digest", "kind",
+                        "chunk_bytes", "created", "metadata", "stats", "files", "digest"))
 
 
 def manifest_json(stored: bytes, where: str = "manifest") -> bytes:

@@ -119,3 +119,13 @@ def test_checked_encodes_the_fields_as_they_are_now_not_an_earlier_to_bytes(tmp_
     built.metadata["step"] = 8  # changed in place after its JSON was taken: the digest no longer fits
     with pytest.raises(FormatError, match="digest field does not match"):
         built.checked()
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_member_the_format_does_not_define_is_refused_not_dropped(tmp_path, where):
+    # Outside the digest, an extra member would pass unchecked; the JSON Schema refuses it too.
+    data = _stored_manifest(tmp_path)
+    _forget_checked()
+    edited = b'{"comment":"x",' + data[1:] if where == "first" else data[:-1] + b',"zz":1}'
+    with pytest.raises(FormatError, match="unknown top-level member"):
+        Manifest.from_bytes(edited)
