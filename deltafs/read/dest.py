@@ -23,7 +23,6 @@ import datetime as _dt
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -37,7 +36,7 @@ from deltafs.buffers import aligned_empty, pread_aligned
 from deltafs.errors import DestinationError, FormatError, LockHeldError
 from deltafs.format import digests
 from deltafs.format.manifest import FileEntry, Manifest, Segment
-from deltafs.format.records import DEST_STATE_MAX_BYTES, dest_state_bytes, parse_dest_state
+from deltafs.format.records import DEST_STATE_MAX_BYTES, dest_state_bytes, embedded_manifest_text, parse_dest_state
 SIDECAR_SUFFIX = ".deltafs"
 # Names deltafs gives the entries of its sidecar; cleanup touches nothing else.
 VERSION_DIR = re.compile(r"^v\d{10}-[0-9a-f]{8}$")
@@ -329,7 +328,7 @@ class LocalCheckpoint:
         final = os.path.join(self.sidecar, name)
         # Sizes and mtimes as installed: a later pull notices an edited file without re-hashing.
         state = dest_state_bytes(store_id=store_id, store_url=store_url, version=manifest.version,
-                                 digest=manifest.digest, manifest_json=json.loads(manifest.to_bytes()),
+                                 digest=manifest.digest, manifest_text=manifest.to_bytes(),
                                  files=_file_stamps(staging, manifest))
         atomic_write(final + ".json", state)
         # Versions are ordered by mtime (cleanup, recycling): a recycled directory whose files were all rewritten
@@ -573,7 +572,7 @@ def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
     raw = parse_dest_state(data)
     # The manifest a push or pull has just checked (the store's, the one it installed) is embedded verbatim.
     manifest = Manifest.embedded_in(data, raw["manifest"].get("digest")) \
-        or Manifest.from_parsed(raw["manifest"], where=path)
+        or Manifest.from_parsed(raw["manifest"], where=path, text=embedded_manifest_text(data))
     with _STATE_MEMO_LOCK:
         if len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
             _STATE_MEMO.pop(next(iter(_STATE_MEMO)))

@@ -129,3 +129,43 @@ def test_a_member_the_format_does_not_define_is_refused_not_dropped(tmp_path, wh
     edited = b'{"comment":"x",' + data[1:] if where == "first" else data[:-1] + b',"zz":1}'
     with pytest.raises(FormatError, match="unknown top-level member"):
         Manifest.from_bytes(edited)
+
+
+def _state_of(man: Manifest) -> bytes:
+    from deltafs.format.records import dest_state_bytes
+
+    return dest_state_bytes(store_id=man.store_id, store_url="file:///store", version=man.version,
+                            digest=man.digest, manifest_text=man.to_bytes(), files={"model.safetensors": [1, 2]})
+
+
+def test_a_state_record_embeds_the_manifest_as_canonical_json_of_the_parsed_record_would(tmp_path, monkeypatch):
+    import json
+
+    from deltafs.format import records
+
+    monkeypatch.setattr(records, "utcnow", lambda: "2026-12-01T00:00:00.000000Z")
+    man = Manifest.from_bytes(_stored_manifest(tmp_path))
+    state = _state_of(man)
+    assert state == records.canonical_json(json.loads(state))
+    assert json.loads(state)["manifest"] == json.loads(man.to_bytes())
+
+
+@pytest.mark.parametrize("metadata", [{}, {"store_id": "x", "manifest": {"a": 1}, "note": '"manifest":{'}])
+def test_a_state_record_is_read_without_encoding_its_manifest_again(tmp_path, monkeypatch, metadata):
+    from dataclasses import replace
+
+    from deltafs.format import manifest as mod
+    from deltafs.read import dest
+
+    man = replace(Manifest.from_bytes(_stored_manifest(tmp_path)), metadata=metadata).seal().checked()
+    vdir = str(tmp_path / "v0000000001-00000000")
+    with open(vdir + ".json", "wb") as fh:
+        fh.write(_state_of(man))
+    _forget_checked()
+    dest._STATE_MEMO.clear()
+    calls = []
+    real = mod.canonical_json
+    monkeypatch.setattr(mod, "canonical_json", lambda obj: calls.append(1) or real(obj))
+    read, raw = dest.read_version_state(vdir)
+    assert calls == [] and read.digest == man.digest and read.to_bytes() == man.to_bytes()
+    assert raw["store_url"] == "file:///store"
