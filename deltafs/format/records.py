@@ -8,7 +8,6 @@ bad or too deeply nested JSON instead of recursing until Python gives up.
 from __future__ import annotations
 
 import datetime as _dt
-import itertools
 import json
 import os
 import re
@@ -94,28 +93,46 @@ def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth
         raise FormatError(f"{what} is nested too deeply to be a deltafs record") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"{what} is not valid JSON: {exc}") from None
-    if text_depth(data) > max_depth:
+    if text_depth(data, max_depth) > max_depth:
         raise FormatError(f"{what} is nested more than {max_depth} levels deep")
     return value
 
 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
-_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
+_NOT_SPECIAL = bytes(b for b in range(256) if b not in b'"[]{}\\')
+_TO_PARENS = bytes.maketrans(b"[{]}", b"(())")
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")  # NaN and Infinity: json.loads takes them, JSON does not
 
 
-def text_depth(data: bytes | str) -> int:
-    """Nesting depth of valid JSON text, from its brackets outside strings (split, translate, map, accumulate and
-    max all run in C: a few times faster than walking the parsed value)."""
+def text_depth(data: bytes | str, cap: int | None = None) -> int:
+    """Nesting depth of valid JSON text, from its brackets outside strings; with cap, at most cap + 1.
+
+    Only C-level bytes operations, a few per level: 15 ms for a 70B model's 10.5 MB manifest, where walking the
+    parsed value or accumulating a running depth over its 356,000 brackets costs 0.1-0.2 s.
+    """
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    # Without a backslash no string holds an escaped quote: every other quote-separated piece is outside strings.
-    outside = b"".join(raw.split(b'"')[::2]) if b"\\" not in raw else _JSON_STRING.sub(b"", raw)
-    brackets = outside.translate(None, _NOT_BRACKET)
-    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
+    if b"\\" in raw:
+        brackets = _JSON_STRING.sub(b"", raw).translate(_TO_PARENS, _NOT_BRACKET)
+    else:
+        # Without a backslash no string holds an escaped quote. Keep only quotes and brackets; two quotes with
+        # nothing between them change no other character's side of a string boundary, so they go first (nearly
+        # all of them); then every other quote-separated piece is outside strings.
+        marks = raw.translate(None, _NOT_SPECIAL).replace(b'""', b"")
+        if b'"' in marks:
+            marks = b"".join(marks.split(b'"')[::2])
+        brackets = marks.translate(_TO_PARENS)
+    # Valid JSON pairs its brackets: each pass drops the innermost pairs, so the passes count the depth.
+    depth = 0
+    while brackets and (cap is None or depth <= cap):
+        inner = brackets.replace(b"()", b"")
+        if len(inner) == len(brackets):
+            break
+        brackets, depth = inner, depth + 1
+    return depth
 
 
 def _object(data: bytes, what: str, fmt: str, max_bytes: int) -> dict[str, Any]:

@@ -485,12 +485,31 @@ def _tree_segment_digest(fd: int, seg: Segment, chunk_bytes: int) -> str | None:
 
 
 def _is_state(path: str) -> bool:
-    """Whether path is a DEST state record deltafs wrote (a regular file, bounded, of our format)."""
+    """Whether path is a DEST state record deltafs wrote (a regular file, bounded, of our format).
+
+    The record alone, not its manifest: ordering versions (cleanup, recycling) needs no manifest, and building and
+    checking one costs ~0.7 s for a 70B model's. A version that is used is read in full (read_version_state).
+    """
     try:
-        read_version_state(path[: -len(".json")])
-        return True
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        with _STATE_MEMO_LOCK:
+            hit = _STATE_MEMO.get(path)
+        if hit is not None and hit[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            return True  # read in full, unchanged since (read_version_state's memo)
+        data = os.read(fd, DEST_STATE_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        parse_dest_state(data)
     except FormatError:
         return False
+    return True
 
 
 def _file_stamps(directory: str, manifest: Manifest) -> dict[str, list[int]]:

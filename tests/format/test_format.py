@@ -109,6 +109,8 @@ def test_json_depth_is_measured_on_the_text_outside_strings():
         for text in (json.dumps(v), json.dumps(v, ensure_ascii=False)):
             assert text_depth(text.encode()) == depth(v), text
     assert text_depth(b'{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}') == 1
+    assert text_depth(b'{"a":"","b":"[","c":["]",{"d":""}],"e":""}') == 3  # empty strings next to bracket ones
+    assert text_depth(b"[" * 40 + b"]" * 40, cap=32) == 33  # counting stops past the cap
     with pytest.raises(FormatError, match="nested more than 3"):
         load_json(b'{"a": [[[1]]]}', "a record", max_depth=3)
     assert load_json(b'{"a": [["[[[[[[["]]}', "a record", max_depth=3) == {"a": [["[[[[[[["]]}
