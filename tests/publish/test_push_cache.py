@@ -24,14 +24,20 @@ def _cache_file(cache: str) -> os.stat_result:
     return os.stat(os.path.join(state.path, "model.safetensors"))
 
 
-def test_the_cache_links_new_files_and_copies_once_a_file_is_rewritten_in_place(tmp_path):
-    rng = np.random.default_rng(0)
-    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+def _pushed_once(tmp_path, seed: int, size: int):
+    """(rng, data, store, cache, src): one BF16 tensor of size random bytes in src, pushed as version 1."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
     store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
     src = tmp_path / "src"
     src.mkdir()
     _write(src, data)
     push(store, str(src), cache_dir=cache)
+    return rng, data, store, cache, src
+
+
+def test_the_cache_links_new_files_and_copies_once_a_file_is_rewritten_in_place(tmp_path):
+    rng, data, store, cache, src = _pushed_once(tmp_path, 0, 1 << 20)
     st = os.stat(src / "model.safetensors")
     # On a filesystem with reflinks the cache file is a clone (another inode); else a hard link.
     linked = (_cache_file(cache).st_dev, _cache_file(cache).st_ino) == (st.st_dev, st.st_ino)
@@ -155,17 +161,12 @@ def _cleanup_threads() -> list:
 
 def test_the_previous_cache_version_is_freed_after_the_push_returns_and_nothing_of_it_stays(tmp_path):
     # The trainer keeps only its newest checkpoint: after it deletes step 1, the cache holds the only link to it.
-    rng = np.random.default_rng(3)
-    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
-    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
-    step1, step2 = tmp_path / "step1", tmp_path / "step2"
-    step1.mkdir()
-    step2.mkdir()
-    _write(step1, data)
-    push(store, str(step1), cache_dir=cache)
+    rng, data, store, cache, step1 = _pushed_once(tmp_path, 3, 1 << 20)
     old = LocalCheckpoint(os.path.join(cache, "base")).state()
     assert old is not None
     os.unlink(step1 / "model.safetensors")
+    step2 = tmp_path / "step2"
+    step2.mkdir()
     _write(step2, perturb(data, 2, 0.01, rng))
     res = push(store, str(step2), cache_dir=cache)
     assert res.kind == "delta"
@@ -183,13 +184,7 @@ def test_the_previous_cache_version_is_freed_after_the_push_returns_and_nothing_
 
 
 def test_cleanup_in_the_background_removes_what_a_killed_deletion_left_and_never_follows_links(tmp_path):
-    rng = np.random.default_rng(4)
-    data = rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
-    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
-    src = tmp_path / "src"
-    src.mkdir()
-    _write(src, data)
-    push(store, str(src), cache_dir=cache)
+    _rng, _data, _store, cache, _src = _pushed_once(tmp_path, 4, 1 << 16)
     # What a process killed during its background deletion leaves: a staging directory, here with a planted
     # symlink to a directory outside the cache.
     outside = tmp_path / "outside"
