@@ -4,10 +4,11 @@
 
 A 70B model in 4 MiB chunks has ~35,000 chunk records per version (a 1T model ~500,000). The manifest here is one
 safetensors file of tensors of 32 chunks, each chunk a sparse-codec record like a trainer step's. Timed, least of
---rounds: a push's `seal()` (digest), `checked()` (digest again and the invariants) and `to_bytes()` (the canonical
-JSON it commits and installs), `encode()` (the zstd frame), and a pull's `Manifest.decode()` of the stored bytes in
-a process that has not seen them (parse, build, digest, invariants), then its `to_bytes()` (the JSON the install
-embeds in DEST's state record).
+--rounds: a push's `sealed()` (digest, the invariants and the canonical JSON it commits and installs, in one
+encode; before round 6 `seal()` then `checked()`, two, timed apart) and `encode()` (the zstd frame); a pull's
+`Manifest.decode()` of the stored bytes in a process that has not seen them (parse, build, digest, invariants),
+then its `to_bytes()` (the JSON the install embeds in DEST's state record); writing the DEST state record, and
+reading it back in a process that has not seen it.
 """
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ def main() -> None:
             mod._CHECKED.clear()
         times = {}
         t = time.perf_counter()
-        man = base.seal()
-        times["push: seal()"] = time.perf_counter() - t
+        base.seal().checked()
+        times["(before round 6) seal() + checked()"] = time.perf_counter() - t
+        with mod._CHECKED_LOCK:
+            mod._CHECKED.clear()
         t = time.perf_counter()
-        man.checked()
-        times["push: checked()"] = time.perf_counter() - t
-        t = time.perf_counter()
+        man = base.sealed()
+        times["push: sealed() (digest, checks, the canonical JSON)"] = time.perf_counter() - t
         text = man.to_bytes()
-        times["push: to_bytes()"] = time.perf_counter() - t
         t = time.perf_counter()
         stored = man.encode()
         times["push: encode() (zstd)"] = time.perf_counter() - t

@@ -262,6 +262,21 @@ class Manifest:
         """Return a copy whose digest field is the hash of its body."""
         return replace(self, digest="sha256:" + sha256_hex(canonical_json(self.body())))
 
+    def sealed(self) -> Manifest:
+        """seal() then checked(), with one encode of the canonical JSON instead of two (~0.3 s for a 70B model).
+
+        The body's canonical JSON gives the digest; inserting the digest member before "files" (the key after
+        "created", which follows "chunk_bytes", a number: FORMAT.md, "Manifest") makes it the whole manifest's,
+        which is then checked like a parsed one and kept as to_bytes(). Nothing can change the fields in between:
+        the copy is new and only this call holds it.
+        """
+        body = canonical_json(self.body())
+        man = replace(self, digest="sha256:" + sha256_hex(body))
+        at = body.index(b',"files":')
+        text = body[:at] + b',"digest":' + json.dumps(man.digest).encode() + body[at:]
+        man.__dict__["_canonical"] = text
+        return _remember(man._verified(f"manifest of version {man.version}", man._text_hash_matches(text)))
+
     def to_bytes(self) -> bytes:
         """The canonical JSON (what the digest covers and what a DEST state record embeds)."""
         return self._canonical

@@ -42,7 +42,7 @@ def referenced_chunks(files: Iterable[FileEntry]) -> set[str]:
 def seal_manifest(repo: Repository, *, version: int, kind: str, parent: Manifest | None, files: list[FileEntry],
                   metadata: Mapping[str, Any], stats: EncodeStats,
                   extra_stats: Mapping[str, Any] | None = None) -> Manifest:
-    """The new version's manifest, with the stats the keyframe policy and `log` read."""
+    """The new version's manifest, with the stats the keyframe policy and `log` read; sealed and checked."""
     delta = kind == "delta" and parent is not None
     record: dict[str, Any] = {
         "full_bytes": sum(f.size for f in files),
@@ -67,7 +67,7 @@ def seal_manifest(repo: Repository, *, version: int, kind: str, parent: Manifest
         files=tuple(files),
         metadata=dict(metadata),
         stats=record,
-    ).seal()
+    ).sealed()  # never commit a manifest that a reader would refuse (checked like a parsed one)
 
 
 def commit_version(repo: Repository, man: Manifest, *, head_seen: Head | None, stats: EncodeStats,

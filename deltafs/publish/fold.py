@@ -69,7 +69,7 @@ def write_fold(repo: Repository, man: Manifest, parts: list[FoldPart]) -> int:
               "elements_total": stats.elements_total, "elements_changed": stats.elements_changed}
     folded = Manifest(store_id=repo.store_id, version=man.version, parent=full.version, parent_digest=full.digest,
                       kind="delta", chunk_bytes=man.chunk_bytes, created=utcnow(), files=tuple(entries),
-                      metadata=man.metadata, stats=record).seal()
+                      metadata=man.metadata, stats=record).sealed()
     if not is_fold_of(folded, man):
         raise DeltafsError("the source changed after the version was committed")
     ensure_chunks(repo, folded.files, stats, lapsed=False)

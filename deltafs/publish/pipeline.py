@@ -354,9 +354,10 @@ class _Rank:
         extra = dict(self.work.extra_stats)
         if self.world.world > 1:
             extra["ranks"] = self.world.world
-        # checked(): never commit a manifest that a reader would refuse; the bytes broadcast below are then known.
+        # Sealed and checked: never commit a manifest that a reader would refuse; the bytes broadcast below are
+        # then known.
         man = seal_manifest(repo, version=self.decision.version, kind=kind, parent=parent, files=entries,
-                            metadata=self.opts.metadata, stats=stats, extra_stats=extra).checked()
+                            metadata=self.opts.metadata, stats=stats, extra_stats=extra)
         lapsed = any(r.lapsed for r in reports)
         if self.guard is not None:
             self.guard.refresh()

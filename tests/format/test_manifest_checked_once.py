@@ -169,3 +169,23 @@ def test_a_state_record_is_read_without_encoding_its_manifest_again(tmp_path, mo
     read, raw = dest.read_version_state(vdir)
     assert calls == [] and read.digest == man.digest and read.to_bytes() == man.to_bytes()
     assert raw["store_url"] == "file:///store"
+
+
+@pytest.mark.parametrize("metadata", [{}, {"files": ',"files":[', "digest": "x"}])
+def test_sealed_is_seal_then_checked_in_one_encode(tmp_path, monkeypatch, metadata):
+    from dataclasses import replace
+
+    from deltafs.format import manifest as mod
+
+    unsealed = replace(Manifest.from_bytes(_stored_manifest(tmp_path)), metadata=metadata, digest="")
+    reference = unsealed.seal().checked()
+    _forget_checked()
+    calls = []
+    real = mod.canonical_json
+    monkeypatch.setattr(mod, "canonical_json", lambda obj: calls.append(1) or real(obj))
+    sealed = unsealed.sealed()
+    assert len(calls) == 1
+    assert sealed.digest == reference.digest and sealed.to_bytes() == reference.to_bytes()
+    assert Manifest.from_bytes(sealed.to_bytes()) is sealed  # remembered as checked
+    with pytest.raises(FormatError, match="parent and parent_digest"):
+        replace(unsealed, parent=None, parent_digest="sha256:" + "0" * 64).sealed()
