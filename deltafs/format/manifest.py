@@ -77,7 +77,16 @@ class ChunkRef:
 
     @classmethod
     def from_json(cls, raw: Any) -> ChunkRef:
+        if type(raw) is dict and raw.keys() == _CHUNK_KEYS:
+            # The usual, valid record in a few C-level checks (a 70B model's manifest holds ~35,000 of these); anything
+            # else takes the field-by-field path below, which says what is wrong.
+            index, size, codec, obj, stored = raw["index"], raw["size"], raw["codec"], raw["object"], raw["stored"]
+            if (type(index) is int and type(size) is int and type(stored) is int and min(index, size, stored) >= 0
+                    and type(codec) is dict and type(codec.get("name")) is str
+                    and (obj is None or (type(obj) is str and _HEX64.match(obj) is not None))):
+                return cls(index, size, codec, obj, stored)
         _require(isinstance(raw, dict), "chunk must be an object")
+        _no_other_members(raw, _CHUNK_KEYS, "chunk")
         codec = raw.get("codec")
         _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), "chunk codec must name itself")
         obj = raw.get("object")
@@ -129,6 +138,7 @@ class Segment:
     @classmethod
     def from_json(cls, raw: Any, format_version: int = 2) -> Segment:
         _require(isinstance(raw, dict), "segment must be an object")
+        _no_other_members(raw, _SEGMENT_KEYS, "segment")
         kind = raw.get("kind")
         _require(kind in ("tensor", "header", "blob"), f"unknown segment kind {kind!r}")
         key = raw.get("key")
@@ -182,6 +192,7 @@ class FileEntry:
     @classmethod
     def from_json(cls, raw: Any, format_version: int = FORMAT_VERSION) -> FileEntry:
         _require(isinstance(raw, dict), "file must be an object")
+        _no_other_members(raw, _FILE_KEYS[1 if format_version == 1 else 2], "file")
         fmt = raw.get("format")
         _require(fmt in ("safetensors", "blob"), f"unknown file format {fmt!r}")
         if format_version == 1:
@@ -512,6 +523,19 @@ DELTA_CODECS = frozenset({"same", "xor", "sparse", "dense"})
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise FormatError(f"malformed manifest: {message}")
+
+
+# Every member a record may have (manifests/manifest.schema.json): any other would be outside the digest (to_json
+# never writes it), so it is refused rather than dropped.
+_CHUNK_KEYS = frozenset(("index", "size", "codec", "object", "stored"))
+_SEGMENT_KEYS = frozenset(("key", "kind", "offset", "size", "digest", "chunks", "dtype", "shape"))
+_FILE_KEYS = {1: frozenset(("path", "size", "sha256", "format", "segments")),
+              2: frozenset(("path", "size", "digest", "format", "segments"))}
+
+
+def _no_other_members(raw: dict[str, Any], allowed: frozenset[str], what: str) -> None:
+    extra = raw.keys() - allowed
+    _require(not extra, f"unknown {what} member(s) {', '.join(sorted(map(repr, extra)))}")
 
 
 def _int(value: Any, what: str) -> int:

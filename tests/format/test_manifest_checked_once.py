@@ -189,3 +189,15 @@ def test_sealed_is_seal_then_checked_in_one_encode(tmp_path, monkeypatch, metada
     assert Manifest.from_bytes(sealed.to_bytes()) is sealed  # remembered as checked
     with pytest.raises(FormatError, match="parent and parent_digest"):
         replace(unsealed, parent=None, parent_digest="sha256:" + "0" * 64).sealed()
+
+
+@pytest.mark.parametrize("record, edit", [("chunk", (b'"stored":', b'"zz":1,"stored":')),
+                                          ("segment", (b'"offset":', b'"note":"x","offset":')),
+                                          ("file", (b'"path":', b'"mode":420,"path":'))])
+def test_a_member_no_record_defines_is_refused_in_chunks_segments_and_files(tmp_path, record, edit):
+    data = _stored_manifest(tmp_path)
+    _forget_checked()
+    edited = data.replace(*edit, 1)
+    assert edited != data
+    with pytest.raises(FormatError, match=f"unknown {record} member"):
+        Manifest.from_bytes(edited)
