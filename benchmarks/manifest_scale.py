@@ -21,7 +21,7 @@ import time
 
 from deltafs.format import manifest as mod
 from deltafs.format.manifest import ChunkRef, FileEntry, Manifest, Segment
-from deltafs.format.records import dest_state_bytes
+from deltafs.format.records import dest_state_bytes, dest_state_record
 from deltafs.read import dest
 
 PER_TENSOR = 32
@@ -80,8 +80,9 @@ def main() -> None:
         times["pull: to_bytes() (the DEST state record embeds it)"] = time.perf_counter() - t
         # The DEST state record beside every installed version (pull's DEST, push's cache) embeds the manifest.
         t = time.perf_counter()
-        state = dest_state_bytes(store_id=pulled.store_id, store_url="file:///store", version=pulled.version,
-                                 digest=pulled.digest, manifest_text=pulled.to_bytes(), files={"model.safetensors": [1, 2]})
+        record = dest_state_record(store_id=pulled.store_id, store_url="file:///store", version=pulled.version,
+                                   digest=pulled.digest, files={"model.safetensors": [1, 2]})
+        state = dest_state_bytes(record, pulled.to_bytes())
         times["install: the DEST state record"] = time.perf_counter() - t
         with tempfile.TemporaryDirectory() as tmp:
             vdir = os.path.join(tmp, "v0000000002-00000000")

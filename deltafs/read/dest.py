@@ -36,7 +36,8 @@ from deltafs.buffers import aligned_empty, pread_aligned
 from deltafs.errors import DestinationError, FormatError, LockHeldError
 from deltafs.format import digests
 from deltafs.format.manifest import FileEntry, Manifest, Segment
-from deltafs.format.records import DEST_STATE_MAX_BYTES, dest_state_bytes, embedded_manifest_text, parse_dest_state
+from deltafs.format.records import (DEST_STATE_MAX_BYTES, dest_state_bytes, dest_state_record, embedded_manifest_text,
+                                    parse_dest_state)
 SIDECAR_SUFFIX = ".deltafs"
 # Names deltafs gives the entries of its sidecar; cleanup touches nothing else.
 VERSION_DIR = re.compile(r"^v\d{10}-[0-9a-f]{8}$")
@@ -327,10 +328,10 @@ class LocalCheckpoint:
         name = f"v{manifest.version:010d}-{uuid.uuid4().hex[:8]}"
         final = os.path.join(self.sidecar, name)
         # Sizes and mtimes as installed: a later pull notices an edited file without re-hashing.
-        state = dest_state_bytes(store_id=store_id, store_url=store_url, version=manifest.version,
-                                 digest=manifest.digest, manifest_text=manifest.to_bytes(),
-                                 files=_file_stamps(staging, manifest))
-        atomic_write(final + ".json", state)
+        record = dest_state_record(store_id=store_id, store_url=store_url, version=manifest.version,
+                                   digest=manifest.digest, files=_file_stamps(staging, manifest))
+        atomic_write(final + ".json", dest_state_bytes(record, manifest.to_bytes()))
+        _remember_state(final + ".json", manifest, record)  # read right after (cleanup, the result): not parsed
         # Versions are ordered by mtime (cleanup, recycling): a recycled directory whose files were all rewritten
         # in place still has the mtime of the version it was, so the install dates it.
         os.utime(staging)
@@ -500,7 +501,7 @@ def _is_state(path: str) -> bool:
             return False
         with _STATE_MEMO_LOCK:
             hit = _STATE_MEMO.get(path)
-        if hit is not None and hit[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+        if hit is not None and hit[0] == _state_key(st):
             return True  # read in full, unchanged since (read_version_state's memo)
         data = os.read(fd, DEST_STATE_MAX_BYTES + 1)
     finally:
@@ -559,13 +560,30 @@ def refuse_foreign(local: LocalCheckpoint, store_id: str, force: bool) -> LocalS
     return state
 
 
+# path -> (its stat key, its Manifest, its other members). Not the parsed manifest JSON: for a 70B model that is
+# ~100 MB of Python objects that nothing reads once the Manifest is built.
 _STATE_MEMO: dict[str, tuple[tuple[int, ...], Manifest, dict[str, Any]]] = {}
 _STATE_MEMO_LOCK = threading.Lock()
 _STATE_MEMO_SIZE = 16
 
 
+def _state_key(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _remember_state(path: str, manifest: Manifest, record: dict[str, Any]) -> None:
+    """Remember a state record as read; install calls it for the one it just wrote (its stat taken after the
+    rename, so any later change to the file, which moves its ctime, makes it be read again)."""
+    key = _state_key(os.stat(path, follow_symlinks=False))
+    with _STATE_MEMO_LOCK:
+        if path not in _STATE_MEMO and len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
+            _STATE_MEMO.pop(next(iter(_STATE_MEMO)))
+        _STATE_MEMO[path] = (key, manifest, dict(record))
+
+
 def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
-    """The manifest and state record pull wrote beside a version directory (<dir>.json); FormatError if unusable.
+    """The manifest and the other members of the state record pull wrote beside a version directory (<dir>.json);
+    FormatError if unusable.
 
     A pull or push looks at the same few state files several times (state, cleanup, refuse_foreign); each is
     parsed and checked once per process while its inode, size, mtime and ctime stay the same (ctime cannot be
@@ -580,7 +598,7 @@ def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise FormatError(f"{path} is not a regular file")
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        key = _state_key(st)
         with _STATE_MEMO_LOCK:
             hit = _STATE_MEMO.get(path)
         if hit is not None and hit[0] == key:
@@ -589,11 +607,12 @@ def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
     finally:
         os.close(fd)
     raw = parse_dest_state(data)
+    embedded = raw.pop("manifest")
     # The manifest a push or pull has just checked (the store's, the one it installed) is embedded verbatim.
-    manifest = Manifest.embedded_in(data, raw["manifest"].get("digest")) \
-        or Manifest.from_parsed(raw["manifest"], where=path, text=embedded_manifest_text(data))
+    manifest = Manifest.embedded_in(data, embedded.get("digest")) \
+        or Manifest.from_parsed(embedded, where=path, text=embedded_manifest_text(data))
     with _STATE_MEMO_LOCK:
-        if len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
+        if path not in _STATE_MEMO and len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
             _STATE_MEMO.pop(next(iter(_STATE_MEMO)))
         _STATE_MEMO[path] = (key, manifest, dict(raw))
     return manifest, raw

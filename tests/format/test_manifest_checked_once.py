@@ -132,10 +132,11 @@ def test_a_member_the_format_does_not_define_is_refused_not_dropped(tmp_path, wh
 
 
 def _state_of(man: Manifest) -> bytes:
-    from deltafs.format.records import dest_state_bytes
+    from deltafs.format.records import dest_state_bytes, dest_state_record
 
-    return dest_state_bytes(store_id=man.store_id, store_url="file:///store", version=man.version,
-                            digest=man.digest, manifest_text=man.to_bytes(), files={"model.safetensors": [1, 2]})
+    record = dest_state_record(store_id=man.store_id, store_url="file:///store", version=man.version,
+                               digest=man.digest, files={"model.safetensors": [1, 2]})
+    return dest_state_bytes(record, man.to_bytes())
 
 
 def test_a_state_record_embeds_the_manifest_as_canonical_json_of_the_parsed_record_would(tmp_path, monkeypatch):

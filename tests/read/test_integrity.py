@@ -232,3 +232,21 @@ def test_a_state_file_whose_embedded_manifest_was_edited_is_refused_though_the_m
         fh.write(data)
     with pytest.raises(FormatError, match="digest field does not match"):
         read_version_state(state.path)
+
+
+def test_the_state_file_a_pull_just_wrote_is_not_parsed_again_until_it_changes(tmp_path, maker, monkeypatch):
+    # At 70B the state record holds a 10 MB manifest: parsing it back right after writing it cost ~0.4 s per pull.
+    from deltafs.read import dest as dest_mod
+    from deltafs.read.dest import LocalCheckpoint
+
+    store = _two_versions(tmp_path, maker)
+    dest = str(tmp_path / "dest")
+    pull(store, dest)
+    parsed = []
+    real = dest_mod.parse_dest_state
+    monkeypatch.setattr(dest_mod, "parse_dest_state", lambda data: parsed.append(1) or real(data))
+    state = LocalCheckpoint(dest).state()
+    assert parsed == [] and state is not None and state.version == 2 and state.files
+    os.utime(state.path + ".json")  # any change to the file moves its ctime: read again
+    again = LocalCheckpoint(dest).state()
+    assert parsed == [1] and again is not None and again.digest == state.digest and again.files == state.files
