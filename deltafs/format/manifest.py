@@ -86,7 +86,7 @@ class ChunkRef:
                     and (obj is None or (type(obj) is str and _HEX64.match(obj) is not None))):
                 return cls(index, size, codec, obj, stored)
         _require(isinstance(raw, dict), "chunk must be an object")
-        _no_other_members(raw, _CHUNK_KEYS, "chunk")
+        _exact_members(raw, _CHUNK_KEYS, "chunk")
         codec = raw.get("codec")
         _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), "chunk codec must name itself")
         obj = raw.get("object")
@@ -138,9 +138,9 @@ class Segment:
     @classmethod
     def from_json(cls, raw: Any, format_version: int = 2) -> Segment:
         _require(isinstance(raw, dict), "segment must be an object")
-        _no_other_members(raw, _SEGMENT_KEYS, "segment")
         kind = raw.get("kind")
         _require(kind in ("tensor", "header", "blob"), f"unknown segment kind {kind!r}")
+        _exact_members(raw, _TENSOR_KEYS if kind == "tensor" else _SEGMENT_KEYS, f"{kind} segment")
         key = raw.get("key")
         _require(isinstance(key, str) and key[:2] in ("t:", "h:", "f:"), f"bad segment key {key!r}")
         digest = raw.get("digest")
@@ -192,7 +192,7 @@ class FileEntry:
     @classmethod
     def from_json(cls, raw: Any, format_version: int = FORMAT_VERSION) -> FileEntry:
         _require(isinstance(raw, dict), "file must be an object")
-        _no_other_members(raw, _FILE_KEYS[1 if format_version == 1 else 2], "file")
+        _exact_members(raw, _FILE_KEYS[1 if format_version == 1 else 2], "file")
         fmt = raw.get("format")
         _require(fmt in ("safetensors", "blob"), f"unknown file format {fmt!r}")
         if format_version == 1:
@@ -217,7 +217,7 @@ class FileEntry:
         )
 
 
-# Manifests this process has parsed and checked, newest last (Manifest.from_bytes, Manifest.embedded_in). Small:
+# Manifests this process has parsed and checked, newest last (Manifest.from_bytes, Manifest.known). Small:
 # a push or pull handles one or two manifests at a time, and a large model's takes tens of MB in memory.
 _CHECKED: list[Manifest] = []
 _CHECKED_LOCK = threading.Lock()
@@ -341,18 +341,15 @@ class Manifest:
         pull meets the same manifest several times (the store's copy, the broadcast to ranks), and checking one
         costs ~15-25 us per chunk record, ~0.5-1 s for a 70B model's ~35,000.
         """
-        known = _known(lambda man: man.to_bytes() == data)
+        known = cls.known(data)
         if known is not None:
             return known
         return cls.from_parsed(load_json(data, where, max_bytes=MANIFEST_MAX_BYTES), where=where, text=bytes(data))
 
     @classmethod
-    def embedded_in(cls, text: bytes, digest: Any) -> Manifest | None:
-        """The manifest of that digest if this process has checked it and its canonical JSON appears verbatim in
-        text as the value of a "manifest" key (a DEST state record), else None (parse it then)."""
-        if not isinstance(digest, str):
-            return None
-        return _known(lambda man: man.digest == digest and b'"manifest":' + man.to_bytes() in text)
+    def known(cls, text: bytes) -> Manifest | None:
+        """The manifest this process has checked whose canonical JSON is exactly text, else None (parse it then)."""
+        return _known(lambda man: man.to_bytes() == text)
 
     @classmethod
     def from_parsed(cls, raw: Any, *, where: str = "manifest", text: bytes | None = None) -> Manifest:
@@ -417,10 +414,9 @@ class Manifest:
     def _from_json(cls, raw: Any) -> Manifest:
         _require(isinstance(raw, dict), "manifest must be a JSON object")
         _require(raw.get("format") == MANIFEST_FORMAT, f"not a deltafs manifest (format={raw.get('format')!r})")
-        # A member the format does not define would be outside the digest (body() never writes it): refused, as
-        # the JSON Schema does, rather than silently dropped.
-        extra = raw.keys() - _TOP_LEVEL
-        _require(not extra, f"unknown top-level member(s) {', '.join(sorted(map(repr, extra)))}")
+        # Exactly the members body() writes, as the JSON Schema says: another would be outside the digest, and a
+        # missing one (read as a default) would make the stored text differ from the canonical JSON it stands for.
+        _exact_members(raw, _TOP_LEVEL, "top-level")
         fv = raw.get("format_version")
         if fv not in READ_FORMAT_VERSIONS or isinstance(fv, bool):
             raise FormatError(f"unknown manifest format version {fv!r} (this deltafs reads "
@@ -435,7 +431,7 @@ class Manifest:
         pdig = raw.get("parent_digest")
         _require(pdig is None or is_manifest_digest(pdig), "bad parent_digest")
         for name in ("metadata", "stats"):
-            _require(isinstance(raw.get(name, {}), dict), f"{name} must be an object")
+            _require(isinstance(raw[name], dict), f"{name} must be an object")
         _require(isinstance(raw.get("store_id"), str), "store_id must be a string")
         _require(isinstance(raw.get("created"), str), "created must be a string")
         _require(isinstance(raw.get("digest"), str), "digest must be a string")
@@ -448,8 +444,8 @@ class Manifest:
             chunk_bytes=_int(raw.get("chunk_bytes"), "chunk_bytes"),
             created=raw["created"],
             files=tuple(FileEntry.from_json(f, fv) for f in files),
-            metadata=raw.get("metadata", {}),
-            stats=raw.get("stats", {}),
+            metadata=raw["metadata"],
+            stats=raw["stats"],
             digest=raw["digest"],
             format_version=fv,
         )
@@ -525,17 +521,21 @@ def _require(cond: bool, message: str) -> None:
         raise FormatError(f"malformed manifest: {message}")
 
 
-# Every member a record may have (manifests/manifest.schema.json): any other would be outside the digest (to_json
-# never writes it), so it is refused rather than dropped.
+# The members of each record (manifests/manifest.schema.json), all required: to_json writes exactly these, so another
+# would be outside the digest, and a missing one read as a default would not be what the digest covers.
 _CHUNK_KEYS = frozenset(("index", "size", "codec", "object", "stored"))
-_SEGMENT_KEYS = frozenset(("key", "kind", "offset", "size", "digest", "chunks", "dtype", "shape"))
+_SEGMENT_KEYS = frozenset(("key", "kind", "offset", "size", "digest", "chunks"))
+_TENSOR_KEYS = _SEGMENT_KEYS | {"dtype", "shape"}
 _FILE_KEYS = {1: frozenset(("path", "size", "sha256", "format", "segments")),
               2: frozenset(("path", "size", "digest", "format", "segments"))}
 
 
-def _no_other_members(raw: dict[str, Any], allowed: frozenset[str], what: str) -> None:
-    extra = raw.keys() - allowed
+def _exact_members(raw: dict[str, Any], members: frozenset[str], what: str) -> None:
+    if raw.keys() == members:
+        return
+    extra, missing = raw.keys() - members, members - raw.keys()
     _require(not extra, f"unknown {what} member(s) {', '.join(sorted(map(repr, extra)))}")
+    _require(not missing, f"{what} record lacks {', '.join(sorted(map(repr, missing)))}")
 
 
 def _int(value: Any, what: str) -> int:

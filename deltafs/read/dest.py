@@ -380,10 +380,17 @@ class LocalCheckpoint:
             if STAGING_DIR.match(n) and stat.S_ISDIR(st.st_mode):
                 doomed.append(full)
             elif n in versions and n not in keep_names:
-                doomed.append(self._to_staging(full) if background else full)
+                if background:
+                    try:
+                        full = self._to_staging(full)
+                    except OSError:
+                        continue  # stays a version until the next cleanup; the caller's work is done already
+                doomed.append(full)
             else:
                 continue
             removed.append(n)
+        if not background:
+            _remove_trees(doomed)  # before the state files: a version's goes once its directory is gone
         for n, st in entries.items():
             full = os.path.join(self.sidecar, n)
             if STATE_FILE.match(n) and stat.S_ISREG(st.st_mode) and n[:-5] not in keep_names \
@@ -395,8 +402,6 @@ class LocalCheckpoint:
         if background and doomed:
             self.deleting = threading.Thread(target=_remove_trees, args=(doomed,), name="deltafs-cleanup")
             self.deleting.start()
-        else:
-            _remove_trees(doomed)
         return removed
 
     def _versions_by_age(self, entries: dict[str, os.stat_result] | None = None) -> list[str]:
@@ -489,7 +494,9 @@ def _is_state(path: str) -> bool:
     """Whether path is a DEST state record deltafs wrote (a regular file, bounded, of our format).
 
     The record alone, not its manifest: ordering versions (cleanup, recycling) needs no manifest, and building and
-    checking one costs ~0.7 s for a 70B model's. A version that is used is read in full (read_version_state).
+    checking one costs ~0.7 s for a 70B model's. A version that is used is read in full (read_version_state), so a
+    record whose embedded manifest is damaged still counts here (it can be removed or recycled as an old version)
+    but is never served: DEST pointing at it reads as no state.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -608,9 +615,14 @@ def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
         os.close(fd)
     raw = parse_dest_state(data)
     embedded = raw.pop("manifest")
+    text = embedded_manifest_text(data)
+    if text is not None and dest_state_bytes(raw, text) != data:
+        # Not a record as deltafs writes it (a duplicate or nested "manifest" member, other spacing): the slice may
+        # not be the member json.loads kept, so the parsed manifest is checked by encoding it instead.
+        text = None
     # The manifest a push or pull has just checked (the store's, the one it installed) is embedded verbatim.
-    manifest = Manifest.embedded_in(data, embedded.get("digest")) \
-        or Manifest.from_parsed(embedded, where=path, text=embedded_manifest_text(data))
+    manifest = (Manifest.known(text) if text is not None else None) \
+        or Manifest.from_parsed(embedded, where=path, text=text)
     with _STATE_MEMO_LOCK:
         if path not in _STATE_MEMO and len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
             _STATE_MEMO.pop(next(iter(_STATE_MEMO)))

@@ -39,14 +39,12 @@ def test_bytes_that_differ_from_a_checked_manifest_are_checked_in_full(tmp_path)
     assert again.digest == Manifest.from_bytes(data).digest
 
 
-def test_a_manifest_is_found_embedded_only_verbatim_and_under_its_own_digest(tmp_path):
+def test_a_manifest_is_known_only_by_its_exact_canonical_json(tmp_path):
     data = _stored_manifest(tmp_path)
     man = Manifest.from_bytes(data)
-    record = b'{"digest":"x","manifest":' + data + b',"version":1}'
-    assert Manifest.embedded_in(record, man.digest) is man
-    assert Manifest.embedded_in(record, "sha256:" + "0" * 64) is None
-    assert Manifest.embedded_in(record, None) is None
-    assert Manifest.embedded_in(record.replace(b'"version":', b'"version": '), man.digest) is None
+    assert Manifest.known(data) is man
+    assert Manifest.known(data.replace(b'"version":', b'"version": ')) is None
+    assert Manifest.known(data[:-1]) is None
 
 
 def test_a_manifest_built_here_is_checked_before_it_counts_as_known(tmp_path):
@@ -200,5 +198,23 @@ def test_a_member_no_record_defines_is_refused_in_chunks_segments_and_files(tmp_
     _forget_checked()
     edited = data.replace(*edit, 1)
     assert edited != data
-    with pytest.raises(FormatError, match=f"unknown {record} member"):
+    with pytest.raises(FormatError, match=f"unknown (header )?{record} member"):
+        Manifest.from_bytes(edited)
+
+
+@pytest.mark.parametrize("pattern, replacement, message", [
+    (rb'"metadata":\{\},', b"", "top-level record lacks 'metadata'"),
+    (rb'"object":"[0-9a-f]{64}",', b"", "chunk record lacks 'object'"),
+    (rb'"kind":"header",', b'"dtype":"U8","kind":"header",', "unknown header segment member"),
+])
+def test_a_record_that_lacks_a_member_or_has_one_its_kind_does_not_is_refused(tmp_path, pattern, replacement, message):
+    # A missing member read as a default would make the stored text differ from the canonical JSON the digest is
+    # defined over; a header segment's dtype would be dropped unchecked.
+    import re
+
+    data = _stored_manifest(tmp_path)
+    _forget_checked()
+    edited = re.sub(pattern, replacement, data, count=1)
+    assert edited != data
+    with pytest.raises(FormatError, match=message):
         Manifest.from_bytes(edited)

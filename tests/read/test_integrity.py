@@ -236,17 +236,66 @@ def test_a_state_file_whose_embedded_manifest_was_edited_is_refused_though_the_m
 
 def test_the_state_file_a_pull_just_wrote_is_not_parsed_again_until_it_changes(tmp_path, maker, monkeypatch):
     # At 70B the state record holds a 10 MB manifest: parsing it back right after writing it cost ~0.4 s per pull.
+    import re
+
     from deltafs.read import dest as dest_mod
     from deltafs.read.dest import LocalCheckpoint
+
+    store = str(tmp_path / "store")
+    dest = str(tmp_path / "dest")
+    push(store, maker.write())
+    pull(store, dest)
+    maker.advance()
+    push(store, maker.write())
+    parsed = []
+    real = dest_mod.parse_dest_state
+    monkeypatch.setattr(dest_mod, "parse_dest_state",
+                        lambda data: parsed.append(int(re.findall(rb'"version":(\d+)}', data)[-1])) or real(data))
+    pull(store, dest)  # installs version 2, then reads its state (cleanup, the result) without parsing it
+    assert 2 not in parsed
+    state = LocalCheckpoint(dest).state()
+    assert state is not None and state.version == 2 and state.files and 2 not in parsed
+    os.utime(state.path + ".json")  # any change to the file moves its ctime: read again
+    again = LocalCheckpoint(dest).state()
+    assert parsed.count(2) == 1 and again is not None and again.digest == state.digest and again.files == state.files
+
+
+def test_a_state_file_with_a_second_manifest_member_is_checked_on_the_member_json_keeps(tmp_path, maker):
+    """json.loads keeps the last of duplicate keys: a genuine manifest's text first and an edited copy after it
+    (same digest field, other spacing) must not pass as the genuine one, nor replace it in the process's memory."""
+    import json
+
+    from deltafs.errors import FormatError
+    from deltafs.format.manifest import Manifest
+    from deltafs.read import dest as dest_mod
+    from deltafs.read.dest import LocalCheckpoint, read_version_state
 
     store = _two_versions(tmp_path, maker)
     dest = str(tmp_path / "dest")
     pull(store, dest)
-    parsed = []
-    real = dest_mod.parse_dest_state
-    monkeypatch.setattr(dest_mod, "parse_dest_state", lambda data: parsed.append(1) or real(data))
     state = LocalCheckpoint(dest).state()
-    assert parsed == [] and state is not None and state.version == 2 and state.files
-    os.utime(state.path + ".json")  # any change to the file moves its ctime: read again
-    again = LocalCheckpoint(dest).state()
-    assert parsed == [1] and again is not None and again.digest == state.digest and again.files == state.files
+    path = state.path + ".json"
+    with open(path, "rb") as fh:
+        data = fh.read()
+    edited = json.loads(state.manifest.to_bytes())
+    edited["store_id"] = "f" * 32
+    with open(path, "wb") as fh:
+        fh.write(data[:-1] + b',"manifest": ' + json.dumps(edited).encode() + b"}")
+    dest_mod._STATE_MEMO.clear()
+    with pytest.raises(FormatError, match="digest field does not match"):
+        read_version_state(state.path)
+    genuine = Repository.open(store).manifest(2)
+    assert genuine.store_id == state.store_id and Manifest.known(genuine.to_bytes()).store_id == state.store_id
+
+
+def test_a_pull_that_keeps_one_version_leaves_no_state_file_of_the_one_it_removed(tmp_path, maker):
+    store = str(tmp_path / "store")
+    dest = str(tmp_path / "dest")
+    for _ in range(3):
+        push(store, maker.write())
+        pull(store, dest, keep=1)
+        maker.advance()
+    sidecar = dest + ".deltafs"
+    versions = sorted(n for n in os.listdir(sidecar) if n.startswith("v") and not n.endswith(".json"))
+    states = sorted(n[:-5] for n in os.listdir(sidecar) if n.startswith("v") and n.endswith(".json"))
+    assert len(versions) == 1 and states == versions
