@@ -284,9 +284,7 @@ class Manifest:
         body = canonical_json(self.body())
         man = replace(self, digest="sha256:" + sha256_hex(body))
         at = body.index(b',"files":')
-        text = body[:at] + b',"digest":' + json.dumps(man.digest).encode() + body[at:]
-        man.__dict__["_canonical"] = text
-        return _remember(man._verified(f"manifest of version {man.version}", man._text_hash_matches(text)))
+        return man._checked_as(body[:at] + man._digest_member() + body[at:])
 
     def to_bytes(self) -> bytes:
         """The canonical JSON (what the digest covers and what a DEST state record embeds)."""
@@ -362,9 +360,16 @@ class Manifest:
         body's and it keeps every invariant (validate); remembered, so its bytes read back are not parsed again."""
         # The canonical JSON is encoded here once, fresh from the fields (never an earlier to_bytes()), and serves
         # both the digest check and every later to_bytes() (commit, broadcast, install): one encode instead of two.
-        text = self._encode_canonical()
+        return self._checked_as(self._encode_canonical())
+
+    def _checked_as(self, text: bytes) -> Manifest:
+        """checked(), given the canonical JSON of this manifest's fields, which becomes its to_bytes()."""
         self.__dict__["_canonical"] = text
         return _remember(self._verified(f"manifest of version {self.version}", self._text_hash_matches(text)))
+
+    def _digest_member(self) -> bytes:
+        """',"digest":"…"' as the canonical JSON writes it (sorted between "created" and "files")."""
+        return b',"digest":' + json.dumps(self.digest, ensure_ascii=False).encode()
 
     @classmethod
     def _check_parsed(cls, raw: Any, where: str, text: bytes | None = None) -> Manifest:
@@ -388,7 +393,7 @@ class Manifest:
         (a number) and "created" (a string, which cannot hold an unescaped quote), so the first ',"digest":'
         is the member itself. Text written any other way fails here and is checked by encoding instead.
         """
-        member = b',"digest":' + json.dumps(self.digest, ensure_ascii=False).encode() + b","
+        member = self._digest_member() + b","
         at = text.find(member)
         if at < 0:
             return False

@@ -256,9 +256,10 @@ def dest_state_bytes(record: dict[str, Any], manifest_text: bytes) -> bytes:
 def embedded_manifest_text(state: bytes) -> bytes | None:
     """The text of the "manifest" member of a state record written by dest_state_bytes, or None.
 
-    A guess to check, never trusted: the caller hashes it against the manifest's digest and encodes the parsed
-    manifest instead when it does not match. "files" (paths to lists) sorts before "manifest", and a quote in a
-    string is escaped, so the first '"manifest":{' is the member; the last ',"store_id":"' ends it.
+    A guess to check, never trusted: the caller uses it only if the record's other members and this text encode
+    back to exactly the record's bytes (so it is the member json.loads kept), and then checks the manifest's digest
+    on it. "files" (paths to lists) sorts before "manifest", and a quote in a string is escaped, so in such a
+    record the first '"manifest":{' is the member and the last ',"store_id":"' ends it.
     """
     start = state.find(b'"manifest":{')
     end = state.rfind(b',"store_id":"')

@@ -499,22 +499,9 @@ def _is_state(path: str) -> bool:
     but is never served: DEST pointing at it reads as no state.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        with _STATE_MEMO_LOCK:
-            hit = _STATE_MEMO.get(path)
-        if hit is not None and hit[0] == _state_key(st):
-            return True  # read in full, unchanged since (read_version_state's memo)
-        data = os.read(fd, DEST_STATE_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
-    try:
-        parse_dest_state(data)
+        _key, hit, data = _read_state_file(path)
+        if hit is None:
+            parse_dest_state(data)
     except FormatError:
         return False
     return True
@@ -578,25 +565,20 @@ def _state_key(st: os.stat_result) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def _remember_state(path: str, manifest: Manifest, record: dict[str, Any]) -> None:
-    """Remember a state record as read; install calls it for the one it just wrote (its stat taken after the
-    rename, so any later change to the file, which moves its ctime, makes it be read again)."""
-    key = _state_key(os.stat(path, follow_symlinks=False))
+def _remember_state(path: str, manifest: Manifest, record: dict[str, Any], key: tuple[int, ...] | None = None) -> None:
+    """Remember a state record as read, under its stat key. Install calls it for the one it just wrote (the key
+    taken after the rename, so any later change to the file, which moves its ctime, makes it be read again)."""
+    if key is None:
+        key = _state_key(os.stat(path, follow_symlinks=False))
     with _STATE_MEMO_LOCK:
         if path not in _STATE_MEMO and len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
             _STATE_MEMO.pop(next(iter(_STATE_MEMO)))
         _STATE_MEMO[path] = (key, manifest, dict(record))
 
 
-def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
-    """The manifest and the other members of the state record pull wrote beside a version directory (<dir>.json);
-    FormatError if unusable.
-
-    A pull or push looks at the same few state files several times (state, cleanup, refuse_foreign); each is
-    parsed and checked once per process while its inode, size, mtime and ctime stay the same (ctime cannot be
-    set back, so an edited file is always read again).
-    """
-    path = version_dir.rstrip("/") + ".json"
+def _read_state_file(path: str) -> tuple[tuple[int, ...], tuple[Manifest, dict[str, Any]] | None, bytes]:
+    """(stat key, the memo's (manifest, members) if the file is unchanged since it was read, else None; its bytes,
+    b"" on a memo hit). Opened without following a link or blocking; FormatError unless a regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -609,10 +591,24 @@ def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
         with _STATE_MEMO_LOCK:
             hit = _STATE_MEMO.get(path)
         if hit is not None and hit[0] == key:
-            return hit[1], dict(hit[2])
-        data = os.read(fd, DEST_STATE_MAX_BYTES + 1)
+            return key, (hit[1], dict(hit[2])), b""
+        return key, None, os.read(fd, DEST_STATE_MAX_BYTES + 1)
     finally:
         os.close(fd)
+
+
+def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
+    """The manifest and the other members of the state record pull wrote beside a version directory (<dir>.json);
+    FormatError if unusable.
+
+    A pull or push looks at the same few state files several times (state, cleanup, refuse_foreign); each is
+    parsed and checked once per process while its inode, size, mtime and ctime stay the same (ctime cannot be
+    set back, so an edited file is always read again).
+    """
+    path = version_dir.rstrip("/") + ".json"
+    key, hit, data = _read_state_file(path)
+    if hit is not None:
+        return hit
     raw = parse_dest_state(data)
     embedded = raw.pop("manifest")
     text = embedded_manifest_text(data)
@@ -623,10 +619,7 @@ def read_version_state(version_dir: str) -> tuple[Manifest, dict[str, Any]]:
     # The manifest a push or pull has just checked (the store's, the one it installed) is embedded verbatim.
     manifest = (Manifest.known(text) if text is not None else None) \
         or Manifest.from_parsed(embedded, where=path, text=text)
-    with _STATE_MEMO_LOCK:
-        if path not in _STATE_MEMO and len(_STATE_MEMO) >= _STATE_MEMO_SIZE:
-            _STATE_MEMO.pop(next(iter(_STATE_MEMO)))
-        _STATE_MEMO[path] = (key, manifest, dict(raw))
+    _remember_state(path, manifest, raw, key)
     return manifest, raw
 
 
