@@ -30,7 +30,7 @@ from deltafs.errors import UsageError
 from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_bytes, make_shard, shard_file_name
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.publish.pipeline import DistributedPushError, RankWork, World, collective, run
-from deltafs.publish.source import memory_source
+from deltafs.publish.source import Piece, memory_source
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -192,7 +192,7 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
     extra = dict(extra_files or {})
     owned = collective(comm, "checking what each rank owns", lambda: _describe(tensors, extra))
     layout = _layout(owned, comm.world)  # same data on every rank: same result, or the same UsageError
-    files: dict[str, list[tuple[int, memoryview]]] = {}
+    files: dict[str, list[tuple[int, Piece]]] = {}
     if comm.rank in layout.shard_of:
         shard = make_shard(layout.shard_of[comm.rank], collect_tensors(tensors), {"format": "pt"})
         files[shard.name] = shard.pieces()

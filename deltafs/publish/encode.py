@@ -234,6 +234,8 @@ class Encoder:
         held: list[np.ndarray] = []
         if isinstance(reader, DiskReader):
             new: Any = self._read(reader.fd, size, seg.offset + start, held)
+        elif size > SMALL_CHUNK and reader.copies(seg.offset + start):
+            new = reader.read(seg.offset + start, size, self._take(held))  # an accelerator's bytes, copied
         else:
             new = reader.read(seg.offset + start, size)
         if len(new) != size:
@@ -281,10 +283,14 @@ class Encoder:
     def _read_into(self, fd: int, size: int, offset: int, held: list[np.ndarray]) -> memoryview:
         """pread into a recycled page-aligned buffer: a fresh 4 MiB bytes object per read costs page faults, more
         than the read, and an unaligned one makes the kernel's copy up to 4x slower (deltafs.buffers)."""
+        return pread_aligned(fd, size, offset, self._take(held)).data
+
+    def _take(self, held: list[np.ndarray]) -> np.ndarray:
+        """A recycled chunk-sized page-aligned buffer, held by the caller's chunk until recycle()."""
         with self._lock:
             buf = self._free.pop() if self._free else aligned_empty(self.cb)
         held.append(buf)
-        return pread_aligned(fd, size, offset, buf).data
+        return buf
 
     def recycle(self, held: list[np.ndarray]) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ import numpy as np
 
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import safetensors_name
+from deltafs.publish.source import Piece  # bytes in host memory, or RangeBytes such as DeviceBytes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -60,12 +61,64 @@ def host_bytes(t: Any) -> np.ndarray:
     return flat
 
 
+class DeviceBytes:
+    """The bytes of a contiguous tensor on an accelerator, copied to host memory one range at a time when read.
+
+    A push reads each chunk once, from its worker threads, so host memory holds the chunks in flight instead of
+    the whole model, and the device-to-host copies overlap the encoding instead of all running first. The tensor
+    must not change until the push returns (as for host tensors, which a push reads in place).
+    """
+
+    def __init__(self, t: Any) -> None:
+        self._flat = t.reshape(-1).view(_torch().uint8)
+        self.nbytes = int(self._flat.numel())
+        self.device = str(t.device)
+
+    def read(self, start: int, size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """A private host copy of bytes [start, start + size): into out[:size] when given (a reused buffer: a
+        fresh multi-MB array per chunk costs page faults), else a new array. torch copies release the GIL."""
+        if start < 0 or size < 0 or start + size > self.nbytes:
+            raise ValueError(f"range [{start}, {start + size}) outside a tensor of {self.nbytes} bytes")
+        src = self._flat[start:start + size]
+        if out is None:
+            fresh: np.ndarray = src.to("cpu", copy=True).numpy()
+            return fresh
+        dst = out[:size]
+        _torch().from_numpy(dst).copy_(src)
+        return dst
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def tensor_bytes(t: Any) -> np.ndarray | DeviceBytes:
+    """A tensor's bytes for a push: host tensors as a flat uint8 array (no copy when contiguous), contiguous
+    accelerator tensors as DeviceBytes (copied a chunk at a time as the push reads them).
+
+    A non-contiguous accelerator tensor is copied to the host whole, here (a contiguous copy on the device would
+    hold device memory for the whole push). A DTensor is gathered with full_tensor(), a collective over its mesh,
+    here on the calling thread.
+    """
+    torch = _torch()
+    if type(t).__name__ == "DTensor":
+        t = t.full_tensor()
+    if not isinstance(t, torch.Tensor):
+        raise UsageError(f"expected a torch.Tensor, got {type(t).__name__}")
+    t = t.detach()
+    if t.device.type != "cpu" and t.is_contiguous():
+        return DeviceBytes(t)
+    return host_bytes(t)
+
+
 @dataclass(frozen=True)
 class HfTensor:
     name: str
     dtype: str  # safetensors dtype name
     shape: tuple[int, ...]
-    data: np.ndarray  # flat uint8, host memory
+    data: np.ndarray | DeviceBytes  # flat uint8: host memory, or an accelerator's read a range at a time
 
     @property
     def nbytes(self) -> int:
@@ -84,12 +137,13 @@ class HfShard:
     def size(self) -> int:
         return len(self.header) + sum(t.nbytes for t in self.tensors)
 
-    def pieces(self) -> list[tuple[int, memoryview]]:
+    def pieces(self) -> list[tuple[int, Piece]]:
         """(offset, bytes) of the header and of every tensor, in file order: the file without writing it."""
-        out = [(0, memoryview(self.header))]
+        out: list[tuple[int, Piece]] = [(0, memoryview(self.header))]
         pos = len(self.header)
         for t in self.tensors:
-            out.append((pos, memoryview(t.data)))  # type: ignore[arg-type]  # numpy arrays are buffers
+            data = t.data
+            out.append((pos, data if isinstance(data, DeviceBytes) else memoryview(data)))  # type: ignore[arg-type]
             pos += t.nbytes
         return out
 
@@ -116,9 +170,9 @@ class HfCheckpoint:
     index: bytes | None
     extra_files: Mapping[str, bytes]
 
-    def files(self) -> dict[str, list[tuple[int, memoryview]]]:
+    def files(self) -> dict[str, list[tuple[int, Piece]]]:
         """Relative path → (offset, bytes) pieces, for every file of the checkpoint."""
-        out: dict[str, list[tuple[int, memoryview]]] = {s.name: s.pieces() for s in self.shards}
+        out: dict[str, list[tuple[int, Piece]]] = {s.name: s.pieces() for s in self.shards}
         if self.index is not None:
             out[INDEX_FILE] = [(0, memoryview(self.index))]
         for rel, data in self.extra_files.items():
@@ -141,8 +195,8 @@ def check_tensor(name: Any, t: Any) -> str:
 
 
 def collect_tensors(tensors: Mapping[str, Any]) -> list[HfTensor]:
-    """Check names and dtypes and take each tensor's host bytes, in the mapping's order."""
-    return [HfTensor(name, check_tensor(name, t), tuple(t.shape), host_bytes(t)) for name, t in tensors.items()]
+    """Check names and dtypes and take each tensor's bytes (tensor_bytes), in the mapping's order."""
+    return [HfTensor(name, check_tensor(name, t), tuple(t.shape), tensor_bytes(t)) for name, t in tensors.items()]
 
 
 def make_shard(name: str, tensors: list[HfTensor], metadata: Mapping[str, str] | None = None) -> HfShard:
@@ -183,15 +237,22 @@ def plan_checkpoint(tensors: Mapping[str, Any] | list[HfTensor], *, max_shard_by
     return HfCheckpoint(shards, index, extra)
 
 
-def write_files(files: Mapping[str, list[tuple[int, memoryview]]], out_dir: str) -> list[str]:
+def write_files(files: Mapping[str, list[tuple[int, Piece]]], out_dir: str) -> list[str]:
     """Write planned files under out_dir; returns their relative paths."""
     for rel, pieces in files.items():
         path = os.path.join(out_dir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as fh:
             for _offset, data in pieces:
-                fh.write(data)
+                if isinstance(data, memoryview):
+                    fh.write(data)
+                    continue
+                for start in range(0, data.nbytes, _WRITE_BLOCK):
+                    fh.write(memoryview(data.read(start, min(_WRITE_BLOCK, data.nbytes - start))))
     return list(files)
+
+
+_WRITE_BLOCK = 64 << 20  # bytes of an accelerator tensor held on the host at a time while writing a file
 
 
 def write_hf_checkpoint(tensors: Mapping[str, Any], out_dir: str, *, extra_files: Mapping[str, bytes] | None = None,
@@ -203,6 +264,6 @@ def write_hf_checkpoint(tensors: Mapping[str, Any], out_dir: str, *, extra_files
     return write_files(plan.files(), out_dir)
 
 
-__all__ = ["DEFAULT_SHARD_BYTES", "HfCheckpoint", "HfShard", "HfTensor", "INDEX_FILE", "check_tensor", "collect_tensors",
+__all__ = ["DEFAULT_SHARD_BYTES", "DeviceBytes", "HfCheckpoint", "HfShard", "HfTensor", "INDEX_FILE", "check_tensor", "collect_tensors",
            "host_bytes", "index_bytes", "make_shard", "plan_checkpoint", "safetensors_header", "shard_file_name",
-           "torch_dtype_name", "write_files", "write_hf_checkpoint"]
+           "tensor_bytes", "torch_dtype_name", "write_files", "write_hf_checkpoint"]

@@ -8,6 +8,7 @@ import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from deltafs.errors import FormatError, SourceError
 from deltafs.format.dtypes import DTYPE_SIZES, nbytes
@@ -40,7 +41,7 @@ class SourceFile:
     format: str  # "safetensors" | "blob"
     segments: tuple[SourceSegment, ...]
     # In-memory files (push_tensors): (offset, bytes) pieces covering the file in order; None: read abspath.
-    pieces: tuple[tuple[int, memoryview], ...] | None = None
+    pieces: tuple[tuple[int, Piece], ...] | None = None
 
     def open(self) -> FileReader:
         return MemoryReader(self.pieces) if self.pieces is not None else DiskReader(self.abspath)
@@ -59,17 +60,36 @@ class DiskReader:
         os.close(self.fd)
 
 
-class MemoryReader:
-    """Reads of an in-memory file; a read never crosses a segment, so it is a view of one piece (no copy)."""
+class RangeBytes(Protocol):
+    """Bytes that are not in host memory (an accelerator tensor's): read a range at a time, into a host copy."""
 
-    def __init__(self, pieces: tuple[tuple[int, memoryview], ...]) -> None:
+    nbytes: int
+
+    def read(self, start: int, size: int, out: Any = None) -> Any: ...
+
+
+Piece = memoryview | RangeBytes
+
+
+class MemoryReader:
+    """Reads of an in-memory file; a read never crosses a segment, so it is a view of one piece (no copy), or the
+    host copy of that range of a RangeBytes piece."""
+
+    def __init__(self, pieces: tuple[tuple[int, Piece], ...]) -> None:
         self.pieces = pieces
         self.starts = [off for off, _ in pieces]
 
-    def read(self, offset: int, size: int) -> bytes | memoryview:
+    def read(self, offset: int, size: int, out: Any = None) -> Any:
+        """size bytes at offset; out: a uint8 buffer of at least size bytes that a copy may go into."""
         i = bisect.bisect_right(self.starts, offset) - 1
         start, data = self.pieces[i]
-        return data[offset - start : offset - start + size]
+        if isinstance(data, memoryview):
+            return data[offset - start : offset - start + size]
+        return data.read(offset - start, size, out)
+
+    def copies(self, offset: int) -> bool:
+        """Whether a read at offset copies (a RangeBytes piece) rather than returning a view."""
+        return not isinstance(self.pieces[bisect.bisect_right(self.starts, offset) - 1][1], memoryview)
 
     def close(self) -> None:
         pass
@@ -78,12 +98,13 @@ class MemoryReader:
 FileReader = DiskReader | MemoryReader
 
 
-def memory_source(files: Mapping[str, list[tuple[int, memoryview]]]) -> list[SourceFile]:
-    """SourceFiles for files held in memory as (offset, bytes) pieces (see deltafs.publish.hf)."""
+def memory_source(files: Mapping[str, Sequence[tuple[int, Any]]]) -> list[SourceFile]:
+    """SourceFiles for files held in memory as (offset, bytes) pieces (see deltafs.publish.hf); a piece may
+    also be RangeBytes (an accelerator tensor's), read a chunk at a time by the push."""
     out = []
     for rel in sorted(files):
-        pieces = tuple((off, memoryview(data).cast("B")) for off, data in files[rel])
-        size = sum(len(d) for _, d in pieces)
+        pieces = tuple((off, data if _is_range_bytes(data) else memoryview(data).cast("B")) for off, data in files[rel])
+        size = sum(d.nbytes for _, d in pieces)
         try:
             check_relpath(rel)
         except FormatError:
@@ -95,6 +116,10 @@ def memory_source(files: Mapping[str, list[tuple[int, memoryview]]]) -> list[Sou
             out.append(SourceFile(rel, f"<memory>/{rel}", size, "blob", (SourceSegment(f"f:{rel}", "blob", 0, size),),
                                   pieces))
     return out
+
+
+def _is_range_bytes(data: Any) -> bool:
+    return not isinstance(data, (bytes, bytearray, memoryview)) and callable(getattr(data, "read", None))
 
 
 def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
