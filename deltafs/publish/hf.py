@@ -191,6 +191,8 @@ def check_tensor(name: Any, t: Any) -> str:
     dtype = torch_dtype_name(t.dtype)
     if dtype is None:
         raise UsageError(f"{name} has dtype {t.dtype}, which safetensors cannot store")
+    if t.is_meta:
+        raise UsageError(f"{name} is on the meta device: it has no data to push (load or materialize the weights first)")
     return dtype
 
 

@@ -97,3 +97,11 @@ def test_a_file_written_from_device_bytes_is_the_same_file(tmp_path, monkeypatch
     write_files(plan_checkpoint(w).files(), str(tmp_path / "plain"))
     assert os.listdir(tmp_path / "lazy") == ["model.safetensors"]
     assert (tmp_path / "lazy" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
+
+
+def test_a_meta_tensor_is_refused_before_the_store_is_touched(tmp_path):
+    from deltafs.errors import UsageError
+
+    with pytest.raises(UsageError, match="w is on the meta device: it has no data to push"):
+        push_tensors(str(tmp_path / "store"), {"w": torch.empty(4, 4, device="meta")}, cache_dir=str(tmp_path / "c"))
+    assert not (tmp_path / "store").exists()
