@@ -94,7 +94,9 @@ class LocalObjectStore(ObjectStore):
                 raise IsADirectoryError(errno.EISDIR, "a directory, not an object", path)  # a key prefix: not found
             if not stat.S_ISREG(st.st_mode):
                 raise FormatError(f"{key} in {self.url} is not a regular file")
-            want = st.st_size if limit is None else min(st.st_size, limit) + 1
+            # One byte past limit shows a file larger than limit; a file within it is read to its size (no extra
+            # read to find the end: objects are immutable, and callers check what they read).
+            want = st.st_size if limit is None or st.st_size <= limit else limit + 1
             parts, got = [], 0
             while got < want:
                 block = os.read(fd, min(want - got, 16 << 20))
