@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import safetensors_name
-from deltafs.publish.source import Piece  # bytes in host memory, or RangeBytes such as DeviceBytes
+from deltafs.publish.source import Piece, is_range_bytes  # Piece: host bytes, or RangeBytes such as DeviceBytes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -64,9 +64,11 @@ def host_bytes(t: Any) -> np.ndarray:
 class DeviceBytes:
     """The bytes of a contiguous tensor on an accelerator, copied to host memory one range at a time when read.
 
-    A push reads each chunk once, from its worker threads, so host memory holds the chunks in flight instead of
-    the whole model, and the device-to-host copies overlap the encoding instead of all running first. The tensor
-    must not change until the push returns (as for host tensors, which a push reads in place).
+    A push's workers read each chunk when they encode it (again if a fold is written), so host memory holds the
+    chunks in flight instead of the whole model, and the device-to-host copies run in the workers instead of all
+    before the first chunk. The copies run on each worker thread's own stream: collect_tensors first waits for
+    the work already queued on the device. The tensor must not change until the push returns (as for host
+    tensors, which a push reads in place).
     """
 
     def __init__(self, t: Any) -> None:
@@ -198,7 +200,28 @@ def check_tensor(name: Any, t: Any) -> str:
 
 def collect_tensors(tensors: Mapping[str, Any]) -> list[HfTensor]:
     """Check names and dtypes and take each tensor's bytes (tensor_bytes), in the mapping's order."""
-    return [HfTensor(name, check_tensor(name, t), tuple(t.shape), tensor_bytes(t)) for name, t in tensors.items()]
+    out = [HfTensor(name, check_tensor(name, t), tuple(t.shape), tensor_bytes(t)) for name, t in tensors.items()]
+    wait_for_devices({t.data.device for t in out if isinstance(t.data, DeviceBytes)})
+    return out
+
+
+def wait_for_devices(devices: set[str]) -> None:
+    """Wait until the work queued on these accelerators (on every stream) has run.
+
+    The push's workers copy from their own threads, whose current stream is the device's default one: without
+    this, a tensor the caller wrote on another stream (an optimizer step under `torch.cuda.stream(s)`) could be
+    copied before that write lands. Once per push and device; the old whole-model copy waited as long.
+    """
+    if not devices:
+        return
+    torch = _torch()
+    for device in sorted(devices):
+        dev = torch.device(device)
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and hasattr(accelerator, "synchronize"):  # torch >= 2.6: any accelerator
+            accelerator.synchronize(dev)
+        elif dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
 
 def make_shard(name: str, tensors: list[HfTensor], metadata: Mapping[str, str] | None = None) -> HfShard:
@@ -239,15 +262,15 @@ def plan_checkpoint(tensors: Mapping[str, Any] | list[HfTensor], *, max_shard_by
     return HfCheckpoint(shards, index, extra)
 
 
-def write_files(files: Mapping[str, list[tuple[int, Piece]]], out_dir: str) -> list[str]:
-    """Write planned files under out_dir; returns their relative paths."""
+def write_files(files: Mapping[str, Sequence[tuple[int, Any]]], out_dir: str) -> list[str]:
+    """Write planned files under out_dir; returns their relative paths. Pieces: any buffer, or RangeBytes."""
     for rel, pieces in files.items():
         path = os.path.join(out_dir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as fh:
             for _offset, data in pieces:
-                if isinstance(data, memoryview):
-                    fh.write(data)
+                if not is_range_bytes(data):
+                    fh.write(data)  # bytes, a memoryview, a numpy array
                     continue
                 for start in range(0, data.nbytes, _WRITE_BLOCK):
                     fh.write(memoryview(data.read(start, min(_WRITE_BLOCK, data.nbytes - start))))
@@ -268,4 +291,4 @@ def write_hf_checkpoint(tensors: Mapping[str, Any], out_dir: str, *, extra_files
 
 __all__ = ["DEFAULT_SHARD_BYTES", "DeviceBytes", "HfCheckpoint", "HfShard", "HfTensor", "INDEX_FILE", "check_tensor", "collect_tensors",
            "host_bytes", "index_bytes", "make_shard", "plan_checkpoint", "safetensors_header", "shard_file_name",
-           "tensor_bytes", "torch_dtype_name", "write_files", "write_hf_checkpoint"]
+           "tensor_bytes", "torch_dtype_name", "wait_for_devices", "write_files", "write_hf_checkpoint"]

@@ -103,7 +103,7 @@ def memory_source(files: Mapping[str, Sequence[tuple[int, Any]]]) -> list[Source
     also be RangeBytes (an accelerator tensor's), read a chunk at a time by the push."""
     out = []
     for rel in sorted(files):
-        pieces = tuple((off, data if _is_range_bytes(data) else memoryview(data).cast("B")) for off, data in files[rel])
+        pieces = tuple((off, data if is_range_bytes(data) else memoryview(data).cast("B")) for off, data in files[rel])
         size = sum(d.nbytes for _, d in pieces)
         try:
             check_relpath(rel)
@@ -118,7 +118,8 @@ def memory_source(files: Mapping[str, Sequence[tuple[int, Any]]]) -> list[Source
     return out
 
 
-def _is_range_bytes(data: Any) -> bool:
+def is_range_bytes(data: Any) -> bool:
+    """Whether a piece is RangeBytes (read a range at a time) rather than a buffer (bytes, memoryview, array)."""
     return not isinstance(data, (bytes, bytearray, memoryview)) and callable(getattr(data, "read", None))
 
 

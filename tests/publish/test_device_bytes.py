@@ -25,7 +25,9 @@ from deltafs.store.repo import Repository
 def _weights(step: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     out = {
-        "big": torch.randn(300, 700, generator=gen).bfloat16(),  # several 64 KiB chunks, the last one short
+        # several 512 KiB chunks (over the encoder's 256 KiB SMALL_CHUNK: read into its recycled buffers), and a
+        # short last one
+        "big": torch.randn(1100, 700, generator=gen).bfloat16(),
         "norm": torch.randn(700, generator=gen),  # a tiny F32 tensor
         "mask": torch.rand(33, generator=gen) > 0.5,  # bool, an odd size
         "fp8": torch.randn(17, generator=gen).to(torch.float8_e4m3fn),
@@ -60,6 +62,12 @@ def test_reads_are_private_host_copies_of_the_range():
             data.read(start, size)
 
 
+def test_a_contiguous_tensor_off_the_host_is_read_lazily():
+    # The meta device is the one non-CPU device every torch build has (push_tensors refuses it: no data).
+    lazy = tensor_bytes(torch.empty(8, 4, dtype=torch.bfloat16, device="meta"))
+    assert isinstance(lazy, DeviceBytes) and (lazy.nbytes, lazy.device) == (64, "meta")
+
+
 def test_host_tensors_keep_the_zero_copy_path():
     t = torch.randn(64, 8)
     got = tensor_bytes(t)
@@ -68,10 +76,18 @@ def test_host_tensors_keep_the_zero_copy_path():
     assert isinstance(strided, np.ndarray) and strided.tobytes() == t.t().contiguous().numpy().tobytes()
 
 
-def test_a_push_read_through_device_bytes_stores_the_same_versions(tmp_path):
+def test_a_push_read_through_device_bytes_stores_the_same_versions(tmp_path, monkeypatch):
+    reads: list[tuple[int, bool]] = []
+    real_read = DeviceBytes.read
+
+    def spy(self, start, size, out=None):  # type: ignore[no-untyped-def]
+        reads.append((size, out is not None))
+        return real_read(self, start, size, out)
+
+    monkeypatch.setattr(DeviceBytes, "read", spy)
     plain, lazy = str(tmp_path / "plain"), str(tmp_path / "lazy")
     for store in (plain, lazy):
-        Repository.open(store, create=True, chunk_bytes=64 << 10)  # several chunks per large tensor
+        Repository.open(store, create=True, chunk_bytes=512 << 10)  # several chunks per large tensor
     for step in range(3):
         w = _weights(step)
         a = push_tensors(plain, w, cache_dir=str(tmp_path / "c1"))
@@ -80,6 +96,10 @@ def test_a_push_read_through_device_bytes_stores_the_same_versions(tmp_path):
         ma, mb = Repository.open(plain).manifest(step + 1), Repository.open(lazy).manifest(step + 1)
         assert [f.to_json() for f in ma.files] == [f.to_json() for f in mb.files]
     assert b.kind == "delta"  # type: ignore[attr-defined]
+    # Chunks over 256 KiB (those of "big": 2 x 512 KiB and 491,424 bytes) went into the encoder's recycled
+    # buffers, the tiny tensors' into fresh arrays.
+    assert {size for size, into in reads if into} == {512 << 10, 1100 * 700 * 2 - (1 << 20)}
+    assert {size for size, into in reads if not into} and all(size <= 256 << 10 for size, into in reads if not into)
     pull(lazy, str(tmp_path / "dest"))
     got = load_file(str(tmp_path / "dest" / "model.safetensors"))
     want = _weights(2)
@@ -97,6 +117,9 @@ def test_a_file_written_from_device_bytes_is_the_same_file(tmp_path, monkeypatch
     write_files(plan_checkpoint(w).files(), str(tmp_path / "plain"))
     assert os.listdir(tmp_path / "lazy") == ["model.safetensors"]
     assert (tmp_path / "lazy" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
+    # Plain buffers as pieces, as before DeviceBytes existed.
+    write_files({"a.bin": [(0, b"hel"), (3, memoryview(b"lo")), (5, np.frombuffer(b"!", np.uint8))]}, str(tmp_path))
+    assert (tmp_path / "a.bin").read_bytes() == b"hello!"
 
 
 def test_a_meta_tensor_is_refused_before_the_store_is_touched(tmp_path):
