@@ -73,10 +73,11 @@ class ChunkSource:
         self._memo_bytes = 0
         self._inflight: dict[str, threading.Event] = {}
 
-    def get(self, rec: ChunkRef) -> bytes:
+    def get(self, rec: ChunkRef, shared: bool = True) -> bytes:
+        """The chunk's object; shared=False: no other chunk of this pull needs it (no memo, no in-flight entry)."""
         oid = rec.object
         assert oid is not None
-        small = rec.stored <= self.MEMO_OBJECT_BYTES
+        small = shared and rec.stored <= self.MEMO_OBJECT_BYTES
         while small:
             with self._lock:
                 memo = self._memo.get(oid)
@@ -157,6 +158,7 @@ class Builder:
         self.chunk_bytes = chain.target.chunk_bytes
         self._per_step = [m.segments() for m in chain.steps]
         self._local_segments = chain.local.manifest.segments() if chain.local else {}
+        self._shared = _shared_objects(chain)
         self._local_checked: dict[str, bool] = {}
         self._local_lock = threading.Lock()
         self._local_fds: dict[str, int] = {}
@@ -250,7 +252,7 @@ class Builder:
             payload = None
             if rec.object is not None:
                 try:
-                    payload = self.source.get(rec)
+                    payload = self.source.get(rec, rec.object in self._shared)
                 except ObjectNotFoundError:
                     raise ChunkNotFoundError(f"chunk {rec.object} of {key[2:]} (version {self.chain.target.version}) "
                                              f"is missing from {self.repo.url}") from None
@@ -472,6 +474,25 @@ class Builder:
                 except OSError:
                     return False
         return False
+
+
+def _shared_objects(chain: Chain) -> set[str]:
+    """Objects that more than one chunk record of the chain names (a run of identical chunks, a chunk that did
+    not change between two steps): only these are worth the source's memo and its in-flight bookkeeping, which
+    cost more than a local read of a small object (~12 us against ~17 us)."""
+    seen: set[str] = set()
+    shared: set[str] = set()
+    for man in chain.steps:
+        for f in man.files:
+            for seg in f.segments:
+                for rec in seg.chunks:
+                    oid = rec.object
+                    if oid is not None:
+                        if oid in seen:
+                            shared.add(oid)
+                        else:
+                            seen.add(oid)
+    return shared
 
 
 def _range_digest(path: str, seg: Segment, chunk_bytes: int) -> str | None:

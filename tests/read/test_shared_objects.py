@@ -1,0 +1,48 @@
+"""A pull fetches an object that several chunks share once, and an object only one chunk needs without the memo."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from deltafs.publish import push
+from deltafs.read import rebuild
+from deltafs.read.pull import pull
+from deltafs.store.local import LocalObjectStore
+
+
+def test_shared_objects_are_read_once_and_only_they_take_the_memo(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    tensors = {f"zero.{i}": np.zeros(512, np.float32) for i in range(6)}  # six chunks, one object
+    tensors.update({f"rand.{i}": rng.standard_normal(512).astype(np.float32) for i in range(3)})
+    save_file(tensors, str(src / "model.safetensors"))
+    store = str(tmp_path / "store")
+    push(store, str(src), cache_dir=str(tmp_path / "cache"))
+
+    reads: collections.Counter[str] = collections.Counter()
+    memo_calls: list[bool] = []
+    real_read, real_get = LocalObjectStore._read, rebuild.ChunkSource.get
+
+    def counting_read(self, key, limit):  # type: ignore[no-untyped-def]
+        reads[key] += 1
+        return real_read(self, key, limit)
+
+    def recording_get(self, rec, shared=True):  # type: ignore[no-untyped-def]
+        memo_calls.append(shared)
+        return real_get(self, rec, shared)
+
+    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    monkeypatch.setattr(rebuild.ChunkSource, "get", recording_get)
+    pull(store, str(tmp_path / "dest"), threads=4)
+
+    chunk_reads = {k: n for k, n in reads.items() if k.startswith("chunks/")}
+    assert sorted(chunk_reads.values()) == [1] * len(chunk_reads)  # every object read once
+    # The header, three random tensors: one chunk each; the six zero tensors: one object for all of them.
+    assert len(chunk_reads) == 5
+    assert sorted(memo_calls) == [False] * 4 + [True] * 6
+    got = (tmp_path / "dest" / "model.safetensors").read_bytes()
+    assert got == (src / "model.safetensors").read_bytes()
