@@ -8,7 +8,8 @@ safetensors file of tensors of 32 chunks, each chunk a sparse-codec record like 
 encode; before round 6 `seal()` then `checked()`, two, timed apart) and `encode()` (the zstd frame); a pull's
 `Manifest.decode()` of the stored bytes in a process that has not seen them (parse, build, digest, invariants),
 then its `to_bytes()` (the JSON the install embeds in DEST's state record); writing the DEST state record, and
-reading it back in a process that has not seen it.
+checking a record as cleanup and recycling do to order versions (`_is_state`), and reading it back in full, both
+in a process that has not seen it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def main() -> None:
             with mod._CHECKED_LOCK:
                 mod._CHECKED.clear()
             dest._STATE_MEMO.clear()
+            t = time.perf_counter()
+            ok = dest._is_state(vdir + ".json")
+            times["read: order by a DEST state record (cleanup, recycling), new process"] = time.perf_counter() - t
+            assert ok
             t = time.perf_counter()
             dest.read_version_state(vdir)
             times["read: a DEST state record in a new process"] = time.perf_counter() - t

@@ -261,9 +261,15 @@ def embedded_manifest_text(state: bytes) -> bytes | None:
     on it. "files" (paths to lists) sorts before "manifest", and a quote in a string is escaped, so in such a
     record the first '"manifest":{' is the member and the last ',"store_id":"' ends it.
     """
+    span = embedded_manifest_span(state)
+    return state[span[0]:span[1]] if span is not None else None
+
+
+def embedded_manifest_span(state: bytes) -> tuple[int, int] | None:
+    """Where embedded_manifest_text's guess lies in state: (start, end), or None."""
     start = state.find(b'"manifest":{')
     end = state.rfind(b',"store_id":"')
-    return state[start + len(b'"manifest":'):end] if 0 <= start < end else None
+    return (start + len(b'"manifest":'), end) if 0 <= start < end else None
 
 
 def parse_dest_state(data: bytes) -> dict[str, Any]:

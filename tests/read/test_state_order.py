@@ -1,0 +1,62 @@
+"""Ordering versions (cleanup, recycling) reads each DEST state record without parsing its embedded manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltafs.errors import FormatError
+from deltafs.publish import push
+from deltafs.read import dest as dest_mod
+from deltafs.read.dest import LocalCheckpoint, _is_state, read_version_state
+from deltafs.read.pull import pull
+
+
+@pytest.fixture
+def record(tmp_path, maker):
+    store = str(tmp_path / "store")
+    push(store, maker.write())
+    pull(store, str(tmp_path / "dest"))
+    path = LocalCheckpoint(str(tmp_path / "dest")).state().path
+    with open(path + ".json", "rb") as fh:
+        data = fh.read()
+    return path, data
+
+
+def _rewrite(path: str, data: bytes) -> None:
+    with open(path + ".json", "wb") as fh:
+        fh.write(data)
+    dest_mod._STATE_MEMO.clear()
+
+
+def test_a_record_as_written_counts_without_its_manifest_being_parsed(record, monkeypatch):
+    path, data = record
+    dest_mod._STATE_MEMO.clear()
+    parsed: list[int] = []
+    real = dest_mod.parse_dest_state
+    monkeypatch.setattr(dest_mod, "parse_dest_state", lambda d: parsed.append(len(d)) or real(d))
+    assert _is_state(path + ".json")
+    assert len(parsed) == 1 and parsed[0] < len(data) // 4  # the record's own members only
+
+
+def test_a_damaged_manifest_counts_for_ordering_but_is_never_served(record):
+    path, data = record
+    at = data.index(b'"files":[', data.index(b'"manifest":{'))
+    _rewrite(path, data[:at] + b'"files":[}' + data[at + len(b'"files":['):])  # the manifest's JSON is broken
+    assert _is_state(path + ".json")
+    with pytest.raises(FormatError):
+        read_version_state(path)
+
+
+def test_records_the_guess_does_not_fit_are_parsed_whole(record):
+    path, data = record
+    spaced = json.dumps(json.loads(data), indent=1).encode()  # other spacing: still a record
+    _rewrite(path, spaced)
+    assert _is_state(path + ".json")
+    raw = json.loads(data)
+    raw["version"] = "2"  # a record's own member wrong
+    _rewrite(path, json.dumps(raw, sort_keys=True, separators=(",", ":")).encode())
+    assert not _is_state(path + ".json")
+    _rewrite(path, data[: len(data) // 2])  # cut short
+    assert not _is_state(path + ".json")
