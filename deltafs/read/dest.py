@@ -491,18 +491,20 @@ def _tree_segment_digest(fd: int, seg: Segment, chunk_bytes: int) -> str | None:
 
 
 def _is_state(path: str) -> bool:
-    """Whether path is a DEST state record deltafs wrote (a regular file, bounded, of our format).
+    """Whether path looks like a DEST state record deltafs wrote (a regular file, bounded, whose own members are of
+    our format), for ordering versions.
 
     The record alone, not its manifest: ordering versions (cleanup, recycling) needs no manifest, and building and
     checking one costs ~0.7 s for a 70B model's; even parsing its JSON costs ~0.3 s, so a record as
     dest_state_bytes writes it is parsed with the manifest's text set aside. A version that is used is read in
-    full (read_version_state), so a record whose embedded manifest is damaged still counts here (it can be
-    removed or recycled as an old version) but is never served: DEST pointing at it reads as no state.
+    full (read_version_state), so a record whose embedded manifest is damaged (not JSON, too deep, a duplicate
+    member inside it) still counts here (it can be removed or recycled as an old version) but is never served:
+    DEST pointing at it reads as no state.
     """
     try:
         _key, hit, data = _read_state_file(path)
         if hit is None:
-            span = embedded_manifest_span(data)
+            span = embedded_manifest_span(data) if len(data) <= DEST_STATE_MAX_BYTES else None
             if span is not None:
                 # The record's own members, the manifest's text set aside: parsing it is most of the cost (a 70B
                 # model's is 10 MB of JSON). A record this guess does not fit is parsed whole, as before.

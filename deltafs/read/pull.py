@@ -176,7 +176,8 @@ def _materialize(repo: Repository, local: LocalCheckpoint, chain: Chain, progres
     """Build the chain's target into a staging directory and install it; recycle_keep > 0: the staging
     directory may be the version that cleanup(recycle_keep) removes after the install."""
     check_layout(chain.target)  # a version that cannot be laid out fails before anything is written
-    source = ChunkSource(repo, local.open_chunk_cache() if chunk_cache else None)
+    # One build per source: only objects several chunk records name are worth the memo (rebuild._shared_objects).
+    source = ChunkSource(repo, local.open_chunk_cache() if chunk_cache else None, memo_unshared=False)
     staging = None
     if recycle_keep > 0:
         staging = local.recycle_as_staging(recycle_keep, {f.path for f in chain.target.files})

@@ -64,8 +64,9 @@ class ChunkSource:
     MEMO_OBJECT_BYTES = 64 << 10
     MEMO_BYTES = 64 << 20
 
-    def __init__(self, repo: Repository, cache_dir: str | None) -> None:
+    def __init__(self, repo: Repository, cache_dir: str | None, *, memo_unshared: bool = True) -> None:
         self.repo = repo
+        self.memo_unshared = memo_unshared
         self.cache_dir = cache_dir if repo.objects.local_root is None else None
         self.bytes_read = 0
         self._lock = threading.Lock()
@@ -74,10 +75,11 @@ class ChunkSource:
         self._inflight: dict[str, threading.Event] = {}
 
     def get(self, rec: ChunkRef, shared: bool = True) -> bytes:
-        """The chunk's object; shared=False: no other chunk of this pull needs it (no memo, no in-flight entry)."""
+        """The chunk's object; shared=False: no other chunk of this build needs it, so unless memo_unshared (a source
+        that several builds reuse: verify, inspect) it skips the memo and the in-flight entry."""
         oid = rec.object
         assert oid is not None
-        small = shared and rec.stored <= self.MEMO_OBJECT_BYTES
+        small = (shared or self.memo_unshared) and rec.stored <= self.MEMO_OBJECT_BYTES
         while small:
             with self._lock:
                 memo = self._memo.get(oid)

@@ -46,3 +46,28 @@ def test_shared_objects_are_read_once_and_only_they_take_the_memo(tmp_path, monk
     assert sorted(memo_calls) == [False] * 4 + [True] * 6
     got = (tmp_path / "dest" / "model.safetensors").read_bytes()
     assert got == (src / "model.safetensors").read_bytes()
+
+
+
+def test_a_reader_that_reads_a_tensor_again_fetches_its_objects_once(tmp_path, monkeypatch):
+    from deltafs.read.inspect import open_version
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    save_file({f"t.{i}": rng.standard_normal(256).astype(np.float32) for i in range(3)}, str(src / "model.safetensors"))
+    store = str(tmp_path / "store")
+    push(store, str(src), cache_dir=str(tmp_path / "cache"))
+    reads: collections.Counter[str] = collections.Counter()
+    real_read = LocalObjectStore._read
+
+    def counting_read(self, key, limit):  # type: ignore[no-untyped-def]
+        reads[key] += 1
+        return real_read(self, key, limit)
+
+    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    reader = open_version(store, 1)  # one source for every tensor it reads: each object is kept once read
+    first = reader.tensor_bytes("t.1")
+    assert reader.tensor_bytes("t.1") == first and reader.tensor_bytes("t.2") != first
+    chunk_reads = [n for k, n in reads.items() if k.startswith("chunks/")]
+    assert sorted(chunk_reads) == [1, 1]

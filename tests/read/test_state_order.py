@@ -60,3 +60,12 @@ def test_records_the_guess_does_not_fit_are_parsed_whole(record):
     assert not _is_state(path + ".json")
     _rewrite(path, data[: len(data) // 2])  # cut short
     assert not _is_state(path + ".json")
+
+
+def test_a_record_past_the_size_bound_is_not_a_state(record):
+    from deltafs.format.records import DEST_STATE_MAX_BYTES
+
+    path, data = record
+    at = data.index(b'"manifest":{') + len(b'"manifest":{')
+    _rewrite(path, data[:at] + b" " * (DEST_STATE_MAX_BYTES + 1 - len(data)) + data[at:])  # valid JSON, too large
+    assert not _is_state(path + ".json")
