@@ -215,13 +215,15 @@ def wait_for_devices(devices: set[str]) -> None:
     if not devices:
         return
     torch = _torch()
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6: CUDA, ROCm, XPU, MPS ... alike
+    current = accelerator.current_accelerator() if accelerator is not None else None
     for device in sorted(devices):
         dev = torch.device(device)
-        accelerator = getattr(torch, "accelerator", None)
-        if accelerator is not None and hasattr(accelerator, "synchronize"):  # torch >= 2.6: any accelerator
-            accelerator.synchronize(dev)
-        elif dev.type == "cuda":
+        if current is not None and dev.type == current.type:
+            accelerator.synchronize(dev)  # type: ignore[union-attr]
+        elif dev.type == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize(dev)
+        # Anything else (meta, a device torch cannot synchronize) has no queued work to wait for.
 
 
 def make_shard(name: str, tensors: list[HfTensor], metadata: Mapping[str, str] | None = None) -> HfShard:

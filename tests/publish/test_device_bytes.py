@@ -128,3 +128,10 @@ def test_a_meta_tensor_is_refused_before_the_store_is_touched(tmp_path):
     with pytest.raises(UsageError, match="w is on the meta device: it has no data to push"):
         push_tensors(str(tmp_path / "store"), {"w": torch.empty(4, 4, device="meta")}, cache_dir=str(tmp_path / "c"))
     assert not (tmp_path / "store").exists()
+
+
+def test_waiting_for_devices_skips_what_has_no_queue():
+    from deltafs.publish.hf import wait_for_devices
+
+    wait_for_devices(set())
+    wait_for_devices({"meta"})  # torch.accelerator.synchronize would raise "Accelerator expected" here
