@@ -159,13 +159,10 @@ class LocalCheckpoint:
     # --- reading -------------------------------------------------------------------------
     def state(self) -> LocalState | None:
         """The state of the version DEST points to, or None if DEST is not managed by deltafs."""
-        if not os.path.islink(self.dest):
+        name = self._linked_name()
+        if name is None:
             return None
-        target = os.readlink(self.dest)
-        name = os.path.basename(target.rstrip("/"))
         version_dir = os.path.join(self.sidecar, name)
-        if os.path.dirname(os.path.normpath(os.path.join(os.path.dirname(self.dest), target))) != self.sidecar:
-            return None
         try:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
             if not VERSION_DIR.match(name) or not stat.S_ISDIR(os.lstat(version_dir).st_mode):
@@ -178,6 +175,18 @@ class LocalCheckpoint:
                               files if isinstance(files, dict) else None)
         except (OSError, ValueError, KeyError, TypeError, FormatError, DestinationError):
             return None
+
+    def _linked_name(self) -> str | None:
+        """The name of the sidecar entry DEST links to, whatever its state record says (None if DEST is no such
+        link): cleanup and recycling never touch it, even when its record is damaged and state() is None."""
+        try:
+            target = os.readlink(self.dest)
+        except OSError:
+            return None
+        name = os.path.basename(target.rstrip("/"))
+        if os.path.dirname(os.path.normpath(os.path.join(os.path.dirname(self.dest), target))) != self.sidecar:
+            return None
+        return name
 
     def describe_foreign(self) -> str | None:
         """Why DEST cannot simply be replaced, or None if it is absent, empty or ours."""
@@ -289,6 +298,9 @@ class LocalCheckpoint:
         survivors = set(versions[-(keep - 1):]) if keep > 1 else set()
         if current is not None:
             survivors.add(os.path.basename(current.path))
+        linked = self._linked_name()
+        if linked is not None:
+            survivors.add(linked)
         old = [n for n in versions if n not in survivors]
         if not old:
             return None
@@ -374,6 +386,9 @@ class LocalCheckpoint:
         keep_names = set(versions[-keep:]) if keep > 0 else set()
         if current_name:
             keep_names.add(current_name)
+        linked = self._linked_name()  # also when its record is damaged: what engines may be reading
+        if linked is not None:
+            keep_names.add(linked)
         removed, doomed = [], []
         for n, st in entries.items():
             full = os.path.join(self.sidecar, n)

@@ -69,3 +69,24 @@ def test_a_record_past_the_size_bound_is_not_a_state(record):
     at = data.index(b'"manifest":{') + len(b'"manifest":{')
     _rewrite(path, data[:at] + b" " * (DEST_STATE_MAX_BYTES + 1 - len(data)) + data[at:])  # valid JSON, too large
     assert not _is_state(path + ".json")
+
+
+def test_the_version_dest_links_to_survives_cleanup_and_recycling_with_a_damaged_record(tmp_path, maker):
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    for _ in range(3):
+        push(store, maker.write())
+        pull(store, dest, keep=3)
+        maker.advance()
+    local = LocalCheckpoint(dest)
+    current = local.state().path  # type: ignore[union-attr]
+    with open(current + ".json", "rb") as fh:
+        data = fh.read()
+    at = data.index(b'"files":[', data.index(b'"manifest":{'))
+    _rewrite(current, data[:at] + b'"files":[}' + data[at + len(b'"files":['):])  # its manifest no longer parses
+    assert local.state() is None and _is_state(current + ".json")  # counted as a version, not served
+    staging = local.recycle_as_staging(1, set())
+    assert staging is not None and not staging.endswith(current.rsplit("/", 1)[1])  # an older one was taken
+    local.cleanup(keep=0)
+    import os
+
+    assert os.path.isdir(current) and os.path.realpath(dest) == os.path.realpath(current)
