@@ -193,7 +193,13 @@ class LocalCheckpoint:
         if not os.path.lexists(self.dest):
             return None
         if os.path.islink(self.dest):
-            return None if self.state() is not None else f"{self.dest} is a symlink deltafs did not make"
+            if self.state() is not None:
+                return None
+            linked = self._linked_name()
+            if linked is not None and VERSION_DIR.match(linked):
+                return (f"{self.dest} points to {os.path.join(self.sidecar, linked)}, whose state record "
+                        f"({linked}.json) is missing or damaged")
+            return f"{self.dest} is a symlink deltafs did not make"
         if os.path.isdir(self.dest):
             return None if not os.listdir(self.dest) else f"{self.dest} is a directory with files deltafs did not write"
         return f"{self.dest} is a file"

@@ -90,3 +90,16 @@ def test_the_version_dest_links_to_survives_cleanup_and_recycling_with_a_damaged
     import os
 
     assert os.path.isdir(current) and os.path.realpath(dest) == os.path.realpath(current)
+
+
+def test_a_pull_names_the_damaged_record_of_the_version_dest_points_to(record, tmp_path, maker):
+    from deltafs.errors import DestinationError
+
+    path, data = record
+    _rewrite(path, data[: len(data) // 2])
+    maker.advance()
+    store = str(tmp_path / "store")
+    push(store, maker.write())
+    with pytest.raises(DestinationError, match=r"points to .*, whose state record \(v\d{10}-[0-9a-f]{8}\.json\) is "
+                                                r"missing or damaged; use --force"):
+        pull(store, str(tmp_path / "dest"))
