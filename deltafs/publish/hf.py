@@ -48,17 +48,21 @@ def host_bytes(t: Any) -> np.ndarray:
 
     A DTensor (FSDP2, tensor parallel) is gathered with full_tensor(): a collective over its mesh.
     """
-    import torch
-
-    if type(t).__name__ == "DTensor":
-        t = t.full_tensor()
-    if not isinstance(t, torch.Tensor):
-        raise UsageError(f"expected a torch.Tensor, got {type(t).__name__}")
-    t = t.detach()
+    t = _plain_tensor(t)
     if t.device.type != "cpu":
         t = t.to("cpu")
-    flat: np.ndarray = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat: np.ndarray = t.contiguous().reshape(-1).view(_torch().uint8).numpy()
     return flat
+
+
+def _plain_tensor(t: Any) -> Any:
+    """t detached, a DTensor gathered first (full_tensor(): a collective, on the calling thread); UsageError if t is
+    not a tensor."""
+    if type(t).__name__ == "DTensor":
+        t = t.full_tensor()
+    if not isinstance(t, _torch().Tensor):
+        raise UsageError(f"expected a torch.Tensor, got {type(t).__name__}")
+    return t.detach()
 
 
 class DeviceBytes:
@@ -104,12 +108,7 @@ def tensor_bytes(t: Any) -> np.ndarray | DeviceBytes:
     hold device memory for the whole push). A DTensor is gathered with full_tensor(), a collective over its mesh,
     here on the calling thread.
     """
-    torch = _torch()
-    if type(t).__name__ == "DTensor":
-        t = t.full_tensor()
-    if not isinstance(t, torch.Tensor):
-        raise UsageError(f"expected a torch.Tensor, got {type(t).__name__}")
-    t = t.detach()
+    t = _plain_tensor(t)
     if t.device.type != "cpu" and t.is_contiguous():
         return DeviceBytes(t)
     return host_bytes(t)

@@ -41,8 +41,9 @@ def push_tensors(store: str | Repository, tensors: Mapping[str, Any], options: P
 
     The tensors are streamed into chunks as safetensors shards (deltafs.publish.hf) without a
     temporary checkpoint on disk: host tensors are read in place, tensors on an accelerator are copied
-    to the host a chunk at a time as they are encoded (DeviceBytes); none may change until this returns. keep_files: the previous version's plain files that extra_files
-    does not replace (tokenizer files, generation_config.json ...) stay in the new version.
+    to the host a chunk at a time as they are encoded (DeviceBytes); none may change until this returns.
+    keep_files: the previous version's plain files that extra_files does not replace (tokenizer files,
+    generation_config.json ...) stay in the new version.
     DTensor values (FSDP2) are gathered with full_tensor(), a collective over their mesh: with more
     than one rank, call push_distributed on every rank instead, which spreads the writing.
     """

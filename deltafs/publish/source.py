@@ -81,15 +81,17 @@ class MemoryReader:
 
     def read(self, offset: int, size: int, out: Any = None) -> Any:
         """size bytes at offset; out: a uint8 buffer of at least size bytes that a copy may go into."""
-        i = bisect.bisect_right(self.starts, offset) - 1
-        start, data = self.pieces[i]
+        start, data = self._piece(offset)
         if isinstance(data, memoryview):
             return data[offset - start : offset - start + size]
         return data.read(offset - start, size, out)
 
     def copies(self, offset: int) -> bool:
         """Whether a read at offset copies (a RangeBytes piece) rather than returning a view."""
-        return not isinstance(self.pieces[bisect.bisect_right(self.starts, offset) - 1][1], memoryview)
+        return not isinstance(self._piece(offset)[1], memoryview)
+
+    def _piece(self, offset: int) -> tuple[int, Piece]:
+        return self.pieces[bisect.bisect_right(self.starts, offset) - 1]
 
     def close(self) -> None:
         pass

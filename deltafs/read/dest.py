@@ -299,12 +299,9 @@ class LocalCheckpoint:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
         except FileNotFoundError:
             return None
-        current = self.state()
         versions = self._versions_by_age()
         survivors = set(versions[-(keep - 1):]) if keep > 1 else set()
-        if current is not None:
-            survivors.add(os.path.basename(current.path))
-        linked = self._linked_name()
+        linked = self._linked_name()  # what state() reads, whatever its record says
         if linked is not None:
             survivors.add(linked)
         old = [n for n in versions if n not in survivors]
@@ -385,14 +382,10 @@ class LocalCheckpoint:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
         except FileNotFoundError:
             return []
-        current = self.state()
-        current_name = os.path.basename(current.path) if current else None
         entries = {n: os.lstat(os.path.join(self.sidecar, n)) for n in os.listdir(self.sidecar)}
         versions = self._versions_by_age(entries)
         keep_names = set(versions[-keep:]) if keep > 0 else set()
-        if current_name:
-            keep_names.add(current_name)
-        linked = self._linked_name()  # also when its record is damaged: what engines may be reading
+        linked = self._linked_name()  # the current version, also when its record is damaged: engines may read it
         if linked is not None:
             keep_names.add(linked)
         removed, doomed = [], []

@@ -160,7 +160,8 @@ class Builder:
         self.chunk_bytes = chain.target.chunk_bytes
         self._per_step = [m.segments() for m in chain.steps]
         self._local_segments = chain.local.manifest.segments() if chain.local else {}
-        self._shared = _shared_objects(chain)
+        # Only a source that memoizes shared objects alone asks which they are (a pass over every chunk record).
+        self._shared = None if source.memo_unshared else _shared_objects(chain)
         self._local_checked: dict[str, bool] = {}
         self._local_lock = threading.Lock()
         self._local_fds: dict[str, int] = {}
@@ -254,7 +255,7 @@ class Builder:
             payload = None
             if rec.object is not None:
                 try:
-                    payload = self.source.get(rec, rec.object in self._shared)
+                    payload = self.source.get(rec, self._shared is None or rec.object in self._shared)
                 except ObjectNotFoundError:
                     raise ChunkNotFoundError(f"chunk {rec.object} of {key[2:]} (version {self.chain.target.version}) "
                                              f"is missing from {self.repo.url}") from None
