@@ -70,14 +70,9 @@ class _Proxy:
 
 
 def copy_template(template: str, work: str) -> None:
+    """The template as it is (DEST stays a relative link into dest.deltafs), like sync_bench's `cp -a`."""
     shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    for name in ("dest", "dest.deltafs", "store"):
-        src = os.path.join(template, name)
-        if os.path.islink(src):
-            os.symlink(os.readlink(src), os.path.join(work, name))  # DEST is a relative link into dest.deltafs
-        else:
-            shutil.copytree(src, os.path.join(work, name), symlinks=True)
+    shutil.copytree(template, work, symlinks=True)
 
 
 def main() -> None:
