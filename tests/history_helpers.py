@@ -28,7 +28,7 @@ def store_bytes(path: str) -> int:
 
 
 def bytes_needed(repo, target: int, local: int | None) -> int:
-    """Chunk bytes a reader holding `local` (or nothing) must fetch to rebuild `target`, per the chain rules.
+    """Object bytes a reader holding `local` (or nothing) must fetch to rebuild `target`, per the chain rules.
 
     For every chunk of the target, walk back through its parents until a self-contained record or the
     local version; every distinct stored object on the way is fetched once.
@@ -51,7 +51,7 @@ def bytes_needed(repo, target: int, local: int | None) -> int:
             for segs in per_step:
                 rec = segs[key][1].chunks[i]
                 if rec.object is not None:
-                    needed[rec.object] = rec.stored
+                    needed[rec.object] = rec.object_bytes  # a pack is fetched whole
                 if rec.name not in DELTA_CODECS:
                     break
     return sum(needed.values())

@@ -30,16 +30,17 @@ from deltafs.format.records import (
 )
 
 # Manifests this release writes; it reads every version in READ_FORMAT_VERSIONS.
-FORMAT_VERSION = 2
-READ_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READ_FORMAT_VERSIONS = (1, 2, 3)
 MANIFEST_FORMAT = "deltafs.manifest"
-# A v2 manifest is stored as one zstd frame of its canonical JSON; a v1 manifest is the JSON itself.
+# A v2 or v3 manifest is stored as one zstd frame of its canonical JSON; a v1 manifest is the JSON itself.
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-MANIFEST_ZSTD_LEVEL = 10
+MANIFEST_ZSTD_LEVEL = 1
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_SEGMENT_DIGEST = {1: re.compile(r"^xxh3-128:[0-9a-f]{32}$"), 2: re.compile(r"^xxh3-tree:[0-9a-f]{32}$")}
-_FILE_DIGEST = {1: re.compile(r"^sha256:[0-9a-f]{64}$"), 2: re.compile(r"^xxh3-tree:[0-9a-f]{32}$")}
+_TREE_DIGEST = re.compile(r"^xxh3-tree:[0-9a-f]{32}$")
+_SEGMENT_DIGEST = {1: re.compile(r"^xxh3-128:[0-9a-f]{32}$"), 2: _TREE_DIGEST, 3: _TREE_DIGEST}
+_FILE_DIGEST = {1: re.compile(r"^sha256:[0-9a-f]{64}$"), 2: _TREE_DIGEST, 3: _TREE_DIGEST}
 
 
 def sha256_hex(data: bytes) -> str:
@@ -60,43 +61,79 @@ def check_relpath(path: str) -> str:
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One fixed-size piece of a segment and how its bytes are stored."""
+    """One fixed-size piece of a segment and how its bytes are stored.
+
+    From format 3 the payloads of several small chunks may share one stored object (a pack): `pack` is then
+    (offset of this chunk's payload in the object, the object's size), and `stored` is the payload's size.
+    """
 
     index: int
     size: int
     codec: dict[str, Any]
     object: str | None  # sha256 hex of the stored object; None when the codec stores nothing
-    stored: int  # bytes of the stored object
+    stored: int  # bytes of this chunk's payload (the whole object unless packed)
+    pack: tuple[int, int] | None = None  # (offset in the object, object size) of a packed payload
 
     @property
     def name(self) -> str:
         return str(self.codec["name"])
 
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "size": self.size, "codec": self.codec, "object": self.object, "stored": self.stored}
+    @property
+    def object_bytes(self) -> int:
+        """Size of the stored object that holds the payload."""
+        return self.pack[1] if self.pack is not None else self.stored
+
+    def payload_of(self, data: bytes) -> bytes:
+        """This chunk's payload within its object's bytes (the bytes themselves unless packed)."""
+        if self.pack is None:
+            return data
+        return data[self.pack[0]:self.pack[0] + self.stored]
+
+    def to_json(self, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
+        out = {"index": self.index, "size": self.size, "codec": self.codec, "object": self.object, "stored": self.stored}
+        if format_version >= 3:
+            out["pack"] = list(self.pack) if self.pack is not None else None
+        elif self.pack is not None:
+            raise FormatError(f"a format {format_version} manifest cannot hold packed chunks")
+        return out
 
     @classmethod
-    def from_json(cls, raw: Any) -> ChunkRef:
-        if type(raw) is dict and raw.keys() == _CHUNK_KEYS:
+    def from_json(cls, raw: Any, format_version: int = FORMAT_VERSION) -> ChunkRef:
+        keys = _CHUNK_KEYS_V3 if format_version >= 3 else _CHUNK_KEYS
+        if type(raw) is dict and raw.keys() == keys:
             # The usual, valid record in a few C-level checks (a 70B model's manifest holds ~35,000 of these); anything
             # else takes the field-by-field path below, which says what is wrong.
             index, size, codec, obj, stored = raw["index"], raw["size"], raw["codec"], raw["object"], raw["stored"]
+            pack = raw.get("pack")
             if (type(index) is int and type(size) is int and type(stored) is int and min(index, size, stored) >= 0
                     and type(codec) is dict and type(codec.get("name")) is str
-                    and (obj is None or (type(obj) is str and _HEX64.match(obj) is not None))):
-                return cls(index, size, codec, obj, stored)
+                    and (obj is None or (type(obj) is str and _HEX64.match(obj) is not None))
+                    and (pack is None or (type(pack) is list and len(pack) == 2 and type(pack[0]) is int
+                                          and type(pack[1]) is int and obj is not None
+                                          and 0 <= pack[0] and pack[0] + stored <= pack[1]))):
+                return cls(index, size, codec, obj, stored, None if pack is None else (pack[0], pack[1]))
         _require(isinstance(raw, dict), "chunk must be an object")
-        _exact_members(raw, _CHUNK_KEYS, "chunk")
+        _exact_members(raw, keys, "chunk")
         codec = raw.get("codec")
         _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), "chunk codec must name itself")
         obj = raw.get("object")
         _require(obj is None or (isinstance(obj, str) and bool(_HEX64.match(obj))), f"bad chunk object id {obj!r}")
+        stored = _int(raw.get("stored"), "chunk stored size")
+        rpack = raw.get("pack")
+        pack = None
+        if rpack is not None:
+            _require(isinstance(rpack, list) and len(rpack) == 2, f"chunk pack must be [offset, object size], got {rpack!r}")
+            pack = (_int(rpack[0], "chunk pack offset"), _int(rpack[1], "chunk pack object size"))
+            _require(obj is not None, "a packed chunk must name its object")
+            _require(pack[0] + stored <= pack[1], f"chunk payload [{pack[0]}, +{stored}) lies outside its object of "
+                                                  f"{pack[1]} bytes")
         return cls(
             index=_int(raw.get("index"), "chunk index"),
             size=_int(raw.get("size"), "chunk size"),
             codec=codec,
             object=obj,
-            stored=_int(raw.get("stored"), "chunk stored size"),
+            stored=stored,
+            pack=pack,
         )
 
 
@@ -121,14 +158,14 @@ class Segment:
     def tensor_name(self) -> str | None:
         return self.key[2:] if self.kind == "tensor" else None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
         out: dict[str, Any] = {
             "key": self.key,
             "kind": self.kind,
             "offset": self.offset,
             "size": self.size,
             "digest": self.digest,
-            "chunks": [c.to_json() for c in self.chunks],
+            "chunks": [c.to_json(format_version) for c in self.chunks],
         }
         if self.kind == "tensor":
             out["dtype"] = self.dtype
@@ -136,7 +173,7 @@ class Segment:
         return out
 
     @classmethod
-    def from_json(cls, raw: Any, format_version: int = 2) -> Segment:
+    def from_json(cls, raw: Any, format_version: int = FORMAT_VERSION) -> Segment:
         _require(isinstance(raw, dict), "segment must be an object")
         kind = raw.get("kind")
         _require(kind in ("tensor", "header", "blob"), f"unknown segment kind {kind!r}")
@@ -161,7 +198,7 @@ class Segment:
             offset=_int(raw.get("offset"), "segment offset"),
             size=_int(raw.get("size"), "segment size"),
             digest=digest,
-            chunks=tuple(ChunkRef.from_json(c) for c in chunks),
+            chunks=tuple(ChunkRef.from_json(c, format_version) for c in chunks),
             dtype=dtype,
             shape=shape,
         )
@@ -182,7 +219,7 @@ class FileEntry:
 
     def to_json(self, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "size": self.size, "format": self.format,
-                               "segments": [s.to_json() for s in self.segments]}
+                               "segments": [s.to_json(format_version) for s in self.segments]}
         if format_version == 1:
             out["sha256"] = self.digest.removeprefix("sha256:")
         else:
@@ -497,6 +534,7 @@ def validate(man: Manifest) -> None:
         _require(man.parent is not None, "a delta needs a parent")
     paths: set[str] = set()
     keys: set[str] = set()
+    sizes: dict[str, int] = {}  # object -> its size, as every chunk record that names it must say
     for f in man.files:
         _require(f.path not in paths, f"duplicate file {f.path}")
         paths.add(f.path)
@@ -513,6 +551,9 @@ def validate(man: Manifest) -> None:
                 _require(ch.index == i and ch.size == want, f"{seg.key}: chunk {i} has the wrong index or size")
                 if man.kind == "full":
                     _require(ch.name not in DELTA_CODECS, f"{seg.key}: a full version cannot reference a base")
+                if ch.object is not None:
+                    _require(sizes.setdefault(ch.object, ch.object_bytes) == ch.object_bytes,
+                             f"{seg.key}: chunk {i} gives object {ch.object} another size than an earlier record")
         _require(pos == f.size, f"{f.path}: segments cover {pos} bytes of {f.size}")
 
 
@@ -529,10 +570,12 @@ def _require(cond: bool, message: str) -> None:
 # The members of each record (manifests/manifest.schema.json), all required: to_json writes exactly these, so another
 # would be outside the digest, and a missing one read as a default would not be what the digest covers.
 _CHUNK_KEYS = frozenset(("index", "size", "codec", "object", "stored"))
+_CHUNK_KEYS_V3 = _CHUNK_KEYS | {"pack"}
 _SEGMENT_KEYS = frozenset(("key", "kind", "offset", "size", "digest", "chunks"))
 _TENSOR_KEYS = _SEGMENT_KEYS | {"dtype", "shape"}
 _FILE_KEYS = {1: frozenset(("path", "size", "sha256", "format", "segments")),
               2: frozenset(("path", "size", "digest", "format", "segments"))}
+_FILE_KEYS[3] = _FILE_KEYS[2]
 
 
 def _exact_members(raw: dict[str, Any], members: frozenset[str], what: str) -> None:

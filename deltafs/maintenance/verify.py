@@ -71,8 +71,9 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
                     seen.add(ch.object)
                     try:
                         data = repo.get_chunk(ch.object)
-                        if len(data) != ch.stored:
-                            report.fail(f"version {v}: {f.path}: chunk {ch.object} is {len(data)} bytes, manifest says {ch.stored}")
+                        if len(data) != ch.object_bytes:
+                            report.fail(f"version {v}: {f.path}: chunk {ch.object} is {len(data)} bytes, manifest says "
+                                        f"{ch.object_bytes}")
                     except DeltafsError as exc:
                         report.fail(f"version {v}: {f.path}: {_seg_name(seg.key)}: {exc}")
                     report.chunks_checked += 1

@@ -225,8 +225,10 @@ class Encoder:
         return fd
 
     def _chunk(self, reader: FileReader, seg: SourceSegment, i: int, base_fd: int | None, base_offset: int,
-               stage_fd: int | None) -> _Chunk:
-        """One chunk: read it (and its base), encode, hash; the payload is stored by _chunks. Runs in a worker."""
+               stage_fd: int | None, name_payload: bool = True) -> _Chunk:
+        """One chunk: read it (and its base), encode, hash; the payload is stored by _chunks. Runs in a worker.
+
+        name_payload=False: the caller may pack the payload with others, and names the object itself."""
         if self._failed.is_set():
             raise DeltafsError("push aborted")
         start = i * self.cb
@@ -252,15 +254,45 @@ class Encoder:
         digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None
         if stage_fd is not None and not (self.patch and old is not None and enc.changed == 0):
             pwrite_all(stage_fd, memoryview(new), seg.offset + start)
-        oid = hashlib.sha256(enc.payload).hexdigest() if enc.payload is not None else None
+        oid = hashlib.sha256(enc.payload).hexdigest() if enc.payload is not None and name_payload else None
         return _Chunk(new, old, enc, oid, held, digest, base_digest)
 
     def _chunks(self, reader: FileReader, run: list[tuple[SourceSegment, int, int | None, int]], stage_fd: int | None,
                 ctx: _Context) -> list[_Chunk]:
-        """A run of chunks of one file: one chunk, or several small ones (tiny tensors), as one task and one store
-        write, so a model of thousands of small tensors does not pay a thread hand-off per tensor."""
-        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd) for seg, i, base_fd, base_offset in run]
-        batch = [(c.oid, c.enc.payload) for c in out if c.oid is not None and c.enc.payload is not None]
+        """A run of chunks of one file: one chunk, or several small ones (tiny tensors), as one task and one stored
+        object, so a model of thousands of small tensors pays neither a thread hand-off nor a store write per tensor.
+
+        The payloads of a run are stored as one object (a pack, format 3) when there are several: each chunk
+        record then names the pack and where its payload lies in it.
+        """
+        single = len(run) == 1
+        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd, single)
+               for seg, i, base_fd, base_offset in run]
+        stored = [c for c in out if c.enc.payload is not None]
+        batch: list[tuple[str, bytes]] = []
+        if len(stored) == 1:
+            c = stored[0]
+            assert c.enc.payload is not None
+            if c.oid is None:
+                c.oid = hashlib.sha256(c.enc.payload).hexdigest()
+            batch = [(c.oid, c.enc.payload)]
+        elif stored:
+            # Identical payloads (zero tensors, tied copies) are stored once in the pack, as separate objects would be.
+            offsets: dict[bytes, int] = {}
+            parts: list[bytes] = []
+            at = 0
+            for c in stored:
+                assert c.enc.payload is not None
+                if c.enc.payload not in offsets:
+                    offsets[c.enc.payload] = at
+                    parts.append(c.enc.payload)
+                    at += len(c.enc.payload)
+            blob = b"".join(parts)
+            oid = hashlib.sha256(blob).hexdigest()
+            for c in stored:
+                assert c.enc.payload is not None
+                c.oid, c.pack = oid, (offsets[c.enc.payload], len(blob))
+            batch = [(oid, blob)]
         if batch:
             # Uploads run in their own pool, so store latency overlaps encoding; the semaphore bounds the
             # payload bytes waiting for it (a run holds at most chunk_bytes of them).
@@ -326,6 +358,7 @@ class _Chunk:
     held: list[np.ndarray]
     digest: bytes  # format v2 chunk digest of new
     base_digest: bytes | None  # of old, to check the push cache against its manifest
+    pack: tuple[int, int] | None = None  # (offset, object size) when the payload is stored in a pack
 
 
 @dataclass
@@ -405,7 +438,7 @@ class _Lane:
         chunks = []
         for i in range((seg.size + cb - 1) // cb):
             got = next(stream)
-            new, old, enc, oid, held = got.new, got.old, got.enc, got.oid, got.held
+            new, old, enc, oid, held, pack = got.new, got.old, got.enc, got.oid, got.held, got.pack
             chunk_digests.append(got.digest)
             if got.base_digest is not None:
                 base_digests.append(got.base_digest)
@@ -421,7 +454,7 @@ class _Lane:
                 self.stats.elements_total += size // seg.itemsize
                 self.stats.elements_changed += enc.changed
             chunks.append(ChunkRef(index=i, size=size, codec=enc.codec, object=oid,
-                                   stored=len(enc.payload) if enc.payload is not None else 0))
+                                   stored=len(enc.payload) if enc.payload is not None else 0, pack=pack))
             with self.ctx.lock:
                 self.ctx.advance(size)
         base_ok = hit is None or hit[1].digest == (digests.segment_digest(base_digests, seg.size) if tree_base

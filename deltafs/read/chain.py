@@ -89,8 +89,8 @@ def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
 
 
 def chain_objects(steps: list[Manifest], *, skip_files: frozenset[str] = frozenset()) -> dict[str, int]:
-    """Distinct objects (id -> stored bytes) a reader fetches to rebuild steps[-1], per chunk back to a
-    self-contained record; files in skip_files are not rebuilt (linked from a local copy)."""
+    """Distinct objects (id -> object size: a pack is fetched whole) a reader fetches to rebuild steps[-1], per chunk
+    back to a self-contained record; files in skip_files are not rebuilt (linked from a local copy)."""
     if not steps:
         return {}
     per_step = [m.segments() for m in reversed(steps)]  # newest first
@@ -105,7 +105,7 @@ def chain_objects(steps: list[Manifest], *, skip_files: frozenset[str] = frozens
                     break
                 rec = entry[1].chunks[i]
                 if rec.object is not None:
-                    needed[rec.object] = rec.stored
+                    needed[rec.object] = rec.object_bytes
                 if rec.name not in DELTA_CODECS:
                     break
     return needed

@@ -13,6 +13,7 @@ threads (a few chunks each). A v1 target's digests are serial streams, so it is 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import hashlib
 import os
@@ -57,8 +58,10 @@ class ChunkSource:
     """Fetches chunk objects, keeping verified copies in an optional local cache so a killed pull resumes.
 
     No disk cache for a store on this machine: re-reading it costs what reading the cache would.
-    Small objects that several chunks share (a run of identical chunks) are kept in memory, up to
-    MEMO_BYTES, so each is fetched once.
+    Objects that several chunks share are kept in memory, up to MEMO_BYTES, so each is fetched once: packs
+    (format 3: the payloads of a run of small chunks in one object), and small objects several records name (a
+    run of identical chunks). The oldest leave first when the memo is full; a build takes a pack's chunks one
+    after another, so the pack in use stays.
     """
 
     MEMO_OBJECT_BYTES = 64 << 10
@@ -70,52 +73,66 @@ class ChunkSource:
         self.cache_dir = cache_dir if repo.objects.local_root is None else None
         self.bytes_read = 0
         self._lock = threading.Lock()
-        self._memo: dict[str, bytes] = {}
+        self._memo: dict[str, bytes] = {}  # insertion order: the oldest first
         self._memo_bytes = 0
         self._inflight: dict[str, threading.Event] = {}
+        # Objects that could not be fetched (missing, or still damaged after the retries): the other chunks of a
+        # pack fail at once with the same error instead of each fetching it again.
+        self._failed: dict[str, DeltafsError] = {}
 
     def get(self, rec: ChunkRef, shared: bool = True) -> bytes:
-        """The chunk's object; shared=False: no other chunk of this build needs it, so unless memo_unshared (a source
-        that several builds reuse: verify, inspect) it skips the memo and the in-flight entry."""
+        """The chunk's payload; shared=False: no other chunk of this build needs its object, so unless memo_unshared
+        (a source that several builds reuse: verify, inspect) it skips the memo and the in-flight entry."""
         oid = rec.object
         assert oid is not None
-        small = (shared or self.memo_unshared) and rec.stored <= self.MEMO_OBJECT_BYTES
-        while small:
+        size = rec.object_bytes
+        keep = rec.pack is not None or ((shared or self.memo_unshared) and size <= self.MEMO_OBJECT_BYTES)
+        while keep:
             with self._lock:
                 memo = self._memo.get(oid)
                 if memo is not None:
-                    return memo
+                    return rec.payload_of(memo)
+                failed = self._failed.get(oid)
+                if failed is not None:
+                    raise copy.copy(failed)  # one instance per raise: threads do not share a traceback
                 waiting = self._inflight.get(oid)
                 if waiting is None:
                     self._inflight[oid] = threading.Event()  # this thread fetches it; others wait
                     break
             waiting.wait()
         try:
-            data = self._fetch(rec, oid)
-            if small:
+            try:
+                data = self._fetch(oid, size)
+            except DeltafsError as exc:
+                if keep:
+                    with self._lock:
+                        self._failed[oid] = exc
+                raise
+            if keep and size <= self.MEMO_BYTES:
                 with self._lock:
-                    if self._memo_bytes + len(data) <= self.MEMO_BYTES:
-                        self._memo[oid] = data
-                        self._memo_bytes += len(data)
-            return data
+                    while self._memo and self._memo_bytes + size > self.MEMO_BYTES:
+                        self._memo_bytes -= len(self._memo.pop(next(iter(self._memo))))
+                    self._memo[oid] = data
+                    self._memo_bytes += size
+            return rec.payload_of(data)
         finally:
-            if small:
+            if keep:
                 with self._lock:
                     event = self._inflight.pop(oid, None)
                 if event is not None:
                     event.set()
 
-    def _fetch(self, rec: ChunkRef, oid: str) -> bytes:
+    def _fetch(self, oid: str, size: int) -> bytes:
         if self.cache_dir:
             path = os.path.join(self.cache_dir, oid)
             try:
                 with open(path, "rb") as fh:
-                    data = fh.read(rec.stored + 1)
-                if len(data) == rec.stored and hashlib.sha256(data).hexdigest() == oid:
+                    data = fh.read(size + 1)
+                if len(data) == size and hashlib.sha256(data).hexdigest() == oid:
                     return data
             except OSError:
                 pass
-        data = self.repo.get_chunk(oid, rec.stored)  # verifies size and sha256, refetching a damaged one
+        data = self.repo.get_chunk(oid, size)  # verifies size and sha256, refetching a damaged one
         with self._lock:
             self.bytes_read += len(data)
         if self.cache_dir:

@@ -41,10 +41,10 @@ def test_real_manifests_validate_and_are_canonical(tmp_path, maker):
     push(str(store), maker.write())
     for v in (1, 2):
         stored = (store / manifest_key(v)).read_bytes()
-        assert stored[:4] == b"\x28\xb5\x2f\xfd"  # format v2: one zstd frame
+        assert stored[:4] == b"\x28\xb5\x2f\xfd"  # format v2 and v3: one zstd frame
         data = manifest_json(stored)
         raw = json.loads(data)
-        assert raw["format_version"] == 2
+        assert raw["format_version"] == 3
         jsonschema.validate(raw, SCHEMA)
         assert canonical_json(raw) == data
         assert Manifest.decode(stored).to_bytes() == data

@@ -43,13 +43,13 @@ def test_v1_update_pull_and_a_v2_push_on_top(tmp_path, v1_store):
     res = pull(v1_store, str(dest))  # 2 -> 4 as deltas over a v1 local base
     assert res.version == 4 and not res.fallback and not res.from_full
     assert file_digests(dest) == EXPECTED["4"]
-    # This release pushes v2 manifests into the v1 store; the next pull applies one over the v1 base.
+    # This release pushes format 3 manifests into the v1 store; the next pull applies one over the v1 base.
     src = tmp_path / "src"
     shutil.copytree(local_version(str(dest)).path, src)
     (src / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 48, "edited": true}\n')
     pushed = push(v1_store, str(src), cache_dir=str(tmp_path / "cache"))
     assert pushed.version == 5
-    assert Repository.open(v1_store).manifest(5).format_version == 2
+    assert Repository.open(v1_store).manifest(5).format_version == 3
     res = pull(v1_store, str(dest))
     assert res.version == 5 and not res.fallback
     assert file_digests(dest) == file_digests(src)

@@ -1,0 +1,155 @@
+"""Small chunks share stored objects (packs, format 3): fewer objects, the same bytes back, and gc, verify and
+damage handling treat a pack like any object."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import pytest
+
+from deltafs.errors import IntegrityError
+from deltafs.format.manifest import chunk_key
+from deltafs.maintenance.gc import gc
+from deltafs.maintenance.verify import verify
+from deltafs.publish import push
+from deltafs.read import rebuild
+from deltafs.read.pull import local_version, pull
+from deltafs.store.local import LocalObjectStore
+from deltafs.store.repo import Repository
+from deltafs.testing.checkpoints import file_digests, write_safetensors
+
+TENSORS = 300
+
+
+def _write(path, step: int) -> None:
+    """TENSORS small F32 tensors (norms, biases) and one 1 MiB bf16 matrix; every step moves all of them a little."""
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i in range(TENSORS):
+        base = rng.standard_normal(int(rng.integers(16, 2048))).astype(np.float32)
+        tensors[f"layers.{i // 4}.m{i % 4}.weight"] = ("F32", base.shape, (base * (1 + 1e-6 * step)).tobytes())
+    zeros = np.zeros(512, np.float32)
+    tensors["zeros.a"] = ("F32", zeros.shape, zeros.tobytes())  # identical payloads within one run
+    tensors["zeros.b"] = ("F32", zeros.shape, zeros.tobytes())
+    big = rng.integers(0, 1 << 16, 512 * 1024, dtype=np.uint16)
+    flip = np.random.default_rng(step).random(big.size) < 0.02 * bool(step)
+    big[flip] ^= 1
+    tensors["lm_head.weight"] = ("BF16", (512, 1024), big.tobytes())
+    os.makedirs(path, exist_ok=True)
+    write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+
+
+def _objects_on_disk(store: str) -> set[str]:
+    return {name for _d, _s, names in os.walk(os.path.join(store, "chunks")) for name in names}
+
+
+def test_small_tensors_share_objects_and_every_version_reads_back(tmp_path):
+    store = str(tmp_path / "store")
+    cache = str(tmp_path / "cache")
+    sources = []
+    for step in range(3):
+        src = str(tmp_path / f"src{step}")
+        _write(src, step)
+        push(store, src, cache_dir=cache)
+        sources.append(src)
+    repo = Repository.open(store)
+    for v in (1, 2, 3):
+        man = repo.manifest(v)
+        assert man.format_version == 3
+        records = [c for f in man.files for s in f.segments for c in s.chunks if c.object is not None]
+        packed = [c for c in records if c.pack is not None]
+        assert len(packed) >= TENSORS  # every small tensor changed and went into a pack
+        assert len({c.object for c in records}) < len(records) / 20
+        same = {(c.object, c.pack) for f in man.files for s in f.segments for c in s.chunks
+                if s.key in ("t:zeros.a", "t:zeros.b") and c.object is not None}
+        assert v > 1 or len(same) == 1  # the two zero tensors name one range of one pack
+    assert _objects_on_disk(store) == {c.object for v in (1, 2, 3) for f in repo.manifest(v).files
+                                       for s in f.segments for c in s.chunks if c.object is not None}
+    assert verify(store, all_versions=True, deep=True).ok
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    for v, src in ((2, sources[1]), (3, sources[2])):
+        res = pull(store, dest, version=v)  # an update: deltas decoded from packs over the local base
+        assert res.version == v and not res.fallback
+        assert file_digests(dest) == file_digests(src)
+    cold = str(tmp_path / "cold")
+    assert pull(store, cold).version == 3 and file_digests(cold) == file_digests(sources[2])
+
+
+def test_a_pull_reads_each_pack_once_and_a_tiny_memo_still_gives_the_right_bytes(tmp_path, monkeypatch):
+    store = str(tmp_path / "store")
+    src = str(tmp_path / "src")
+    _write(src, 0)
+    push(store, src, cache_dir=str(tmp_path / "cache"))
+    reads: collections.Counter[str] = collections.Counter()
+    real_read = LocalObjectStore._read
+
+    def counting_read(self, key, limit):  # type: ignore[no-untyped-def]
+        reads[key] += 1
+        return real_read(self, key, limit)
+
+    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    res = pull(store, str(tmp_path / "a"), threads=4)
+    chunk_reads = {k: n for k, n in reads.items() if k.startswith("chunks/")}
+    assert set(chunk_reads.values()) == {1}
+    assert res.bytes_read == sum(os.path.getsize(os.path.join(store, k)) for k in chunk_reads)
+    # A memo too small for any pack: every chunk fetches its pack again, and the bytes are still right.
+    monkeypatch.setattr(rebuild.ChunkSource, "MEMO_BYTES", 1)
+    reads.clear()
+    pull(store, str(tmp_path / "b"), threads=4)
+    assert max(n for k, n in reads.items() if k.startswith("chunks/")) > 1
+    assert file_digests(str(tmp_path / "b")) == file_digests(src)
+
+
+def test_a_damaged_pack_is_named_and_dest_keeps_its_version(tmp_path, monkeypatch):
+    store = str(tmp_path / "store")
+    for step in range(2):
+        _write(str(tmp_path / f"src{step}"), step)
+        push(store, str(tmp_path / f"src{step}"), cache_dir=str(tmp_path / "cache"))
+    dest = str(tmp_path / "dest")
+    pull(store, dest, version=1)
+    before = file_digests(dest)
+    man = Repository.open(store).manifest(2)
+    pack = next(c.object for f in man.files for s in f.segments for c in s.chunks if c.pack is not None)
+    path = os.path.join(store, chunk_key(pack))
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    os.chmod(path, 0o644)
+    open(path, "wb").write(bytes(data))
+    rep = verify(store, version=2)
+    assert not rep.ok and any(pack in p for p in rep.problems)
+    reads: collections.Counter[str] = collections.Counter()
+    real_read = LocalObjectStore._read
+
+    def counting_read(self, key, limit):  # type: ignore[no-untyped-def]
+        reads[key] += 1
+        return real_read(self, key, limit)
+
+    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    with pytest.raises(IntegrityError) as err:
+        pull(store, dest, threads=4)
+    assert pack in str(err.value)
+    assert file_digests(dest) == before and local_version(dest).version == 1
+    # Dozens of chunks name the pack; it is fetched with the store's retries once per attempt at the version (the
+    # delta path, then the fallback from the full version), not once per chunk.
+    attempts = Repository.open(store).objects.retry.attempts
+    assert reads[chunk_key(pack)] <= 2 * attempts
+
+
+def test_gc_keeps_the_packs_of_kept_versions_and_removes_the_rest(tmp_path):
+    store = str(tmp_path / "store")
+    for step in range(3):
+        _write(str(tmp_path / f"src{step}"), step)
+        push(store, str(tmp_path / f"src{step}"), cache_dir=str(tmp_path / "cache"), keyframe_every=1)
+    repo = Repository.open(store)
+    kept = {c.object for f in repo.manifest(3).files for s in f.segments for c in s.chunks if c.object is not None}
+    before = _objects_on_disk(store)
+    res = gc(store, keep_last=1, grace=0)
+    after = _objects_on_disk(store)
+    assert kept <= after < before and res.chunks_removed == len(before - after)
+    cold = str(tmp_path / "cold")
+    assert pull(store, cold).version == 3
+    assert file_digests(cold) == file_digests(str(tmp_path / "src2"))
+    assert verify(store, all_versions=True, deep=True).ok
