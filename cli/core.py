@@ -257,8 +257,11 @@ def verify_cmd(
     rep = verify(store, version=version, all_versions=all_versions, local=local,
                  storage_options=parse_storage_options(storage_options), deep=not quick)
     if rep.ok:
-        what = f"{local}" if local else f"version{'s' if len(rep.versions) > 1 else ''} {', '.join(map(str, rep.versions))}"
-        human = f"ok: {what} verified ({rep.chunks_checked} chunks, {rep.files_checked} files)"
+        if local:
+            human = f"ok: {local} verified ({rep.files_checked} files)"
+        else:
+            what = f"version{'s' if len(rep.versions) > 1 else ''} {', '.join(map(str, rep.versions))}"
+            human = f"ok: {what} verified ({rep.chunks_checked} stored objects, {rep.files_checked} files)"
     else:
         human = "\n".join(f"FAILED: {p}" for p in rep.problems)
     out.result(rep.to_json(), human)

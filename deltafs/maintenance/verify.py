@@ -20,7 +20,7 @@ from deltafs.store.repo import Repository
 class VerifyReport:
     ok: bool = True
     versions: list[int] = field(default_factory=list)
-    chunks_checked: int = 0
+    chunks_checked: int = 0  # stored objects checked (a pack of several small chunks counts once)
     files_checked: int = 0
     problems: list[str] = field(default_factory=list)
 
