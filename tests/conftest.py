@@ -1,7 +1,9 @@
-"""Shared fixtures: a push cache per test, a checkpoint maker, and one moto S3 server for the session."""
+"""Shared fixtures: a push cache per test, a checkpoint maker, one moto S3 server for the session, and a count of
+the chunk objects a local store serves."""
 
 from __future__ import annotations
 
+import collections
 import uuid
 from typing import Any, Iterator
 
@@ -46,3 +48,20 @@ def s3_options(s3_server: S3Server) -> dict[str, Any]:
 def s3_url(s3_bucket: str) -> str:
     """An empty s3:// store URL, unique to the test."""
     return f"s3://{s3_bucket}/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def object_reads(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """How many times each chunk object (key `chunks/...`) is read from a local store during the test."""
+    from deltafs.store.local import LocalObjectStore
+
+    reads: collections.Counter[str] = collections.Counter()
+    real_read = LocalObjectStore._read
+
+    def counting_read(self: LocalObjectStore, key: str, limit: int | None) -> bytes:
+        if key.startswith("chunks/"):
+            reads[key] += 1
+        return real_read(self, key, limit)
+
+    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    return reads

@@ -3,7 +3,6 @@ damage handling treat a pack like any object."""
 
 from __future__ import annotations
 
-import collections
 import os
 
 import numpy as np
@@ -16,7 +15,6 @@ from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read import rebuild
 from deltafs.read.pull import local_version, pull
-from deltafs.store.local import LocalObjectStore
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import file_digests, write_safetensors
 
@@ -78,32 +76,24 @@ def test_small_tensors_share_objects_and_every_version_reads_back(tmp_path):
     assert pull(store, cold).version == 3 and file_digests(cold) == file_digests(sources[2])
 
 
-def test_a_pull_reads_each_pack_once_and_a_tiny_memo_still_gives_the_right_bytes(tmp_path, monkeypatch):
+def test_a_pull_reads_each_pack_once_and_a_tiny_memo_still_gives_the_right_bytes(tmp_path, monkeypatch, object_reads):
     store = str(tmp_path / "store")
     src = str(tmp_path / "src")
     _write(src, 0)
     push(store, src, cache_dir=str(tmp_path / "cache"))
-    reads: collections.Counter[str] = collections.Counter()
-    real_read = LocalObjectStore._read
-
-    def counting_read(self, key, limit):  # type: ignore[no-untyped-def]
-        reads[key] += 1
-        return real_read(self, key, limit)
-
-    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    object_reads.clear()
     res = pull(store, str(tmp_path / "a"), threads=4)
-    chunk_reads = {k: n for k, n in reads.items() if k.startswith("chunks/")}
-    assert set(chunk_reads.values()) == {1}
-    assert res.bytes_read == sum(os.path.getsize(os.path.join(store, k)) for k in chunk_reads)
+    assert set(object_reads.values()) == {1}
+    assert res.bytes_read == sum(os.path.getsize(os.path.join(store, k)) for k in object_reads)
     # A memo too small for any pack: every chunk fetches its pack again, and the bytes are still right.
     monkeypatch.setattr(rebuild.ChunkSource, "MEMO_BYTES", 1)
-    reads.clear()
+    object_reads.clear()
     pull(store, str(tmp_path / "b"), threads=4)
-    assert max(n for k, n in reads.items() if k.startswith("chunks/")) > 1
+    assert max(object_reads.values()) > 1
     assert file_digests(str(tmp_path / "b")) == file_digests(src)
 
 
-def test_a_damaged_pack_is_named_and_dest_keeps_its_version(tmp_path, monkeypatch):
+def test_a_damaged_pack_is_named_and_dest_keeps_its_version(tmp_path, object_reads):
     store = str(tmp_path / "store")
     for step in range(2):
         _write(str(tmp_path / f"src{step}"), step)
@@ -120,14 +110,7 @@ def test_a_damaged_pack_is_named_and_dest_keeps_its_version(tmp_path, monkeypatc
     open(path, "wb").write(bytes(data))
     rep = verify(store, version=2)
     assert not rep.ok and any(pack in p for p in rep.problems)
-    reads: collections.Counter[str] = collections.Counter()
-    real_read = LocalObjectStore._read
-
-    def counting_read(self, key, limit):  # type: ignore[no-untyped-def]
-        reads[key] += 1
-        return real_read(self, key, limit)
-
-    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    object_reads.clear()
     with pytest.raises(IntegrityError) as err:
         pull(store, dest, threads=4)
     assert pack in str(err.value)
@@ -135,7 +118,7 @@ def test_a_damaged_pack_is_named_and_dest_keeps_its_version(tmp_path, monkeypatc
     # Dozens of chunks name the pack; it is fetched with the store's retries once per attempt at the version (the
     # delta path, then the fallback from the full version), not once per chunk.
     attempts = Repository.open(store).objects.retry.attempts
-    assert reads[chunk_key(pack)] <= 2 * attempts
+    assert object_reads[chunk_key(pack)] <= 2 * attempts
 
 
 def test_gc_keeps_the_packs_of_kept_versions_and_removes_the_rest(tmp_path):

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 from safetensors.numpy import save_file
 
 from deltafs.publish import push
 from deltafs.read import rebuild
 from deltafs.read.pull import pull
-from deltafs.store.local import LocalObjectStore
 
 
-def test_shared_objects_are_read_once_and_only_they_take_the_memo(tmp_path, monkeypatch):
+def test_shared_objects_are_read_once_and_only_they_take_the_memo(tmp_path, monkeypatch, object_reads):
     src = tmp_path / "src"
     src.mkdir()
     rng = np.random.default_rng(0)
@@ -24,33 +21,27 @@ def test_shared_objects_are_read_once_and_only_they_take_the_memo(tmp_path, monk
     store = str(tmp_path / "store")
     push(store, str(src), cache_dir=str(tmp_path / "cache"))
 
-    reads: collections.Counter[str] = collections.Counter()
     memo_calls: list[bool] = []
-    real_read, real_get = LocalObjectStore._read, rebuild.ChunkSource.get
-
-    def counting_read(self, key, limit):  # type: ignore[no-untyped-def]
-        reads[key] += 1
-        return real_read(self, key, limit)
+    real_get = rebuild.ChunkSource.get
 
     def recording_get(self, rec, shared=True):  # type: ignore[no-untyped-def]
         memo_calls.append(shared)
         return real_get(self, rec, shared)
 
-    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    object_reads.clear()
     monkeypatch.setattr(rebuild.ChunkSource, "get", recording_get)
     pull(store, str(tmp_path / "dest"), threads=4)
 
-    chunk_reads = {k: n for k, n in reads.items() if k.startswith("chunks/")}
-    assert sorted(chunk_reads.values()) == [1] * len(chunk_reads)  # every object read once
+    assert sorted(object_reads.values()) == [1] * len(object_reads)  # every object read once
     # The header, three random tensors: one chunk each; the six zero tensors: one object for all of them.
-    assert len(chunk_reads) == 5
+    assert len(object_reads) == 5
     assert sorted(memo_calls) == [False] * 4 + [True] * 6
     got = (tmp_path / "dest" / "model.safetensors").read_bytes()
     assert got == (src / "model.safetensors").read_bytes()
 
 
 
-def test_a_reader_that_reads_a_tensor_again_fetches_its_objects_once(tmp_path, monkeypatch):
+def test_a_reader_that_reads_a_tensor_again_fetches_its_objects_once(tmp_path, object_reads):
     from deltafs.read.inspect import open_version
 
     src = tmp_path / "src"
@@ -59,16 +50,8 @@ def test_a_reader_that_reads_a_tensor_again_fetches_its_objects_once(tmp_path, m
     save_file({f"t.{i}": rng.standard_normal(256).astype(np.float32) for i in range(3)}, str(src / "model.safetensors"))
     store = str(tmp_path / "store")
     push(store, str(src), cache_dir=str(tmp_path / "cache"))
-    reads: collections.Counter[str] = collections.Counter()
-    real_read = LocalObjectStore._read
-
-    def counting_read(self, key, limit):  # type: ignore[no-untyped-def]
-        reads[key] += 1
-        return real_read(self, key, limit)
-
-    monkeypatch.setattr(LocalObjectStore, "_read", counting_read)
+    object_reads.clear()
     reader = open_version(store, 1)  # one source for every tensor it reads: each object is kept once read
     first = reader.tensor_bytes("t.1")
     assert reader.tensor_bytes("t.1") == first and reader.tensor_bytes("t.2") != first
-    chunk_reads = [n for k, n in reads.items() if k.startswith("chunks/")]
-    assert chunk_reads == [1]  # the three small tensors' payloads (and the header) are one pack, read once
+    assert list(object_reads.values()) == [1]  # the small tensors' payloads (and the header) are one pack, read once
