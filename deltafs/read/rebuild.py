@@ -60,8 +60,8 @@ class ChunkSource:
     No disk cache for a store on this machine: re-reading it costs what reading the cache would.
     Objects that several chunks share are kept in memory, up to MEMO_BYTES, so each is fetched once: packs
     (format 3: the payloads of a run of small chunks in one object), and small objects several records name (a
-    run of identical chunks). The oldest leave first when the memo is full; a build takes a pack's chunks one
-    after another, so the pack in use stays.
+    run of identical chunks). The least recently used leave first when the memo is full; a build takes a pack's
+    chunks one after another, so the pack in use stays.
     """
 
     MEMO_OBJECT_BYTES = 64 << 10
@@ -78,7 +78,7 @@ class ChunkSource:
         self._inflight: dict[str, threading.Event] = {}
         # Objects that could not be fetched (missing, or still damaged after the retries): the other chunks of a
         # pack fail at once with the same error instead of each fetching it again.
-        self._failed: dict[str, DeltafsError] = {}
+        self._failed: dict[str, IntegrityError | ChunkNotFoundError] = {}
 
     def get(self, rec: ChunkRef, shared: bool = True) -> bytes:
         """The chunk's payload; shared=False: no other chunk of this build needs its object, so unless memo_unshared
@@ -91,6 +91,7 @@ class ChunkSource:
             with self._lock:
                 memo = self._memo.get(oid)
                 if memo is not None:
+                    self._memo[oid] = self._memo.pop(oid)  # now the newest: eviction takes the least recently used
                     return rec.payload_of(memo)
                 failed = self._failed.get(oid)
                 if failed is not None:
@@ -103,10 +104,12 @@ class ChunkSource:
         try:
             try:
                 data = self._fetch(oid, size)
-            except DeltafsError as exc:
+            except (IntegrityError, ChunkNotFoundError) as exc:
+                # Damaged after every retry, or missing: final for this source. Store errors (a dropped connection)
+                # are not remembered: the next chunk, or the next call of a reused source, tries again.
                 if keep:
                     with self._lock:
-                        self._failed[oid] = exc
+                        self._failed[oid] = copy.copy(exc)  # without this thread's traceback and its frames
                 raise
             if keep and size <= self.MEMO_BYTES:
                 with self._lock:

@@ -42,6 +42,10 @@ def test_pack_members_follow_the_format_version():
         ChunkRef.from_json(dict(GOOD), 2)  # format 2: unknown member
     with pytest.raises(FormatError, match="object"):
         ChunkRef.from_json({**GOOD, "object": None}, 3)  # a pack without an object
+    chunk_schema = {**SCHEMA["$defs"]["chunk_v3"], "$defs": SCHEMA["$defs"]}
+    jsonschema.validate(GOOD, chunk_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**GOOD, "object": None}, chunk_schema)
     with pytest.raises(FormatError, match="packed"):
         ChunkRef.from_json(dict(GOOD), 3).to_json(2)
 

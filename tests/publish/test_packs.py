@@ -136,3 +136,45 @@ def test_gc_keeps_the_packs_of_kept_versions_and_removes_the_rest(tmp_path):
     assert pull(store, cold).version == 3
     assert file_digests(cold) == file_digests(str(tmp_path / "src2"))
     assert verify(store, all_versions=True, deep=True).ok
+
+
+def test_a_store_error_is_tried_again_and_a_damaged_pack_is_not(tmp_path, monkeypatch, object_reads):
+    """A reader that several calls share (open_version) remembers only final failures: a dropped connection on one
+    call does not fail the next one, a pack still damaged after the store's retries fails every chunk at once."""
+    from deltafs.errors import StoreError
+    from deltafs.read.inspect import open_version
+
+    store = str(tmp_path / "store")
+    _write(str(tmp_path / "src"), 0)
+    push(store, str(tmp_path / "src"), cache_dir=str(tmp_path / "cache"))
+    real_get_chunk = Repository.get_chunk
+    failures = [1]
+
+    def flaky(self, oid, size=None):  # type: ignore[no-untyped-def]
+        if failures[0]:
+            failures[0] -= 1
+            raise StoreError("connection reset by peer")
+        return real_get_chunk(self, oid, size)
+
+    monkeypatch.setattr(Repository, "get_chunk", flaky)
+    reader = open_version(store, 1)
+    with pytest.raises(StoreError):
+        reader.tensor_bytes("layers.0.m1.weight")
+    assert reader.tensor_bytes("layers.0.m1.weight") == reader.tensor_bytes("layers.0.m1.weight")
+    monkeypatch.setattr(Repository, "get_chunk", real_get_chunk)
+
+    man = Repository.open(store).manifest(1)
+    rec = next(c for f in man.files for s in f.segments for c in s.chunks if s.key == "t:layers.5.m0.weight")
+    assert rec.pack is not None
+    path = os.path.join(store, chunk_key(rec.object))
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as fh:
+        fh.seek(rec.pack[0])
+        fh.write(b"\xff\xfe")
+    reader = open_version(store, 1)
+    object_reads.clear()
+    for name in ("layers.5.m0.weight", "layers.5.m1.weight", "layers.5.m2.weight"):  # one run, one pack
+        with pytest.raises(IntegrityError):
+            reader.tensor_bytes(name)
+    attempts = Repository.open(store).objects.retry.attempts
+    assert object_reads[chunk_key(rec.object)] == attempts  # fetched with its retries once, not once per tensor

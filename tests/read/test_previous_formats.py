@@ -61,9 +61,17 @@ def test_an_update_pull_over_an_old_base_and_a_push_on_top(tmp_path, old_store):
     src = tmp_path / "src"
     shutil.copytree(local_version(str(dest)).path, src)
     (src / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 48, "edited": true}\n')
+    for shard in src.glob("*.safetensors"):  # every tensor moves: the lowest bit of one byte in 50
+        data = bytearray(shard.read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")
+        for i in range(start, len(data), 50):
+            data[i] ^= 1
+        shard.write_bytes(bytes(data))
     pushed = push(store, str(src), cache_dir=str(tmp_path / "cache"))
     assert pushed.version == 5
-    assert Repository.open(store).manifest(5).format_version == FORMAT_VERSION == 3
+    man = Repository.open(store).manifest(5)
+    assert man.format_version == FORMAT_VERSION == 3
+    assert any(c.pack is not None for f in man.files for seg in f.segments for c in seg.chunks)
     res = pull(store, str(dest))
     assert res.version == 5 and not res.fallback
     assert file_digests(dest) == file_digests(src)
