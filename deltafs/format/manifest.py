@@ -552,10 +552,18 @@ def validate(man: Manifest) -> None:
                 if man.kind == "full":
                     _require(ch.name not in DELTA_CODECS, f"{seg.key}: a full version cannot reference a base")
                 if ch.object is not None:
+                    _require(ch.object_bytes <= man.chunk_bytes + OBJECT_SLACK,
+                             f"{seg.key}: chunk {i} names an object of {ch.object_bytes} bytes, more than a chunk "
+                             f"grid of {man.chunk_bytes} bytes can produce")
                     _require(sizes.setdefault(ch.object, ch.object_bytes) == ch.object_bytes,
                              f"{seg.key}: chunk {i} gives object {ch.object} another size than an earlier record")
         _require(pos == f.size, f"{f.path}: segments cover {pos} bytes of {f.size}")
 
+
+# A stored object is at most one chunk's payload, or a pack of payloads whose chunks add up to at most chunk_bytes;
+# a payload exceeds its chunk by a few dozen bytes at most (stream lengths, the trailer). Readers refuse larger
+# claims before fetching anything, so a hostile manifest cannot make them allocate more.
+OBJECT_SLACK = 1 << 20
 
 # Codec names that need the base version's bytes to decode: the codecs whose `needs_base` is true
 # (format/ imports nothing of codec/; tests/format checks the two agree).

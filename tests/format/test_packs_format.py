@@ -85,3 +85,19 @@ def test_records_that_disagree_on_an_objects_size_are_refused(tmp_path):
     sealed = bad.seal()
     with pytest.raises(FormatError, match="another size"):
         Manifest.from_bytes(canonical_json({**sealed.body(), "digest": sealed.digest}))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_an_object_larger_than_a_chunk_grid_can_produce_is_refused_before_any_fetch(tmp_path, packed):
+    from deltafs.format.manifest import OBJECT_SLACK
+
+    man = _manifest_with_two_packed_records(tmp_path)
+    f = man.files[0]
+    seg = f.segments[-1]
+    ch = seg.chunks[0]
+    huge = man.chunk_bytes + OBJECT_SLACK + 1
+    bad_ch = dataclasses.replace(ch, pack=(0, huge)) if packed else dataclasses.replace(ch, stored=huge, pack=None)
+    bad = dataclasses.replace(man, files=(dataclasses.replace(
+        f, segments=f.segments[:-1] + (dataclasses.replace(seg, chunks=(bad_ch,)),)),))
+    with pytest.raises(FormatError, match="more than a chunk grid"):
+        validate(bad)
