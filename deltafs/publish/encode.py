@@ -225,10 +225,8 @@ class Encoder:
         return fd
 
     def _chunk(self, reader: FileReader, seg: SourceSegment, i: int, base_fd: int | None, base_offset: int,
-               stage_fd: int | None, name_payload: bool = True) -> _Chunk:
-        """One chunk: read it (and its base), encode, hash; the payload is stored by _chunks. Runs in a worker.
-
-        name_payload=False: the caller may pack the payload with others, and names the object itself."""
+               stage_fd: int | None) -> _Chunk:
+        """One chunk: read it (and its base), encode, hash; _chunks names and stores the payload. Runs in a worker."""
         if self._failed.is_set():
             raise DeltafsError("push aborted")
         start = i * self.cb
@@ -254,8 +252,7 @@ class Encoder:
         digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None
         if stage_fd is not None and not (self.patch and old is not None and enc.changed == 0):
             pwrite_all(stage_fd, memoryview(new), seg.offset + start)
-        oid = hashlib.sha256(enc.payload).hexdigest() if enc.payload is not None and name_payload else None
-        return _Chunk(new, old, enc, oid, held, digest, base_digest)
+        return _Chunk(new, old, enc, held, digest, base_digest)
 
     def _chunks(self, reader: FileReader, run: list[tuple[SourceSegment, int, int | None, int]], stage_fd: int | None,
                 ctx: _Context) -> list[_Chunk]:
@@ -265,16 +262,13 @@ class Encoder:
         The payloads of a run are stored as one object (a pack, format 3) when there are several: each chunk
         record then names the pack and where its payload lies in it.
         """
-        single = len(run) == 1
-        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd, single)
-               for seg, i, base_fd, base_offset in run]
+        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd) for seg, i, base_fd, base_offset in run]
         stored = [c for c in out if c.enc.payload is not None]
         batch: list[tuple[str, bytes]] = []
         if len(stored) == 1:
             c = stored[0]
             assert c.enc.payload is not None
-            if c.oid is None:
-                c.oid = hashlib.sha256(c.enc.payload).hexdigest()
+            c.oid = hashlib.sha256(c.enc.payload).hexdigest()
             batch = [(c.oid, c.enc.payload)]
         elif stored:
             # Identical payloads (zero tensors, tied copies) are stored once in the pack, as separate objects would be.
@@ -354,10 +348,10 @@ class _Chunk:
     new: Any
     old: Any
     enc: codec.Encoded
-    oid: str | None
     held: list[np.ndarray]
     digest: bytes  # format v2 chunk digest of new
     base_digest: bytes | None  # of old, to check the push cache against its manifest
+    oid: str | None = None  # the stored object holding the payload (set by _chunks); None: nothing stored
     pack: tuple[int, int] | None = None  # (offset, object size) when the payload is stored in a pack
 
 

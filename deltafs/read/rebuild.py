@@ -73,7 +73,7 @@ class ChunkSource:
         self.cache_dir = cache_dir if repo.objects.local_root is None else None
         self.bytes_read = 0
         self._lock = threading.Lock()
-        self._memo: dict[str, bytes] = {}  # insertion order: the oldest first
+        self._memo: dict[str, bytes] = {}  # the least recently used first
         self._memo_bytes = 0
         self._inflight: dict[str, threading.Event] = {}
         # Objects that could not be fetched (missing, or still damaged after the retries): the other chunks of a
