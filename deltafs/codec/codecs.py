@@ -272,10 +272,8 @@ def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -
 def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.dtype[Any]) -> tuple[np.ndarray,
                                                                                                     np.ndarray]:
     """(ranks within the class, wrapped differences) of one class of space elements."""
-    gaps = streams.rice_decode(parts[0], parts[1], group.count + 1, group.rice, space + 1, "sparse positions")
-    gaps += 1
-    ranks = gaps.cumsum()
-    ranks -= 1
+    # count + 1 gaps: the last one reaches the sentinel rank `space` (see _encode_group).
+    ranks = streams.rice_positions(parts[0], parts[1], group.count + 1, group.rice, space + 1, "sparse positions")
     if int(ranks[-1]) != space:
         raise IntegrityError("sparse: positions do not span the chunk", expected=space, actual=int(ranks[-1]))
     ranks = ranks[:-1]
@@ -286,16 +284,15 @@ def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.d
         raise IntegrityError("sparse: more large differences than changes", expected=count, actual=group.big)
     magnitude = np.ones(count, dtype=dtype)
     if group.big:
-        big_gaps = streams.rice_decode(parts[3], parts[4], group.big, group.big_rice, count, "sparse magnitudes")
-        big_gaps += 1
-        big_at = big_gaps.cumsum()
-        big_at -= 1
-        if int(big_at[-1]) >= count:
-            raise IntegrityError("sparse: large difference beyond the changes")
+        big_at = streams.rice_positions(parts[3], parts[4], group.big, group.big_rice, count, "sparse magnitudes")
         width = dtype.itemsize
-        # Byte planes back into elements in one call: stacking the planes as columns interleaves them.
-        values = np.stack(parts[5:5 + width], axis=1).reshape(-1).view(dtype)
-        magnitude[big_at] = values + np.array(2, dtype)  # wraps like the encoder's subtraction
+        # Byte planes back into elements: each plane is one column of the little-endian values.
+        planes = np.empty((group.big, width), np.uint8)
+        for j in range(width):
+            planes[:, j] = parts[5 + j]
+        values = planes.reshape(-1).view(dtype)
+        values += dtype.type(2)  # wraps like the encoder's subtraction
+        magnitude[big_at] = values
     elif parts[3].size or parts[4].size:
         raise IntegrityError("sparse magnitudes: gap stream holds the wrong number of gaps", expected=0,
                              actual=int(np.unpackbits(parts[3]).sum()))

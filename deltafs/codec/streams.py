@@ -216,26 +216,41 @@ def gaps_of(ranks: np.ndarray, end: int | None) -> np.ndarray:
     return gaps
 
 
-def rice_decode(unary: np.ndarray, remainder: np.ndarray, count: int, k: int, limit: int, what: str) -> np.ndarray:
-    """The count gaps (int64), each < limit; IntegrityError unless both streams hold exactly count codes and zero
-    padding. Checking q before shifting keeps hostile input from overflowing int64 (k <= 32, limit < 2**40)."""
+def rice_positions(unary: np.ndarray, remainder: np.ndarray, count: int, k: int, end: int, what: str) -> np.ndarray:
+    """The count positions (int64) that the Rice-coded gaps lead to: position i is the sum of gaps 0..i plus i,
+    i.e. np.cumsum(gaps + 1) - 1. IntegrityError unless both streams hold exactly count codes and zero padding,
+    and every position is below end.
+
+    The positions come straight from the bit stream, without the gaps as an array: the i-th one bit of the
+    unary stream sits at (q_0 + ... + q_i) + i, so position i is ((ones_i - i) << k) + (r_0 + ... + r_i) + i.
+    The totals are checked in Python integers before any shift, so hostile input cannot overflow int64.
+    """
     ones = np.unpackbits(unary).view(np.bool_).nonzero()[0]  # nonzero on bool is ~10x faster than on uint8
     if ones.size != count:
         raise IntegrityError(f"{what}: gap stream holds the wrong number of gaps", expected=count, actual=ones.size)
-    if count and unary.size != (int(ones[-1]) >> 3) + 1:
-        raise IntegrityError(f"{what}: gap stream has trailing bytes")
-    q = gaps_of(ones, None)
-    if count and int(q.max()) > (limit - 1) >> k:
-        raise IntegrityError(f"{what}: gap out of range")
-    if k == 0:
-        return q
     pad = (-count * k) % 8  # zero bits after the last field
-    if remainder.size != (count * k + 7) // 8 or (count and int(remainder[-1]) & ((1 << pad) - 1)):
+    if remainder.size != (count * k + 7) // 8 or (pad and int(remainder[-1]) & ((1 << pad) - 1)):
         raise IntegrityError(f"{what}: remainder stream has the wrong size or padding")
-    gaps: np.ndarray = (q << k) | unpack_fields(remainder, count, k)
-    if count and int(gaps.max()) >= limit:
+    if not count:
+        return ones.astype(np.int64, copy=False)
+    last = int(ones[-1])
+    if unary.size != (last >> 3) + 1:
+        raise IntegrityError(f"{what}: gap stream has trailing bytes")
+    # The last position is at least (sum of quotients << k) + count - 1; the remainders add less than count << k,
+    # which must fit an int64.
+    if ((last - (count - 1)) << k) + count - 1 >= end or count << k >= 1 << 62:
         raise IntegrityError(f"{what}: gap out of range")
-    return gaps
+    pos: np.ndarray = ones.astype(np.int64, copy=False)
+    if k == 0:
+        return pos
+    steps = np.arange(count, dtype=np.int64)
+    pos = np.subtract(pos, steps)  # quotients so far
+    pos <<= k
+    pos += np.cumsum(unpack_fields(remainder, count, k))
+    pos += steps
+    if int(pos[-1]) >= end:
+        raise IntegrityError(f"{what}: gap out of range")
+    return pos
 
 
 # Fixed-width bit fields, most significant bit first. For k <= 8 (mean gaps below ~350, the usual case) eight

@@ -32,12 +32,43 @@ def test_rice_roundtrip_with_the_best_parameter(gaps: list[int]) -> None:
     k = streams.best_rice_k(g)
     assert all(streams.rice_cost(g, k) <= streams.rice_cost(g, j) for j in range(14))
     unary, remainder = streams.rice_encode(g, k)
-    assert np.array_equal(streams.rice_decode(unary, remainder, g.size, k, 5001, "t"), g)
-    with pytest.raises(IntegrityError):
-        streams.rice_decode(unary, remainder, g.size + 1, k, 5001, "t")
-    if g.max() > 0:
-        with pytest.raises(IntegrityError):  # a gap beyond the limit
-            streams.rice_decode(unary, remainder, g.size, k, int(g.max()), "t")
+    positions = np.cumsum(g + 1) - 1
+    end = int(positions[-1]) + 1
+    assert np.array_equal(streams.rice_positions(unary, remainder, g.size, k, end, "t"), positions)
+    with pytest.raises(IntegrityError, match="wrong number of gaps"):
+        streams.rice_positions(unary, remainder, g.size + 1, k, end, "t")
+    with pytest.raises(IntegrityError, match="gap out of range"):  # the last position must be below end
+        streams.rice_positions(unary, remainder, g.size, k, end - 1, "t")
+
+
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.integers(0, 2**20), min_size=1, max_size=50), k=st.integers(0, 32), data=st.data())
+def test_rice_positions_refuse_damaged_streams(gaps: list[int], k: int, data: st.DataObject) -> None:
+    """Any flipped bit is refused or decodes to other positions, never to an out-of-range or overflowed one."""
+    g = np.array(gaps, dtype=np.int64)
+    unary, remainder = streams.rice_encode(g, k)
+    end = int((np.cumsum(g + 1) - 1)[-1]) + 1
+    which = data.draw(st.sampled_from([s for s in ("unary", "remainder") if (unary if s == "unary" else remainder).size]))
+    stream = (unary if which == "unary" else remainder).copy()
+    bit = data.draw(st.integers(0, stream.size * 8 - 1))
+    stream[bit // 8] ^= 1 << (7 - bit % 8)
+    u, r = (stream, remainder) if which == "unary" else (unary, stream)
+    try:
+        pos = streams.rice_positions(u, r, g.size, k, end, "t")
+    except IntegrityError:
+        return
+    assert pos.size == g.size and int(pos.min()) >= 0 and int(pos.max()) < end
+    assert (np.diff(pos) >= 1).all()
+
+
+def test_rice_positions_refuse_totals_that_would_overflow() -> None:
+    """Quotients whose shifted total passes end are refused before any int64 shift (k = 32, a long unary run)."""
+    unary = np.zeros(1 << 12, np.uint8)
+    unary[-1] = 1  # one gap with a quotient of 32,767
+    remainder = np.zeros(4, np.uint8)
+    with pytest.raises(IntegrityError, match="gap out of range"):
+        streams.rice_positions(unary, remainder, 1, 32, 1 << 40, "t")
+    assert streams.rice_positions(unary, remainder, 1, 32, 1 << 48, "t").tolist() == [32767 << 32]
 
 
 @settings(max_examples=100, deadline=None)

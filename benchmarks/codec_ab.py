@@ -1,0 +1,163 @@
+"""Two trees' chunk codecs side by side in one process, against XOR + zstd-1, on the chunks of a checkpoint pair.
+
+    python benchmarks/codec_ab.py --base BASE.safetensors --new NEW.safetensors --other /tmp/old-tree --rounds 15
+
+For a codec change that keeps the format: the other tree's `deltafs.codec` (with the two leaf modules it
+imports, `deltafs.errors` and `deltafs.defaults`) is copied under another package name and imported beside this
+tree's, so both run on the same arrays in the same process, interleaved round by round. Separate processes of
+the same code differ by up to 40% on this VM (heap layout, page faults), more than most codec changes.
+
+Every tensor is cut into 4 MiB pieces, as a store does. Each round times, one thread, CPU seconds of the calling
+thread: this tree's encode and decode, the other tree's, and XOR + zstd-1 (np.bitwise_xor, one zstd level-1
+frame; decode: decompress, XOR into the base). Decodes write in place into a copy of the base, as a pull does.
+Both trees must produce byte-identical payloads (checked); the decoded chunks must equal the new ones (checked).
+Per codec class (sparse, dense, other), the least and the median of the rounds are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from deltafs import codec as this_codec
+from deltafs.format.dtypes import DTYPE_SIZES
+from deltafs.testing.checkpoints import safetensors_layout
+
+CHUNK = 4 << 20
+
+
+def load_other(tree: str, work: str) -> ModuleType:
+    """The other tree's deltafs.codec, imported as deltafs_other.codec (its imports of deltafs.* rewritten)."""
+    pkg = os.path.join(work, "deltafs_other")
+    os.makedirs(pkg)
+    open(os.path.join(pkg, "__init__.py"), "w").close()
+    src = os.path.join(tree, "deltafs")
+    shutil.copytree(os.path.join(src, "codec"), os.path.join(pkg, "codec"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for leaf in ("errors.py", "defaults.py"):
+        shutil.copy(os.path.join(src, leaf), os.path.join(pkg, leaf))
+    for root, _, files in os.walk(pkg):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path) as f:
+                text = f.read()
+            text = re.sub(r"\bdeltafs\.", "deltafs_other.", text)
+            if re.search(r"^\s*(from|import)\s+deltafs_other\.(?!codec|errors|defaults)", text, re.M):
+                raise SystemExit(f"{path}: the other tree's codec imports more of deltafs than this script copies")
+            with open(path, "w") as f:
+                f.write(text)
+    sys.path.insert(0, work)
+    return importlib.import_module("deltafs_other.codec")
+
+
+def pieces(base: str, new: str) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """(base piece, new piece, itemsize) of every 4 MiB piece of every tensor; both files share one layout."""
+    layout = safetensors_layout(new)
+    if safetensors_layout(base) != layout:
+        raise SystemExit("base and new differ in layout")
+    out = []
+    with open(base, "rb") as fb, open(new, "rb") as fn:
+        for dtype, offset, nbytes in layout.values():
+            for start in range(0, nbytes, CHUNK):
+                size = min(CHUNK, nbytes - start)
+                fb.seek(offset + start)
+                fn.seek(offset + start)
+                out.append((np.frombuffer(fb.read(size), np.uint8), np.frombuffer(fn.read(size), np.uint8),
+                            DTYPE_SIZES[dtype]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--new", required=True)
+    ap.add_argument("--other", required=True, help="root of the other tree (a git worktree)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+
+    work = tempfile.mkdtemp(prefix="codec-ab-")
+    try:
+        other = load_other(args.other, work)
+        items = pieces(args.base, args.new)
+        impls: dict[str, Any] = {"this": this_codec, "other": other}
+        encoded = {name: [c.encode(n, b, w) for b, n, w in items] for name, c in impls.items()}
+        for a, b in zip(encoded["this"], encoded["other"], strict=True):
+            if a.codec != b.codec or a.payload != b.payload:
+                raise SystemExit("the two trees encode a chunk differently: not a format-preserving change")
+        classes = [e.codec["name"] if e.codec["name"] in ("sparse", "dense") else "other" for e in encoded["this"]]
+        cctx, dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+        frames = [cctx.compress(np.bitwise_xor(n, b)) for b, n, _ in items]
+        buf = np.empty(CHUNK, np.uint8)
+
+        def run(what: str, impl: str, sel: list[int]) -> float:
+            spent = 0.0
+            for k in sel:
+                b, n, w = items[k]
+                out = buf[:b.size]
+                if what == "decode":
+                    np.copyto(out, b)
+                start = time.thread_time()
+                if impl == "xor":
+                    if what == "encode":
+                        cctx.compress(np.bitwise_xor(n, b))
+                    else:
+                        np.bitwise_xor(np.frombuffer(dctx.decompress(frames[k]), np.uint8), out, out=out)
+                elif what == "encode":
+                    impls[impl].encode(n, b, w)
+                else:
+                    e = encoded[impl][k]
+                    impls[impl].decode(e.codec, e.payload, out, out.size, w, out=out)
+                spent += time.thread_time() - start
+                if what == "decode" and not np.array_equal(out, n):
+                    raise SystemExit(f"{impl} decoded chunk {k} wrongly")
+            return spent
+
+        groups = {cls: [k for k, c in enumerate(classes) if c == cls] for cls in ("sparse", "dense", "other")}
+        groups = {cls: sel for cls, sel in groups.items() if sel}
+        groups["all"] = list(range(len(items)))
+        names = ["this", "other", "xor"]
+        times: dict[str, dict[str, dict[str, list[float]]]] = {
+            g: {w: {i: [] for i in names} for w in ("encode", "decode")} for g in groups}
+        for r in range(args.rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            for g, sel in groups.items():
+                for what in ("encode", "decode"):
+                    for impl in order:
+                        times[g][what][impl].append(run(what, impl, sel))
+
+        result: dict[str, Any] = {"base": args.base, "new": args.new, "other": args.other, "rounds": args.rounds,
+                                  "loadavg": os.getloadavg(), "classes": {}}
+        print(f"{len(items)} pieces; CPU ms of one thread, least / median of {args.rounds} rounds")
+        print("| chunks | step | this tree | other tree | this / other (least) | XOR+zstd-1 | XOR / this (least) |")
+        print("|---|---|---|---|---|---|---|")
+        for g, sel in groups.items():
+            result["classes"][g] = {"chunks": len(sel)}
+            for what in ("encode", "decode"):
+                row = {i: (min(v) * 1e3, statistics.median(v) * 1e3) for i, v in times[g][what].items()}
+                result["classes"][g][what] = {i: {"least_ms": a, "median_ms": m} for i, (a, m) in row.items()}
+                print(f"| {g} ({len(sel)}) | {what} | {row['this'][0]:.2f} / {row['this'][1]:.2f} | "
+                      f"{row['other'][0]:.2f} / {row['other'][1]:.2f} | {row['this'][0] / row['other'][0]:.3f} | "
+                      f"{row['xor'][0]:.2f} / {row['xor'][1]:.2f} | {row['xor'][0] / row['this'][0]:.2f}x |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
