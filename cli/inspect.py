@@ -34,7 +34,7 @@ def show_cmd(
         lines.append("metadata: " + " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
                                              for k, v in sorted(info.metadata.items())))
     lines.append(f"{len(info.files)} file(s), {len(info.tensors)} tensor(s), "
-                 f"{human_bytes(sum(f.size for f in info.files))} in all, {human_bytes(sum(f.stored for f in info.files))} stored by this version")
+                 f"{human_bytes(sum(f.size for f in info.files))} in all, {human_bytes(info.stored)} stored by this version")
     for f in info.files:
         lines.append(f"  {f.path:<48} {human_bytes(f.size):>11}  stored {human_bytes(f.stored):>11}  {f.format}"
                      f"{f', {f.tensors} tensors' if f.tensors else ''}")

@@ -9,7 +9,7 @@ import posixpath
 import re
 import threading
 from dataclasses import dataclass, field, replace
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zstandard
@@ -135,6 +135,21 @@ class ChunkRef:
             stored=stored,
             pack=pack,
         )
+
+
+def payload_bytes(chunks: Iterable[ChunkRef]) -> int:
+    """Bytes of the distinct payloads the records name: a payload that several records share (identical chunks,
+    stored once in a pack or as one content-addressed object) counts once."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for c in chunks:
+        if c.object is None:
+            continue
+        key = (c.object, c.pack[0] if c.pack is not None else 0)
+        if key not in seen:
+            seen.add(key)
+            total += c.stored
+    return total
 
 
 @dataclass(frozen=True)
@@ -603,5 +618,5 @@ def _int(value: Any, what: str) -> int:
 __all__ = [
     "DELTA_CODECS", "FORMAT_VERSION", "HEAD_FORMAT", "MANIFEST_FORMAT", "READ_FORMAT_VERSIONS", "STORE_FORMAT",
     "ChunkRef", "FileEntry", "Head", "Manifest", "Segment", "StoreConfig", "canonical_json", "check_relpath", "chunk_key",
-    "is_manifest_digest", "manifest_json", "manifest_key", "stored_manifest", "parse_manifest_key", "sha256_hex", "validate",
+    "is_manifest_digest", "manifest_json", "manifest_key", "payload_bytes", "stored_manifest", "parse_manifest_key", "sha256_hex", "validate",
 ]

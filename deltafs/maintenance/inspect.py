@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from deltafs.format.manifest import payload_bytes
 from deltafs.read.inspect import TensorInfo, VersionReader, open_version, tensor_infos
 from deltafs.store.repo import Repository
 
@@ -17,7 +18,7 @@ class FileInfo:
     size: int
     format: str
     tensors: int
-    stored: int  # bytes this version's manifest stores for the file
+    stored: int  # bytes of the distinct payloads this version stores for the file
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -36,6 +37,7 @@ class VersionInfo:
     files: list[FileInfo]
     tensors: list[TensorInfo]
     head: bool
+    stored: int  # bytes of the distinct payloads this version stores (a payload two files share counts once)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -54,9 +56,10 @@ def show(store: str | Repository, version: int | None = None, *,
     man = repo.manifest(target)
     head = repo.head()
     files = [FileInfo(f.path, f.size, f.format, sum(1 for s in f.segments if s.kind == "tensor"),
-                      sum(c.stored for s in f.segments for c in s.chunks)) for f in man.files]
+                      payload_bytes(c for s in f.segments for c in s.chunks)) for f in man.files]
     return VersionInfo(man.version, man.kind, man.parent, man.created, man.digest, man.chunk_bytes, dict(man.metadata),
-                       dict(man.stats), files, tensor_infos(man), head is not None and head.version == target)
+                       dict(man.stats), files, tensor_infos(man), head is not None and head.version == target,
+                       payload_bytes(c for f in man.files for s in f.segments for c in s.chunks))
 
 
 @dataclass(frozen=True)

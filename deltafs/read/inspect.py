@@ -15,7 +15,7 @@ import numpy as np
 
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import NUMPY_NAMES, TORCH_NAMES
-from deltafs.format.manifest import FileEntry, Manifest, Segment
+from deltafs.format.manifest import FileEntry, Manifest, Segment, payload_bytes
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.chain import Chain, chain_objects, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource
@@ -29,7 +29,8 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    stored: int  # bytes this version's manifest stores for the tensor (0 when unchanged)
+    stored: int  # bytes of the payloads this version stores for the tensor (0 when unchanged; a payload it shares
+    # with another tensor, identical chunks stored once, counts for each of them)
     codecs: dict[str, int]  # codec name -> number of chunks
 
     def to_json(self) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def tensor_infos(man: Manifest) -> list[TensorInfo]:
             for c in seg.chunks:
                 codecs[c.name] = codecs.get(c.name, 0) + 1
             out.append(TensorInfo(seg.key[2:], f.path, seg.dtype or "", tuple(seg.shape or ()), seg.size,
-                                  sum(c.stored for c in seg.chunks), codecs))
+                                  payload_bytes(seg.chunks), codecs))
     return out
 
 

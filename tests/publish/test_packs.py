@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from deltafs.errors import IntegrityError
-from deltafs.format.manifest import chunk_key
+from deltafs.format.manifest import chunk_key, payload_bytes
 from deltafs.maintenance.gc import gc
+from deltafs.maintenance.inspect import show
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read import rebuild
@@ -74,6 +75,27 @@ def test_small_tensors_share_objects_and_every_version_reads_back(tmp_path):
         assert file_digests(dest) == file_digests(src)
     cold = str(tmp_path / "cold")
     assert pull(store, cold).version == 3 and file_digests(cold) == file_digests(sources[2])
+
+
+def test_show_counts_a_payload_that_tensors_share_once(tmp_path):
+    """zeros.a and zeros.b name one range of one pack: each tensor's stored bytes count it, the file and the
+    version count it once, and the version's figure is the bytes of the distinct ranges its records name."""
+    store, src = str(tmp_path / "store"), str(tmp_path / "src")
+    _write(src, 0)
+    push(store, src)
+    info = show(store)
+    by = {t.name: t for t in info.tensors}
+    shared = by["zeros.a"].stored
+    assert shared > 0 and by["zeros.b"].stored == shared
+    files = Repository.open(store).manifest(1).files
+    records = [c for f in files for s in f.segments for c in s.chunks]
+    ranges = {(c.object, c.pack[0] if c.pack else 0): c.stored for c in records if c.object is not None}
+    assert info.stored == sum(ranges.values()) == payload_bytes(records)
+    assert sum(c.stored for c in records if c.object is not None) == info.stored + shared
+    in_model = [c for f in files if f.path == "model.safetensors" for s in f.segments for c in s.chunks]
+    model = next(f for f in info.files if f.path == "model.safetensors")
+    assert model.stored == sum(c.stored for c in in_model if c.object is not None) - shared
+    assert info.to_json()["stored"] == info.stored
 
 
 def test_a_pull_reads_each_pack_once_and_a_tiny_memo_still_gives_the_right_bytes(tmp_path, monkeypatch, object_reads):
