@@ -223,8 +223,11 @@ def rice_positions(unary: np.ndarray, remainder: np.ndarray, count: int, k: int,
 
     The positions come straight from the bit stream, without the gaps as an array: the i-th one bit of the
     unary stream sits at (q_0 + ... + q_i) + i, so position i is ((ones_i - i) << k) + (r_0 + ... + r_i) + i.
-    The totals are checked in Python integers before any shift, so hostile input cannot overflow int64.
+    The totals are checked in Python integers before any shift, so hostile streams cannot overflow int64 as
+    long as end <= 2**62 and k <= 32 (the codec's end is at most a chunk's element count plus one).
     """
+    if end > 1 << 62 or not 0 <= k <= MAX_RICE_K:
+        raise ValueError(f"rice_positions: end {end} or k {k} out of the supported range")
     ones = np.unpackbits(unary).view(np.bool_).nonzero()[0]  # nonzero on bool is ~10x faster than on uint8
     if ones.size != count:
         raise IntegrityError(f"{what}: gap stream holds the wrong number of gaps", expected=count, actual=ones.size)

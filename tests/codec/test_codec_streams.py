@@ -69,6 +69,8 @@ def test_rice_positions_refuse_totals_that_would_overflow() -> None:
     with pytest.raises(IntegrityError, match="gap out of range"):
         streams.rice_positions(unary, remainder, 1, 32, 1 << 40, "t")
     assert streams.rice_positions(unary, remainder, 1, 32, 1 << 48, "t").tolist() == [32767 << 32]
+    with pytest.raises(ValueError):  # beyond the range its overflow checks cover: a caller's mistake
+        streams.rice_positions(unary, remainder, 1, 32, (1 << 62) + 1, "t")
 
 
 @settings(max_examples=100, deadline=None)
