@@ -86,7 +86,7 @@ def push_cmd(
                keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold,
                include=include, exclude=exclude, default_excludes=not no_default_excludes)
     data = res.to_json()
-    files = _stored_per_file(res.store, res.version, parse_storage_options(storage_options))
+    files, stored = _stored_per_file(res.store, res.version, parse_storage_options(storage_options))
     data["files"] = files
     if res.kind == "full":
         human = (f"pushed version {res.version} (full) to {res.store}: {human_bytes(res.bytes_written)} written "
@@ -103,7 +103,6 @@ def push_cmd(
                     "deltafs_push_last_full_bytes": res.full_bytes, "deltafs_push_last_seconds": res.seconds,
                     "deltafs_push_last_timestamp_seconds": metrics.now()},
                    {"deltafs_push_total": 1, "deltafs_push_bytes_written_total": res.bytes_written})
-    stored = sum(files.values())
     top = max(files.items(), key=lambda kv: kv[1]) if files else None
     # Worth a line when something other than the weights dominates (an optimizer state, a log).
     if top is not None and stored and top[1] >= 0.5 * stored and not top[0].endswith(".safetensors"):
@@ -127,10 +126,12 @@ def _store_warnings(src: str, store: str) -> list[str]:
     return out
 
 
-def _stored_per_file(store: str, version: int, options: dict[str, Any]) -> dict[str, int]:
+def _stored_per_file(store: str, version: int, options: dict[str, Any]) -> tuple[dict[str, int], int]:
+    """(payload bytes per file, the version's total): a payload two files share counts once in the total."""
     from deltafs.maintenance.inspect import show
 
-    return {f.path: f.stored for f in show(store, version, storage_options=options).files}
+    info = show(store, version, storage_options=options)
+    return {f.path: f.stored for f in info.files}, info.stored
 
 
 def pull_cmd(

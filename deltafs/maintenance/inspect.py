@@ -37,7 +37,9 @@ class VersionInfo:
     files: list[FileInfo]
     tensors: list[TensorInfo]
     head: bool
-    stored: int  # bytes of the distinct payloads this version stores (a payload two files share counts once)
+    # Bytes of the distinct payloads this version's records name (a payload two files share counts once; one that
+    # an earlier version already wrote, content-addressed, counts too).
+    stored: int
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

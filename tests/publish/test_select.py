@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -65,6 +66,18 @@ def test_a_dominating_non_weight_file_is_named(tmp_path, maker):
     src = _checkpoint_with_clutter(maker)
     proc = run_cli("push", src, tmp_path / "store", "--no-default-excludes", check=0)
     assert "optimizer.pt is" in proc.stdout and "% of the stored bytes" in proc.stdout
+
+
+def test_the_share_of_a_file_counts_a_payload_two_files_share_once(tmp_path, maker):
+    """Two identical optimizer shards are one stored object: each is most of what the version stores."""
+    src = maker.write()
+    blob = os.urandom(300_000)
+    for name in ("optim.0.pt", "optim.1.pt"):
+        with open(os.path.join(src, name), "wb") as fh:
+            fh.write(blob)
+    proc = run_cli("push", src, tmp_path / "store", "--no-default-excludes", check=0)
+    share = re.search(r"optim\.[01]\.pt is (\d+)% of the stored bytes", proc.stdout)
+    assert share is not None and int(share.group(1)) >= 50, proc.stdout
 
 
 def test_swapped_arguments_and_nested_stores(tmp_path, maker):
