@@ -7,11 +7,12 @@ imports, `deltafs.errors` and `deltafs.defaults`) is copied under another packag
 tree's, so both run on the same arrays in the same process, interleaved round by round. Separate processes of
 the same code differ by up to 40% on this VM (heap layout, page faults), more than most codec changes.
 
-Every tensor is cut into 4 MiB pieces, as a store does. Each round times, one thread, CPU seconds of the calling
-thread: this tree's encode and decode, the other tree's, and XOR + zstd-1 (np.bitwise_xor, one zstd level-1
-frame; decode: decompress, XOR into the base). Decodes write in place into a copy of the base, as a pull does.
-Both trees must produce byte-identical payloads (checked); the decoded chunks must equal the new ones (checked).
-Per codec class (sparse, dense, other), the least and the median of the rounds are printed.
+Every tensor is cut into 4 MiB pieces, as a store does. Each round times, in one worker thread (as push and pull
+run the codec), CPU seconds of that thread: this tree's encode and decode, the other tree's, and XOR + zstd-1
+(np.bitwise_xor, one zstd level-1 frame; decode: decompress, XOR into the base). Decodes write in place into a
+copy of the base, as a pull does. Both trees must produce byte-identical payloads (checked); the decoded chunks
+must equal the new ones (checked). Per codec class (sparse, dense, other), the least and the median of the
+rounds are printed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
 
@@ -132,12 +134,19 @@ def main() -> None:
         names = ["this", "other", "xor"]
         times: dict[str, dict[str, dict[str, list[float]]]] = {
             g: {w: {i: [] for i in names} for w in ("encode", "decode")} for g in groups}
-        for r in range(args.rounds):
-            order = names if r % 2 == 0 else names[::-1]
-            for g, sel in groups.items():
-                for what in ("encode", "decode"):
-                    for impl in order:
-                        times[g][what][impl].append(run(what, impl, sel))
+
+        def rounds() -> None:
+            for r in range(args.rounds):
+                order = names if r % 2 == 0 else names[::-1]
+                for g, sel in groups.items():
+                    for what in ("encode", "decode"):
+                        for impl in order:
+                            times[g][what][impl].append(run(what, impl, sel))
+
+        # In a worker thread, as push and pull run the codec: glibc trims the main thread's heap after large
+        # frees, and the next multi-MB temporaries fault in fresh pages (docs/profile.md, round 9).
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(rounds).result()
 
         result: dict[str, Any] = {"base": args.base, "new": args.new, "other": args.other, "rounds": args.rounds,
                                   "loadavg": os.getloadavg(), "classes": {}}
