@@ -1,7 +1,7 @@
 """Where a delta's bytes go against the entropy estimate, by tensor class: bf16 matrices and small 1-D F32 tensors.
 
     python -m deltafs.testing.trained /tmp/trained --versions 2 --params 20M     # or any two safetensors files
-    python benchmarks/bytes_by_class.py /tmp/trained/v0/model.safetensors /tmp/trained/v1/model.safetensors
+    python benchmarks/bytes_by_class.py /tmp/trained/v0/model.safetensors /tmp/trained/v1/model.safetensors [--level 5]
 
 For every tensor: the deltafs codec's payload (`deltafs.codec.encode`, one chunk per tensor up to 4 MiB), XOR +
 zstd-1, the first-order entropy estimate of docs/benchmarks.md (`deltafs.testing.entropy`: which elements changed,
@@ -23,6 +23,7 @@ import zstandard
 
 from deltafs import codec
 from deltafs.codec.compare import zigzag
+from deltafs.defaults import DEFAULT_LEVEL
 from deltafs.format.dtypes import DTYPE_SIZES
 from deltafs.testing.checkpoints import safetensors_layout
 from deltafs.testing.entropy import delta_entropy_bits
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("old")
     ap.add_argument("new")
     ap.add_argument("--small", type=int, default=64 << 10, help="bytes below which a tensor counts as small")
+    ap.add_argument("--level", type=int, default=DEFAULT_LEVEL,
+                    help=f"the codec's level, as push --level (default {DEFAULT_LEVEL}; from 5 on sparse splits by magnitude)")
     args = ap.parse_args()
     old, new = tensors(args.old), tensors(args.new)
     if old.keys() != new.keys():
@@ -72,7 +75,7 @@ def main() -> None:
         r["bit-length model"] += bit_length_model_bytes(nb, ob, item)
         r["xor+zstd-1"] += len(z.compress((nb ^ ob).tobytes()))
         for start in range(0, nb.size, CHUNK):
-            enc = codec.encode(nb[start:start + CHUNK], ob[start:start + CHUNK], item)
+            enc = codec.encode(nb[start:start + CHUNK], ob[start:start + CHUNK], item, level=args.level)
             r["deltafs"] += len(enc.payload or b"")
     total: dict[str, float] = defaultdict(float)
     print("| tensors | count | MB | changed | deltafs B | entropy est. B | bit-length model B | XOR+zstd-1 B "
