@@ -86,7 +86,7 @@ def push_cmd(
                keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold,
                include=include, exclude=exclude, default_excludes=not no_default_excludes)
     data = res.to_json()
-    files, stored = _stored_per_file(res.store, res.version, parse_storage_options(storage_options))
+    files, stored = _stored_bytes(res.store, res.version, parse_storage_options(storage_options))
     data["files"] = files
     if res.kind == "full":
         human = (f"pushed version {res.version} (full) to {res.store}: {human_bytes(res.bytes_written)} written "
@@ -126,7 +126,7 @@ def _store_warnings(src: str, store: str) -> list[str]:
     return out
 
 
-def _stored_per_file(store: str, version: int, options: dict[str, Any]) -> tuple[dict[str, int], int]:
+def _stored_bytes(store: str, version: int, options: dict[str, Any]) -> tuple[dict[str, int], int]:
     """(payload bytes per file, the version's total): a payload two files share counts once in the total."""
     from deltafs.maintenance.inspect import show
 

@@ -263,29 +263,24 @@ class Encoder:
         record then names the pack and where its payload lies in it.
         """
         out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd) for seg, i, base_fd, base_offset in run]
-        stored = [c for c in out if c.enc.payload is not None]
+        stored = [(c, c.enc.payload) for c in out if c.enc.payload is not None]
         batch: list[tuple[str, bytes]] = []
         if len(stored) == 1:
-            c = stored[0]
-            assert c.enc.payload is not None
-            c.oid = hashlib.sha256(c.enc.payload).hexdigest()
-            batch = [(c.oid, c.enc.payload)]
+            c, payload = stored[0]
+            c.oid = hashlib.sha256(payload).hexdigest()
+            batch = [(c.oid, payload)]
         elif stored:
             # Identical payloads (zero tensors, tied copies) are stored once in the pack, as separate objects would be.
             offsets: dict[bytes, int] = {}
-            parts: list[bytes] = []
             at = 0
-            for c in stored:
-                assert c.enc.payload is not None
-                if c.enc.payload not in offsets:
-                    offsets[c.enc.payload] = at
-                    parts.append(c.enc.payload)
-                    at += len(c.enc.payload)
-            blob = b"".join(parts)
+            for _, payload in stored:
+                if payload not in offsets:
+                    offsets[payload] = at
+                    at += len(payload)
+            blob = b"".join(offsets)  # a dict keeps insertion order: the distinct payloads at their offsets
             oid = hashlib.sha256(blob).hexdigest()
-            for c in stored:
-                assert c.enc.payload is not None
-                c.oid, c.pack = oid, (offsets[c.enc.payload], len(blob))
+            for c, payload in stored:
+                c.oid, c.pack = oid, (offsets[payload], len(blob))
             batch = [(oid, blob)]
         if batch:
             # Uploads run in their own pool, so store latency overlaps encoding; the semaphore bounds the
