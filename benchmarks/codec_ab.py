@@ -35,10 +35,8 @@ import numpy as np
 import zstandard
 
 from deltafs import codec as this_codec
-from deltafs.format.dtypes import DTYPE_SIZES
 from deltafs.testing.checkpoints import safetensors_layout
-
-CHUNK = 4 << 20
+from gil_check import CHUNK, chunks_of, load  # a sibling script: benchmarks/ is on sys.path when this one runs
 
 
 def load_other(tree: str, work: str) -> ModuleType:
@@ -67,19 +65,10 @@ def load_other(tree: str, work: str) -> ModuleType:
 
 def pieces(base: str, new: str) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """(base piece, new piece, itemsize) of every 4 MiB piece of every tensor; both files share one layout."""
-    layout = safetensors_layout(new)
-    if safetensors_layout(base) != layout:
+    if safetensors_layout(base) != safetensors_layout(new):
         raise SystemExit("base and new differ in layout")
-    out = []
-    with open(base, "rb") as fb, open(new, "rb") as fn:
-        for dtype, offset, nbytes in layout.values():
-            for start in range(0, nbytes, CHUNK):
-                size = min(CHUNK, nbytes - start)
-                fb.seek(offset + start)
-                fn.seek(offset + start)
-                out.append((np.frombuffer(fb.read(size), np.uint8), np.frombuffer(fn.read(size), np.uint8),
-                            DTYPE_SIZES[dtype]))
-    return out
+    layout = chunks_of(new)
+    return list(zip(load(base, layout), load(new, layout), (itemsize for _, _, itemsize in layout), strict=True))
 
 
 def main() -> None:
