@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from deltafs.buffers import pread_aligned
+from deltafs.checksum import device_checksums, host_checksum, int_view
 from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.engines.versions import read_version_manifest
 from deltafs.errors import DeltafsError, EngineError, IntegrityError
@@ -43,9 +44,6 @@ from deltafs.format.manifest import FileEntry, Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
 
-_MASK = (1 << 64) - 1
-_ROW = 1024  # 64-bit words per row of the 2-D view a checksum reduces
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_SIZE: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 _DIFF_BLOCK = 1 << 24  # elements compared at once: bounds the temporaries of a diff
 
@@ -58,90 +56,6 @@ def tensor_digest(t: torch.Tensor, like: str = "xxh3-tree:", chunk_bytes: int = 
     flat = t.detach().contiguous().reshape(-1).cpu()
     raw: Any = flat.view(torch.uint8).numpy() if flat.numel() else b""
     return segment_digest_like(like, raw, chunk_bytes)
-
-
-# --- checksum -------------------------------------------------------------------------------------------------------
-# C(bytes) = sum over the 64-bit little-endian words y_i of (2i+1)*y_i, plus, for the last bytes that do not fill a
-# word, (2(W+j)+1)*z_j over their elements z_j read as unsigned integers, all modulo 2**64. Integer sums modulo 2**64
-# do not depend on the order of the additions, so every device and numpy agree exactly. The weights are odd, hence
-# invertible modulo 2**64: a change of any single word (or tail element) always changes C. Viewing the words as a
-# [R, 1024] matrix, C = 2*1024*sum_r(r*rowsum_r) + sum_c((2c+1)*colsum_c): two plain sums over the data, no
-# temporaries the size of the tensor.
-
-def host_checksum(data: np.ndarray, itemsize: int) -> int:
-    """The checksum of a tensor's raw bytes (a 1-D uint8 array), computed with numpy on the host."""
-    n = data.size
-    words_n = n // 8
-    words = data[: words_n * 8].view("<u8")
-    rows = words_n // _ROW
-    acc = 0
-    if rows:
-        mat = words[: rows * _ROW].reshape(rows, _ROW)
-        row_sums = mat.sum(axis=1, dtype=np.uint64)
-        col_sums = mat.sum(axis=0, dtype=np.uint64)
-        acc += 2 * _ROW * int((np.arange(rows, dtype=np.uint64) * row_sums).sum(dtype=np.uint64))
-        acc += int((np.arange(1, 2 * _ROW, 2, dtype=np.uint64) * col_sums).sum(dtype=np.uint64))
-    rest = words[rows * _ROW:]
-    if rest.size:
-        weights = np.arange(2 * rows * _ROW + 1, 2 * words_n + 1, 2, dtype=np.uint64)
-        acc += int((weights * rest).sum(dtype=np.uint64))
-    tail = data[words_n * 8:]
-    if tail.size:
-        values = tail.view(f"<u{itemsize}").astype(np.uint64)
-        weights = np.arange(2 * words_n + 1, 2 * (words_n + values.size) + 1, 2, dtype=np.uint64)
-        acc += int((weights * values).sum(dtype=np.uint64))
-    return acc & _MASK
-
-
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as same-size integers, flat; a view of the same memory when t is contiguous."""
-    flat = t.detach().reshape(-1)  # a copy only when t is not contiguous
-    return flat.view(_INT_OF_SIZE[t.element_size()])
-
-
-def _checksum_on_device(t: torch.Tensor) -> torch.Tensor:
-    """The checksum of t's bytes as a 0-d int64 tensor on t's device (the same function as host_checksum)."""
-    u = _int_view(t)
-    dev = u.device
-    per_word = 8 // t.element_size()
-    words_n = u.numel() // per_word
-    acc = torch.zeros((), dtype=torch.int64, device=dev)
-    if words_n:
-        body = u[: words_n * per_word]
-        try:
-            words = body.view(torch.int64)
-        except RuntimeError:  # storage offset not 8-byte aligned (a view into a flat buffer): realign by a copy
-            words = body.clone().view(torch.int64)
-        rows = words_n // _ROW
-        if rows:
-            mat = words[: rows * _ROW].view(rows, _ROW)
-            row_w = torch.arange(rows, dtype=torch.int64, device=dev)
-            col_w = torch.arange(1, 2 * _ROW, 2, dtype=torch.int64, device=dev)
-            # int64 products and sums wrap modulo 2**64 on every backend, like numpy's uint64
-            acc = acc + (row_w * mat.sum(1)).sum() * (2 * _ROW) + (col_w * mat.sum(0)).sum()
-        if words_n > rows * _ROW:
-            weights = torch.arange(2 * rows * _ROW + 1, 2 * words_n + 1, 2, dtype=torch.int64, device=dev)
-            acc = acc + (weights * words[rows * _ROW:]).sum()
-    tail = u[words_n * per_word:]
-    if tail.numel():
-        values = tail.to(torch.int64) & ((1 << (8 * t.element_size())) - 1)
-        weights = torch.arange(2 * words_n + 1, 2 * (words_n + tail.numel()) + 1, 2, dtype=torch.int64, device=dev)
-        acc = acc + (weights * values).sum()
-    return acc
-
-
-def device_checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """host_checksum of each tensor's bytes, computed where the tensor lives; one transfer of the results per device."""
-    out: list[int] = [0] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    with torch.no_grad():
-        for positions in by_device.values():
-            sums = torch.stack([_checksum_on_device(tensors[i]) for i in positions]).tolist()
-            for i, s in zip(positions, sums, strict=True):
-                out[i] = int(s) & _MASK
-    return out
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -365,7 +279,7 @@ class ModuleApplier:
                 held[p.name] = p.held
                 g = groups.setdefault((target.device, seg.itemsize), _SparseGroup(target.device))
                 g.names.append(p.name)
-                g.flats.append(_int_view(target))
+                g.flats.append(int_view(target))
                 g.idx.append(p.diff[0])
                 g.vals.append(p.diff[1])
                 g.old.append(p.diff[2])
@@ -394,7 +308,7 @@ class ModuleApplier:
             idx = torch.from_numpy(p.diff[0]).to(buf.device)
             vals = torch.from_numpy(p.diff[1]).to(buf.device)
             buf.copy_(target)  # the live bytes (checked at the start of staging; the spare's checksum proves the copy)
-            _int_view(buf).index_copy_(0, idx, vals)
+            int_view(buf).index_copy_(0, idx, vals)
         return _Swap(p.name, target, buf, sparse=True, elements=int(p.diff[0].size))
 
     def commit(self, staged: StagedVersion) -> ApplyReport:

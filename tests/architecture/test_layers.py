@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Lower rank = lower layer. A module may import its own package and packages of a strictly lower rank.
 LAYERS: dict[str, int] = {
-    "errors": 0, "parallel": 0, "progress": 0, "metrics": 0, "defaults": 0, "buffers": 0,
+    "errors": 0, "checksum": 0, "parallel": 0, "progress": 0, "metrics": 0, "defaults": 0, "buffers": 0,
     "format": 1, "codec": 1,
     "store": 2,
     "read": 3,

@@ -217,7 +217,7 @@ def publish(tmp_path):
 
 
 def test_device_checksum_equals_the_checksum_of_the_file_bytes():
-    from deltafs.engines.torch_module import device_checksums, host_checksum
+    from deltafs.checksum import device_checksums, host_checksum
 
     tensors = list(mixed_tensors(3).values())
     for n in (0, 1, 3, 7, 1023 * 4 + 3):  # empty, under one word, tails of every length
@@ -228,7 +228,7 @@ def test_device_checksum_equals_the_checksum_of_the_file_bytes():
 
 
 def test_checksum_changes_when_any_single_element_changes():
-    from deltafs.engines.torch_module import device_checksums
+    from deltafs.checksum import device_checksums
 
     base = torch.randn(3 * 8192 + 3).to(torch.bfloat16)
     edits = []
