@@ -88,10 +88,14 @@ def _width(size: int, itemsize: int) -> int:
     return itemsize if size % itemsize == 0 else 1
 
 
-def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LEVEL) -> Encoded:
+def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LEVEL,
+           known: tuple[np.ndarray, np.ndarray] | None = None) -> Encoded:
     """Encode new (bytes-like or uint8 array) against base (same length) or against nothing.
 
     level is the zstd level of every stream; from SPLIT_LEVEL on it also enables the magnitude-class split.
+    known: (ascending element indices, new values) that include every element where new differs from base, when
+    the caller found them already (a device-side diff); saves the compare over the chunk. Indices where the values
+    equal the base are dropped here, and the payload is the one encode() would write without them.
     """
     n = _as_u8(new)
     width = _width(n.size, itemsize)
@@ -118,8 +122,17 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
             dense, dense_payload = Dense.encode(nw, bw, level, diff=d)
             if len(dense_payload) <= DENSE_TRUSTED[width] * n.size:
                 return Encoded(dense.to_json(), dense_payload, changed)
-    # One vectorized compare + nonzero over the chunk is the main cost of a sparse delta.
-    idx, nv, bv = compare.changes(n, b, width)
+    if (known is not None and known[0].size <= nw.size and known[1].size == known[0].size
+            and known[1].dtype.itemsize == width):
+        idx, nv = known
+        bv = bw[idx]
+        moved = nv.view(dtype) != bv
+        if not moved.all():
+            idx, nv, bv = idx[moved], nv[moved], bv[moved]
+        nv = nv.view(dtype)
+    else:
+        # One vectorized compare + nonzero over the chunk is the main cost of a sparse delta.
+        idx, nv, bv = compare.changes(n, b, width)
     changed = int(idx.size)
     if changed == 0:
         return Encoded(dict(_SAME), None, 0)
