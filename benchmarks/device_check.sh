@@ -8,10 +8,12 @@
 #      whether the GIL or the machine stops the scaling;
 #   3. engine_pause on the accelerator: the torch engine's pause (in place and spare) against a full reload;
 #   4. push_tensors_memory: push_tensors from tensors on the accelerator, read a chunk at a time (DeviceBytes)
-#      against copied to the host whole first: time and peak host memory.
+#      against copied to the host whole first: time and peak host memory;
+#   5. device_diff: push_tensors from the accelerator with a DeviceBaseline (only the changed elements cross to the
+#      host) against without: time, bytes to the host, host CPU.
 #
 # Results land in $OUT (the device tool brings them back): sync_bench_16core.json, gil_check.json,
-# engine_pause_cuda.json, push_tensors_memory_cuda.json and their logs. A dry run on another machine (about 5 minutes on 2 cores):
+# engine_pause_cuda.json, push_tensors_memory_cuda.json, device_diff_cuda.json and their logs. A dry run on another machine (about 5 minutes on 2 cores):
 #   PYTHON=.venv/bin/python THREADS=1,2 GIL_WORKERS=1,2 DEVICE=cpu OUT=/tmp/device-dry bash benchmarks/device_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,10 +22,11 @@ OUT=${OUT:-/tmp/deltafs-device-out}
 THREADS=${THREADS:-1,16,8,4,2}   # 1 and 16 first: a run cut short still has them
 DEVICE=${DEVICE:-cuda}
 ROUNDS=${ROUNDS:-3}
-SYNC_LIMIT=${SYNC_LIMIT:-300}    # seconds; the device tool allows 600 per command
+SYNC_LIMIT=${SYNC_LIMIT:-260}    # seconds; the device tool allows 600 per command
 PAUSE_LIMIT=${PAUSE_LIMIT:-120}
 GIL_LIMIT=${GIL_LIMIT:-50}
 PTM_LIMIT=${PTM_LIMIT:-90}
+DIFF_LIMIT=${DIFF_LIMIT:-60}
 GIL_WORKERS=${GIL_WORKERS:-1,4,16}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -84,3 +87,10 @@ timeout "$PTM_LIMIT" "$PY" benchmarks/push_tensors_memory.py --base "$G/base/mod
     --json "$OUT/push_tensors_memory_cuda.json" > "$OUT/push_tensors_memory.log" 2>&1
 echo "push_tensors_memory exit $? after $(( $(date +%s) - t0 )) s"
 cat "$OUT/push_tensors_memory.log"
+
+echo "== device_diff (device $DEVICE)"
+timeout "$DIFF_LIMIT" "$PY" benchmarks/device_diff.py --base "$G/base/model.safetensors" \
+    --new "$G/new/model.safetensors" --work /tmp/deltafs-ddiff --device "$DEVICE" --threads 16 --rounds 1 \
+    --json "$OUT/device_diff_cuda.json" > "$OUT/device_diff.log" 2>&1
+echo "device_diff exit $? after $(( $(date +%s) - t0 )) s"
+cat "$OUT/device_diff.log"

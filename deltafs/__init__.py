@@ -16,6 +16,7 @@ _EXPORTS = {
     "push": "deltafs.publish",
     "push_tensors": "deltafs.publish",
     "push_distributed": "deltafs.publish",
+    "DeviceBaseline": "deltafs.publish",
     "PushResult": "deltafs.publish",
     "PushOptions": "deltafs.publish",
     "pull": "deltafs.read",
@@ -27,7 +28,7 @@ _EXPORTS = {
 }
 
 __all__ = [  # spelled out for linters and type checkers; the same names as _EXPORTS
-    "PullResult", "PushOptions", "PushResult", "Repository", "__version__", "gc", "log", "pull", "push",
+    "DeviceBaseline", "PullResult", "PushOptions", "PushResult", "Repository", "__version__", "gc", "log", "pull", "push",
     "push_distributed", "push_tensors", "verify",
 ]
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from deltafs.maintenance.gc import gc
     from deltafs.maintenance.log import log
     from deltafs.maintenance.verify import verify
+    from deltafs.publish.device_diff import DeviceBaseline
     from deltafs.publish.distributed import push_distributed
     from deltafs.publish.options import PushOptions, PushResult
     from deltafs.publish.push import push, push_tensors

@@ -5,6 +5,7 @@ commit (manifest then HEAD), fold, hf (the safetensors shard writer), source (re
 pipeline runs them for a world of 1..N ranks; push, push_tensors and push_distributed are its entry points.
 """
 
+from deltafs.publish.device_diff import DeviceBaseline
 from deltafs.publish.distributed import push_distributed
 from deltafs.publish.hf import DEFAULT_SHARD_BYTES, write_hf_checkpoint
 from deltafs.publish.options import (
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_KEYFRAME_BUDGET",
     "DEFAULT_KEYFRAME_EVERY",
     "DEFAULT_SHARD_BYTES",
+    "DeviceBaseline",
     "DistributedPushError",
     "PushOptions",
     "PushResult",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 from deltafs.errors import UsageError
+from deltafs.publish.device_diff import DeviceBaseline, baseline_push
 from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_bytes, make_shard, shard_file_name
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.publish.pipeline import DistributedPushError, RankWork, World, collective, run
@@ -175,7 +176,7 @@ def _gather_dtensors(comm: World, tensors: Mapping[str, Any]) -> dict[str, Any]:
 # --- the API ---------------------------------------------------------------------------------------
 def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOptions | None = None, *,
                      extra_files: Mapping[str, bytes] | None = None, group: Any = None, root: int = 0,
-                     **kw: Unpack[PushKeywords]) -> PushResult:
+                     device_baseline: DeviceBaseline | None = None, **kw: Unpack[PushKeywords]) -> PushResult:
     """Publish the tensors every rank owns as one version. Collective: call on every rank of `group`.
 
     tensors: the HF-named tensors this rank owns (each name on exactly one rank; a rank may own none),
@@ -183,7 +184,8 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
     may pass them (the same path must have the same bytes on every rank that passes it). The options
     (PushOptions, or its fields as keywords) are taken from the root rank for version, metadata,
     full and the keyframe policy. Returns the same PushResult on every rank. Without an initialized
-    torch.distributed process group it behaves as a world of one.
+    torch.distributed process group it behaves as a world of one. device_baseline: this rank's, as for
+    push_tensors (deltafs.publish.device_diff).
     """
     t0 = time.monotonic()
     opts = PushOptions.of(options, **kw)
@@ -192,17 +194,18 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
     extra = dict(extra_files or {})
     owned = collective(comm, "checking what each rank owns", lambda: _describe(tensors, extra))
     layout = _layout(owned, comm.world)  # same data on every rank: same result, or the same UsageError
-    files: dict[str, list[tuple[int, Piece]]] = {}
-    if comm.rank in layout.shard_of:
-        shard = make_shard(layout.shard_of[comm.rank], collect_tensors(tensors), {"format": "pt"})
-        files[shard.name] = shard.pieces()
-    for path, data in extra.items():
-        if layout.file_writer.get(path) == comm.rank:
-            files[path] = [(0, memoryview(bytes(data)))]
-    if comm.is_root:
-        files[INDEX_FILE] = [(0, memoryview(index_bytes(layout.weight_map, layout.total_size)))]
-    work = RankWork(memory_source(files), cache_name=f"rank-{comm.rank}")
-    return run(comm, store, work, opts, t0=t0)
+    with baseline_push(device_baseline):
+        files: dict[str, list[tuple[int, Piece]]] = {}
+        if comm.rank in layout.shard_of:
+            shard = make_shard(layout.shard_of[comm.rank], collect_tensors(tensors, device_baseline), {"format": "pt"})
+            files[shard.name] = shard.pieces()
+        for path, data in extra.items():
+            if layout.file_writer.get(path) == comm.rank:
+                files[path] = [(0, memoryview(bytes(data)))]
+        if comm.is_root:
+            files[INDEX_FILE] = [(0, memoryview(index_bytes(layout.weight_map, layout.total_size)))]
+        work = RankWork(memory_source(files), cache_name=f"rank-{comm.rank}")
+        return run(comm, store, work, opts, t0=t0)
 
 
 __all__ = ["DistributedPushError", "push_distributed", "shard_name"]

@@ -123,7 +123,8 @@ class Encoder:
     """
 
     def __init__(self, repo: Repository, base: LocalState | None, *, level: int, threads: int,
-                 stage_dir: str | None, allow_link: bool = True, patch: bool = False) -> None:
+                 stage_dir: str | None, allow_link: bool = True, patch: bool = False,
+                 range_base: bool = False) -> None:
         self.repo = repo
         self.base = base
         self.base_segments = base.manifest.segments() if base else {}
@@ -133,6 +134,8 @@ class Encoder:
         self.allow_link = allow_link
         # stage_dir is base.path: each file is the base's, same layout (see patchable()); write what changed.
         self.patch = patch
+        # base is the version a DeviceBaseline holds: range reads may be rebuilt from it (publish.device_diff).
+        self.range_base = range_base
         self.cb = repo.config.chunk_bytes
         self.stats = EncodeStats()
         # Remote stores are latency-bound: many uploads in flight; a local disk is fsync-bound.
@@ -232,21 +235,25 @@ class Encoder:
         start = i * self.cb
         size = min(self.cb, seg.size - start)
         held: list[np.ndarray] = []
-        if isinstance(reader, DiskReader):
-            new: Any = self._read(reader.fd, size, seg.offset + start, held)
-        elif size > SMALL_CHUNK and reader.copies(seg.offset + start):
-            new = reader.read(seg.offset + start, size, self._take(held))  # an accelerator's bytes, copied
-        else:
-            new = reader.read(seg.offset + start, size)
-        if len(new) != size:
-            raise DeltafsError("a source file shrank while it was being pushed")
         old = None
+        known = None
         if base_fd is not None:
             old = self._read(base_fd, size, base_offset + start, held)
             if len(old) != size:
                 raise LocalBaseError("push cache file is truncated")
+        if isinstance(reader, DiskReader):
+            new: Any = self._read(reader.fd, size, seg.offset + start, held)
+        elif reader.copies(seg.offset + start):
+            # An accelerator's bytes, copied; with a DeviceBaseline rebuilt from the base and the changed elements
+            # (this push's own base only: a fold's is another version), which the codec then need not look for.
+            out = self._take(held) if size > SMALL_CHUNK else None
+            new, known = reader.read_against(seg.offset + start, size, out, old if self.range_base else None)
+        else:
+            new = reader.read(seg.offset + start, size)
+        if len(new) != size:
+            raise DeltafsError("a source file shrank while it was being pushed")
         enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
-                           seg.itemsize, level=self.level)
+                           seg.itemsize, level=self.level, known=known)
         # Digests per chunk, here in the workers: nothing hashes a whole file serially (format v2). The base's
         # digest is taken before a patch overwrites it.
         digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None

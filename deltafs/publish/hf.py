@@ -20,6 +20,7 @@ import numpy as np
 
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import safetensors_name
+from deltafs.publish.device_diff import DeviceBaseline, Known
 from deltafs.publish.source import Piece, is_range_bytes  # Piece: host bytes, or RangeBytes such as DeviceBytes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -75,23 +76,34 @@ class DeviceBytes:
     tensors, which a push reads in place).
     """
 
-    def __init__(self, t: Any) -> None:
+    def __init__(self, t: Any, baseline: DeviceBaseline | None = None, name: str = "") -> None:
         self._flat = t.reshape(-1).view(_torch().uint8)
         self.nbytes = int(self._flat.numel())
         self.device = str(t.device)
+        self._baseline = baseline
+        self._slot = baseline.slot(name, self._flat, t.element_size()) if baseline is not None else None
 
     def read(self, start: int, size: int, out: np.ndarray | None = None) -> np.ndarray:
         """A private host copy of bytes [start, start + size): into out[:size] when given (a reused buffer: a
         fresh multi-MB array per chunk costs page faults), else a new array. torch copies release the GIL."""
+        return self.read_against(start, size, out, None)[0]
+
+    def read_against(self, start: int, size: int, out: np.ndarray | None, base: Any) -> tuple[np.ndarray, Known | None]:
+        """read(), given the previous version's bytes of the range on the host (base, or None). With a
+        DeviceBaseline the range may then be rebuilt from its changed elements instead of copied whole
+        (deltafs.publish.device_diff), which are returned too (codec.encode's `known`)."""
         if start < 0 or size < 0 or start + size > self.nbytes:
             raise ValueError(f"range [{start}, {start + size}) outside a tensor of {self.nbytes} bytes")
         src = self._flat[start:start + size]
+        if self._baseline is not None and self._slot is not None:
+            dst = np.empty(size, np.uint8) if out is None else out[:size]
+            return self._baseline.read(self._slot, src, start, dst, base)
         if out is None:
             fresh: np.ndarray = src.to("cpu", copy=True).numpy()
-            return fresh
+            return fresh, None
         dst = out[:size]
         _torch().from_numpy(dst).copy_(src)
-        return dst
+        return dst, None
 
 
 def _torch() -> Any:
@@ -100,9 +112,10 @@ def _torch() -> Any:
     return torch
 
 
-def tensor_bytes(t: Any) -> np.ndarray | DeviceBytes:
+def tensor_bytes(t: Any, baseline: DeviceBaseline | None = None, name: str = "") -> np.ndarray | DeviceBytes:
     """A tensor's bytes for a push: host tensors as a flat uint8 array (no copy when contiguous), contiguous
-    accelerator tensors as DeviceBytes (copied a chunk at a time as the push reads them).
+    accelerator tensors as DeviceBytes (copied a chunk at a time as the push reads them; with a baseline, only
+    their changed elements are).
 
     A non-contiguous accelerator tensor is copied to the host whole, here (a contiguous copy on the device would
     hold device memory for the whole push). A DTensor is gathered with full_tensor(), a collective over its mesh,
@@ -110,7 +123,7 @@ def tensor_bytes(t: Any) -> np.ndarray | DeviceBytes:
     """
     t = _plain_tensor(t)
     if t.device.type != "cpu" and t.is_contiguous():
-        return DeviceBytes(t)
+        return DeviceBytes(t, baseline, name)
     return host_bytes(t)
 
 
@@ -197,9 +210,10 @@ def check_tensor(name: Any, t: Any) -> str:
     return dtype
 
 
-def collect_tensors(tensors: Mapping[str, Any]) -> list[HfTensor]:
+def collect_tensors(tensors: Mapping[str, Any], baseline: DeviceBaseline | None = None) -> list[HfTensor]:
     """Check names and dtypes and take each tensor's bytes (tensor_bytes), in the mapping's order."""
-    out = [HfTensor(name, check_tensor(name, t), tuple(t.shape), tensor_bytes(t)) for name, t in tensors.items()]
+    out = [HfTensor(name, check_tensor(name, t), tuple(t.shape), tensor_bytes(t, baseline, name))
+           for name, t in tensors.items()]
     wait_for_devices({t.data.device for t in out if isinstance(t.data, DeviceBytes)})
     return out
 
@@ -237,9 +251,10 @@ def index_bytes(weight_map: Mapping[str, str], total_size: int) -> bytes:
 
 def plan_checkpoint(tensors: Mapping[str, Any] | list[HfTensor], *, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
                     metadata: Mapping[str, str] | None = None,
-                    extra_files: Mapping[str, bytes] | None = None) -> HfCheckpoint:
+                    extra_files: Mapping[str, bytes] | None = None,
+                    device_baseline: DeviceBaseline | None = None) -> HfCheckpoint:
     """Cut the tensors (in order) into shards of at most max_shard_bytes (one file when they fit)."""
-    items = tensors if isinstance(tensors, list) else collect_tensors(tensors)
+    items = tensors if isinstance(tensors, list) else collect_tensors(tensors, device_baseline)
     groups: list[list[HfTensor]] = [[]]
     size = 0
     for t in items:

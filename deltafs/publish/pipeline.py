@@ -301,7 +301,7 @@ class _Rank:
             else:
                 self.stage = self.cache.new_staging()
             enc = Encoder(self.open_repo(), base, level=self.opts.level, threads=self.threads, stage_dir=self.stage,
-                          allow_link=allow_link, patch=patch)
+                          allow_link=allow_link, patch=patch, range_base=True)
             try:
                 with Progress(f"push v{self.decision.version}", sum(f.size for f in files), enabled=progress) as bar:
                     entries = enc.encode(files, bar.advance)

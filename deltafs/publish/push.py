@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
 from deltafs.errors import UsageError
+from deltafs.publish.device_diff import DeviceBaseline, baseline_push
 from deltafs.publish.hf import DEFAULT_SHARD_BYTES, plan_checkpoint
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.publish.pipeline import RankWork, Solo, run
@@ -36,7 +37,8 @@ def push(store: str | Repository, src: str, options: PushOptions | None = None, 
 
 def push_tensors(store: str | Repository, tensors: Mapping[str, Any], options: PushOptions | None = None, *,
                  extra_files: Mapping[str, bytes] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 keep_files: bool = True, **kw: Unpack[PushKeywords]) -> PushResult:
+                 keep_files: bool = True, device_baseline: DeviceBaseline | None = None,
+                 **kw: Unpack[PushKeywords]) -> PushResult:
     """Publish a mapping of HF names to torch tensors (plus files such as config.json) as the next version.
 
     The tensors are streamed into chunks as safetensors shards (deltafs.publish.hf) without a
@@ -46,13 +48,18 @@ def push_tensors(store: str | Repository, tensors: Mapping[str, Any], options: P
     generation_config.json ...) stay in the new version.
     DTensor values (FSDP2) are gathered with full_tensor(), a collective over their mesh: with more
     than one rank, call push_distributed on every rank instead, which spreads the writing.
+    device_baseline: keep the pushed accelerator tensors' previous version on their devices (one more copy of
+    them there), so a push copies only the changed elements to the host (deltafs.publish.device_diff); pass the
+    same DeviceBaseline to every push of this model.
     """
     t0 = time.monotonic()
     opts = PushOptions.of(options, **kw)
     _refuse_sharded_dtensors(tensors)
-    plan = plan_checkpoint(tensors, max_shard_bytes=max_shard_bytes, extra_files=extra_files)
-    files = memory_source(plan.files())
-    return run(Solo(), store, RankWork(files, inherit_files=keep_files), opts, t0=t0)
+    with baseline_push(device_baseline):
+        plan = plan_checkpoint(tensors, max_shard_bytes=max_shard_bytes, extra_files=extra_files,
+                               device_baseline=device_baseline)
+        files = memory_source(plan.files())
+        return run(Solo(), store, RankWork(files, inherit_files=keep_files), opts, t0=t0)
 
 
 def _refuse_sharded_dtensors(tensors: Mapping[str, Any]) -> None:

@@ -78,13 +78,13 @@ def test_host_tensors_keep_the_zero_copy_path():
 
 def test_a_push_read_through_device_bytes_stores_the_same_versions(tmp_path, monkeypatch):
     reads: list[tuple[int, bool]] = []
-    real_read = DeviceBytes.read
+    real_read = DeviceBytes.read_against
 
-    def spy(self, start, size, out=None):  # type: ignore[no-untyped-def]
+    def spy(self, start, size, out, base):  # type: ignore[no-untyped-def]
         reads.append((size, out is not None))
-        return real_read(self, start, size, out)
+        return real_read(self, start, size, out, base)
 
-    monkeypatch.setattr(DeviceBytes, "read", spy)
+    monkeypatch.setattr(DeviceBytes, "read_against", spy)
     plain, lazy = str(tmp_path / "plain"), str(tmp_path / "lazy")
     for store in (plain, lazy):
         Repository.open(store, create=True, chunk_bytes=512 << 10)  # several chunks per large tensor
