@@ -53,9 +53,9 @@ def _store(path: str) -> str:
     return path
 
 
-def _pulled(store: str, dest: str) -> dict[str, torch.Tensor]:
+def _pulled(store: str, dest: str, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
     pull(store, dest)
-    return load_file(os.path.join(dest, "model.safetensors"))
+    return load_file(os.path.join(dest, name))
 
 
 def _files(store: str, version: int) -> list[tuple[str, str, list[str | None]]]:
@@ -171,3 +171,17 @@ def test_one_push_at_a_time_and_bad_settings_are_refused():
         DeviceBaseline(max_fraction=0.0)
     with pytest.raises(UsageError):
         DeviceBaseline(min_range=0)
+
+
+def test_push_distributed_takes_a_baseline_too(tmp_path):
+    from deltafs.publish import push_distributed
+
+    store = _store(str(tmp_path / "s"))
+    w = _weights()
+    base = DeviceBaseline()
+    for step in range(2):
+        if step:
+            _step(w, step)
+        push_distributed(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)  # a world of one
+        assert base.armed and base.last.ranges_diffed == (4 if step else 0)
+    assert _same_bits(_pulled(store, str(tmp_path / "d"), "model-00001-of-00001.safetensors"), w)
