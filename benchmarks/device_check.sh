@@ -60,37 +60,35 @@ fi
 SLIME_ARGS=()
 [ -d .slime/slime ] && SLIME_ARGS=(--slime-dir .slime)
 
-echo "== sync_bench (threads $THREADS, scratch $SCRATCH)"
-timeout "$SYNC_LIMIT" "$PY" benchmarks/sync_bench.py run --work /tmp/deltafs-sync-bench --scratch "$SCRATCH" \
-    --datasets generator --threads "$THREADS" --repeat 1 --no-cli "${SLIME_ARGS[@]}" --out "$OUT/sync_bench_16core.json" \
-    > "$OUT/sync_bench.log" 2>&1
-echo "sync_bench exit $? after $(( $(date +%s) - t0 )) s"
-tail -n 40 "$OUT/sync_bench.log"
+# One step: NAME, its time limit, how many lines of its log to show (0: all), then the command. Its output goes to
+# $OUT/NAME.log; a step that fails or runs out of time does not stop the next.
+step() {
+    local name=$1 limit=$2 show=$3
+    shift 3
+    echo "== $name"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name exit $? after $(( $(date +%s) - t0 )) s"
+    if [ "$show" -gt 0 ]; then tail -n "$show" "$OUT/$name.log"; else cat "$OUT/$name.log"; fi
+}
+
+echo "(sync_bench: threads $THREADS, scratch $SCRATCH)"
+step sync_bench "$SYNC_LIMIT" 40 "$PY" benchmarks/sync_bench.py run --work /tmp/deltafs-sync-bench --scratch "$SCRATCH" \
+    --datasets generator --threads "$THREADS" --repeat 1 --no-cli "${SLIME_ARGS[@]}" --out "$OUT/sync_bench_16core.json"
 rm -rf "$SCRATCH"
 
-echo "== gil_check (the codec's chunk work in threads against processes)"
+# gil_check: the codec's chunk work in threads against processes
 G=/tmp/deltafs-sync-bench/gen-llama-1b-L4-lr9e-07-s0
-timeout "$GIL_LIMIT" "$PY" benchmarks/gil_check.py --base "$G/base/model.safetensors" --new "$G/new/model.safetensors" \
-    --workers "$GIL_WORKERS" --json "$OUT/gil_check.json" > "$OUT/gil_check.log" 2>&1
-echo "gil_check exit $? after $(( $(date +%s) - t0 )) s"
-cat "$OUT/gil_check.log"
+step gil_check "$GIL_LIMIT" 0 "$PY" benchmarks/gil_check.py --base "$G/base/model.safetensors" \
+    --new "$G/new/model.safetensors" --workers "$GIL_WORKERS" --json "$OUT/gil_check.json"
 
-echo "== engine_pause (device $DEVICE, $ROUNDS rounds)"
-timeout "$PAUSE_LIMIT" "$PY" benchmarks/engine_pause.py --work /tmp/deltafs-engine-pause --device "$DEVICE" \
-    --rounds "$ROUNDS" --json "$OUT/engine_pause_cuda.json" > "$OUT/engine_pause.log" 2>&1
-echo "engine_pause exit $? after $(( $(date +%s) - t0 )) s"
-tail -n 30 "$OUT/engine_pause.log"
+echo "(engine_pause: device $DEVICE, $ROUNDS rounds)"
+step engine_pause "$PAUSE_LIMIT" 30 "$PY" benchmarks/engine_pause.py --work /tmp/deltafs-engine-pause --device "$DEVICE" \
+    --rounds "$ROUNDS" --json "$OUT/engine_pause_cuda.json"
 
-echo "== push_tensors_memory (device $DEVICE)"
-timeout "$PTM_LIMIT" "$PY" benchmarks/push_tensors_memory.py --base "$G/base/model.safetensors" \
+step push_tensors_memory "$PTM_LIMIT" 0 "$PY" benchmarks/push_tensors_memory.py --base "$G/base/model.safetensors" \
     --new "$G/new/model.safetensors" --work /tmp/deltafs-ptm --device "$DEVICE" --threads 16 --repeat 1 \
-    --json "$OUT/push_tensors_memory_cuda.json" > "$OUT/push_tensors_memory.log" 2>&1
-echo "push_tensors_memory exit $? after $(( $(date +%s) - t0 )) s"
-cat "$OUT/push_tensors_memory.log"
+    --json "$OUT/push_tensors_memory_cuda.json"
 
-echo "== device_diff (device $DEVICE)"
-timeout "$DIFF_LIMIT" "$PY" benchmarks/device_diff.py --base "$G/base/model.safetensors" \
+step device_diff "$DIFF_LIMIT" 0 "$PY" benchmarks/device_diff.py --base "$G/base/model.safetensors" \
     --new "$G/new/model.safetensors" --work /tmp/deltafs-ddiff --device "$DEVICE" --threads 16 --rounds 1 \
-    --json "$OUT/device_diff_cuda.json" > "$OUT/device_diff.log" 2>&1
-echo "device_diff exit $? after $(( $(date +%s) - t0 )) s"
-cat "$OUT/device_diff.log"
+    --json "$OUT/device_diff_cuda.json"

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import shutil
 import statistics
 import time
 from typing import Any
+
+from push_tensors_memory import in_fresh_process, pair_args  # benchmarks/, beside this script
 
 MODES = ("lazy", "baseline")
 
@@ -112,29 +112,14 @@ def _one(args: dict[str, Any], out: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True)
-    ap.add_argument("--new", required=True)
-    ap.add_argument("--work", required=True, help="scratch: stores and caches (a tmpfs measures without the disk)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", default="1")
+    pair_args(ap, "1")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json")
     a = ap.parse_args()
-    ctx = mp.get_context("spawn")
     rows = []
     for threads in [int(x) for x in a.threads.split(",")]:
         for rnd in range(a.rounds):
             for mode in MODES:  # alternating, so drift on a shared machine hits both
-                work = os.path.join(a.work, f"{mode}-{threads}-{rnd}")
-                shutil.rmtree(work, ignore_errors=True)
-                os.makedirs(work)
-                q = ctx.Queue()
-                p = ctx.Process(target=_one, args=({"device": a.device, "work": work, "mode": mode, "threads": threads,
-                                                    "base": a.base, "new": a.new}, q))
-                p.start()
-                row = q.get()
-                p.join()
-                shutil.rmtree(work, ignore_errors=True)
+                row = in_fresh_process(_one, a, mode, threads, rnd)
                 rows.append(row)
                 print(f"{mode:9s} threads {threads} {row['seconds']:.2f} s, to the host {row['to_host_bytes'] / 2**20:.1f} "
                       f"MiB of {row['model_bytes'] / 2**20:.0f}, CPU {row['process_cpu']:.2f} s = host "

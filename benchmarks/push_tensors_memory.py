@@ -89,38 +89,47 @@ def _one(args: dict[str, Any], out: Any) -> None:
              "model_mib": sum(t.numel() * t.element_size() for t in new.values()) / 2**20})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def pair_args(ap: argparse.ArgumentParser, threads: str) -> None:
+    """The arguments of a benchmark over a base/new checkpoint pair pushed from tensors (also device_diff.py)."""
     ap.add_argument("--base", required=True)
     ap.add_argument("--new", required=True)
     ap.add_argument("--work", required=True, help="scratch: stores and caches (a tmpfs measures without the disk)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", default=threads)
     ap.add_argument("--json")
+
+
+def in_fresh_process(target: Any, a: argparse.Namespace, mode: str, threads: int, tag: int) -> dict[str, Any]:
+    """target(args, queue) in a spawned process over its own work directory (removed after); the row it puts."""
+    work = os.path.join(a.work, f"{mode}-{threads}-{tag}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=target, args=({"device": a.device, "work": work, "mode": mode,
+                                                              "threads": threads, "base": a.base, "new": a.new}, q))
+    p.start()
+    row: dict[str, Any] = q.get()
+    p.join()
+    shutil.rmtree(work, ignore_errors=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pair_args(ap, "1,2")
+    ap.add_argument("--repeat", type=int, default=2)
     a = ap.parse_args()
-    ctx = mp.get_context("spawn")
     rows = []
     for threads in [int(x) for x in a.threads.split(",")]:
         for rep in range(a.repeat):
             for mode in MODES if a.device == "cpu" else MODES[1:]:  # "host" is for host tensors
-                work = os.path.join(a.work, f"{mode}-{threads}-{rep}")
-                shutil.rmtree(work, ignore_errors=True)
-                os.makedirs(work)
-                q = ctx.Queue()
-                p = ctx.Process(target=_one, args=({"device": a.device, "work": work, "mode": mode, "threads": threads,
-                                                    "base": a.base, "new": a.new}, q))
-                p.start()
-                row = q.get()
-                p.join()
-                shutil.rmtree(work, ignore_errors=True)
+                row = in_fresh_process(_one, a, mode, threads, rep)
                 rows.append(row)
                 print(f"{mode:15s} threads {threads} {row['seconds']:.3f} s  peak above start "
                       f"{row['peak_above_mib']:.0f} MiB (model {row['model_mib']:.0f} MiB, {row['kind']})", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": a.device, "base": a.base, "new": a.new, "rows": rows}, fh, indent=1)
-
 
 if __name__ == "__main__":
     main()

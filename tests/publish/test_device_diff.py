@@ -63,6 +63,15 @@ def _files(store: str, version: int) -> list[tuple[str, str, list[str | None]]]:
     return [(f.path, f.digest, [c.object for s in f.segments for c in s.chunks]) for f in man.files]
 
 
+def _armed(tmp_path) -> tuple[str, dict[str, torch.Tensor], DeviceBaseline]:  # type: ignore[no-untyped-def]
+    """A store holding the first version, pushed with a baseline that now holds it."""
+    store = _store(str(tmp_path / "s"))
+    w = _weights()
+    base = DeviceBaseline()
+    push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    return store, w, base
+
+
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].view(-1).view(torch.uint8), b[k].contiguous().view(-1).view(torch.uint8))
                                         for k in a)
@@ -92,10 +101,7 @@ def test_pushes_copy_only_changed_elements_and_publish_the_tensors_bit_exact(tmp
 
 
 def test_a_baseline_that_does_not_hold_the_base_is_caught_and_those_ranges_copied_whole(tmp_path):
-    store = _store(str(tmp_path / "s"))
-    w = _weights()
-    base = DeviceBaseline()
-    push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    store, w, base = _armed(tmp_path)
     # Another writer publishes in between: this host's push cache is stale, the push re-derives its base from the
     # store (that writer's version), which the baseline does not hold.
     other = {k: v.clone() for k, v in w.items()}
@@ -115,10 +121,7 @@ def test_a_baseline_that_does_not_hold_the_base_is_caught_and_those_ranges_copie
 
 
 def test_a_damaged_baseline_never_reaches_the_store(tmp_path):
-    store = _store(str(tmp_path / "s"))
-    w = _weights()
-    base = DeviceBaseline()
-    push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    store, w, base = _armed(tmp_path)
     _step(w, 1)  # element 1 of big moves
     # The device copy already holds the new value there (as if a bug wrote to it): the range looks unchanged at
     # element 1, so a rebuild from the base would keep the old value there.
@@ -129,10 +132,7 @@ def test_a_damaged_baseline_never_reaches_the_store(tmp_path):
 
 
 def test_a_failed_push_disarms_the_baseline_and_the_next_push_copies_whole(tmp_path):
-    store = _store(str(tmp_path / "s"))
-    w = _weights()
-    base = DeviceBaseline()
-    push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    store, w, base = _armed(tmp_path)
     _step(w, 1)
     with pytest.raises(UsageError, match="meta device"):
         push_tensors(store, {**w, "z": torch.empty(3, device="meta")}, cache_dir=str(tmp_path / "c"),
@@ -145,10 +145,7 @@ def test_a_failed_push_disarms_the_baseline_and_the_next_push_copies_whole(tmp_p
 
 
 def test_dense_changes_and_new_shapes_are_copied_whole(tmp_path):
-    store = _store(str(tmp_path / "s"))
-    w = _weights()
-    base = DeviceBaseline()
-    push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    store, w, base = _armed(tmp_path)
     w["big"] += 1.0  # nearly every element: positions and values would move more than half the bytes
     w["mid"] = torch.randn(301, 256)  # same bytes, another shape: a new tensor for the baseline
     push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
