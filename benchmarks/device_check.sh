@@ -40,7 +40,7 @@ if ! "$PY" -c "import zstandard, watchdog" 2>/dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ! "$PY" -c "import deltafs.cli.main" 2>/dev/null || ! command -v deltafs >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/dfs . \
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/dfs . \
         || { echo "device_check: pip could not install deltafs from this tree"; exit 3; }
     export PYTHONPATH=/tmp/dfs${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/dfs/bin:$PATH
 fi

@@ -67,12 +67,12 @@ def _one(args: dict[str, Any], out: Any) -> None:
         setattr(dd.DeviceBaseline, name, timed(getattr(dd.DeviceBaseline, name)))
     real_read = DeviceBytes.read_against
 
-    def read_against(self: Any, start: int, size: int, o: Any, base: Any) -> Any:
+    def read_against(self: Any, start: int, size: int, o: Any, base: Any, versions: Any) -> Any:
         if self._slot is not None:
-            return real_read(self, start, size, o, base)  # the baseline times its own device calls
+            return real_read(self, start, size, o, base, versions)  # the baseline times its own device calls
         t0 = time.thread_time()
         try:
-            return real_read(self, start, size, o, base)
+            return real_read(self, start, size, o, base, versions)
         finally:
             device_cpu[0] += time.thread_time() - t0
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import time
 from typing import Any
@@ -108,7 +109,13 @@ def in_fresh_process(target: Any, a: argparse.Namespace, mode: str, threads: int
     p = mp.get_context("spawn").Process(target=target, args=({"device": a.device, "work": work, "mode": mode,
                                                               "threads": threads, "base": a.base, "new": a.new}, q))
     p.start()
-    row: dict[str, Any] = q.get()
+    while True:  # a worker that dies (an exception, the OOM killer) must not leave the driver waiting forever
+        try:
+            row: dict[str, Any] = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"the {mode} worker died (exit code {p.exitcode})") from None
     p.join()
     shutil.rmtree(work, ignore_errors=True)
     return row

@@ -95,7 +95,9 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     level is the zstd level of every stream; from SPLIT_LEVEL on it also enables the magnitude-class split.
     known: (ascending element indices, new values) that include every element where new differs from base, when
     the caller found them already (a device-side diff); saves the compare over the chunk. Indices where the values
-    equal the base are dropped here, and the payload is the one encode() would write without them.
+    equal the base are dropped here, and the payload is the one encode() would write without them. Not checked: a
+    `known` that misses a changed element gives a payload that does not decode to new (the caller must know, as
+    deltafs.publish.device_diff does: its new is the base with exactly these elements written).
     """
     n = _as_u8(new)
     width = _width(n.size, itemsize)

@@ -5,15 +5,21 @@ push (`push_tensors(..., device_baseline=b)`) reads a range of an accelerator te
 compared with the baseline there; only the changed positions (int32) and their values are copied to the host, and the
 range is rebuilt on the host from the previous version's bytes that the encoder reads from the push cache anyway.
 
-Nothing is trusted: the rebuilt range must have the checksum that the device computes over the live range
-(deltafs.checksum). A mismatch (the baseline does not hold the push's base version: another writer published in
-between, a push cache rebuilt from an older version, a failed push) copies that range whole and stops diffing for the
-rest of the push. Every read also copies the live range into the baseline on the device, so once a push has read
-every range and returned, the baseline holds what it published; a push that fails leaves the baseline unarmed, and
-the next push copies everything whole and re-arms it.
+Two checks stand between the baseline and the store:
 
-Costs one more copy of the pushed accelerator tensors on their devices. Host tensors are read in place by a push and
-never use the baseline. All device work is plain torch ops (CUDA, ROCm, XPU; CPU tensors in the tests).
+1. Version identity. The baseline remembers which version it holds (store id and version number, both fixed once a
+   version is committed) and is used only by a push whose base is that version. Another writer's push in between,
+   a push cache re-derived from the store, another store, or a push that failed (which leaves the baseline unarmed)
+   all make the push copy every range whole, and re-arm the baseline for the version it publishes.
+2. A checksum, computed on the device over the live range and on the host over the rebuilt one (deltafs.checksum).
+   It catches accidents (a bug, a stray write into the baseline); it is linear, so it is not the guard against a
+   baseline that holds another version (1 is). A mismatch copies the range whole and stops diffing for the rest of
+   the push.
+
+Every read also copies the live range into the baseline on the device; the push waits for those copies before it
+returns, so the caller may change the tensors afterwards. Costs one more copy of the pushed accelerator tensors on
+their devices. Host tensors are read in place by a push and never use the baseline. All device work is plain torch
+ops (CUDA, ROCm, XPU; CPU tensors in the tests).
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ import numpy as np
 
 from deltafs.checksum import checksum_on_device, host_checksum, int_dtype
 from deltafs.errors import UsageError
+from deltafs.publish.devices import wait_for_devices
 
 _MASK = (1 << 64) - 1
-_POSITION_BYTES = 4  # a chunk holds fewer than 2**31 elements: positions cross as int32
+_POSITION_BYTES = 4  # positions cross as int32: ranges of 2**31 elements or more are copied whole
 _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 Known = tuple[np.ndarray, np.ndarray]  # (ascending element indices, their values), as codec.encode takes them
+VersionId = tuple[str, int]  # (store id, version number)
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,8 @@ class DiffStats:
     """What one push read through the baseline."""
 
     ranges_diffed: int = 0  # ranges rebuilt from their changed elements
-    ranges_copied: int = 0  # ranges copied whole (no base, too small, too many changes, first push, mismatch)
+    ranges_copied: int = 0  # ranges copied whole (no base, another base version, too small, too many changes,
+    #                         first push, mismatch)
     mismatches: int = 0  # rebuilt ranges whose checksum differed from the device's (then copied whole)
     bytes_read: int = 0  # bytes of the ranges: what copying every range whole moves to the host
     bytes_to_host: int = 0  # what crossed: positions and values of diffed ranges, whole copied ranges
@@ -52,14 +61,14 @@ class _Slot:
     def __init__(self, buf: Any, itemsize: int, diffable: bool) -> None:
         self.buf = buf
         self.itemsize = itemsize
-        self.diffable = diffable  # buf holds the previous version (not allocated by this push)
+        self.diffable = diffable  # buf holds the baseline's version (not allocated by this push)
         self.captured = 0
 
 
 class DeviceBaseline:
     """The previous version of a push's accelerator tensors, kept on their devices (see the module docstring).
 
-    min_range: ranges smaller than this are copied whole (a diff costs a few kernel launches and one sync);
+    min_range: ranges smaller than this are copied whole (a diff costs a few kernel launches and syncs);
     max_fraction: a range whose changed elements (positions and values) would move more than this fraction of its
     bytes is copied whole. One push at a time may use a baseline.
     """
@@ -73,15 +82,21 @@ class DeviceBaseline:
         self._slots: dict[str, _Slot] = {}
         self._used: set[str] = set()
         self._lock = threading.Lock()
-        self._armed = False  # the slots hold what the last push published
-        self._diffing = False  # this push may diff (armed at its start, until a mismatch)
+        self._holds: VersionId | None = None  # the version every slot holds (None: not armed)
+        self._diff_from: VersionId | None = None  # this push: the version it may diff against, until a mismatch
+        self._writing: set[VersionId] = set()  # this push: the version(s) its reads said they write
         self._busy = False
         self._stats = DiffStats()
 
     @property
     def armed(self) -> bool:
-        """Whether the next push can diff against the baseline (the last push that used it returned)."""
-        return self._armed
+        """Whether the baseline holds a version a next push can diff against (the last push that used it returned)."""
+        return self._holds is not None
+
+    @property
+    def holds(self) -> VersionId | None:
+        """(store id, version) the baseline holds, or None."""
+        return self._holds
 
     def begin(self) -> None:
         """Start a push: slots are handed out by slot(), reads go through read()."""
@@ -89,21 +104,30 @@ class DeviceBaseline:
             if self._busy:
                 raise UsageError("a DeviceBaseline is used by another push right now")
             self._busy = True
-            self._diffing, self._armed = self._armed, False
+            self._diff_from, self._holds = self._holds, None
             self._used = set()
+            self._writing = set()
             self._stats = DiffStats()
             for s in self._slots.values():
                 s.captured = 0
 
     def end(self, ok: bool) -> None:
-        """Finish a push: armed only if it succeeded and every byte of every tensor it pushed was captured."""
-        with self._lock:
-            for name in set(self._slots) - self._used:
-                del self._slots[name]  # tensors the pushed version no longer has: free their device memory
-            self._armed = ok and all(s.captured >= s.buf.numel() for s in self._slots.values())
-            self._diffing = False
-            self._busy = False
-            self.last = self._stats
+        """Finish a push: wait for the copies into the baseline; armed for the version the push wrote only if it
+        succeeded, every byte of every tensor it pushed was captured, and its reads named one version."""
+        try:
+            wait_for_devices({str(s.buf.device) for s in self._slots.values()})
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            with self._lock:
+                for name in set(self._slots) - self._used:
+                    del self._slots[name]  # tensors the pushed version no longer has: free their device memory
+                complete = all(s.captured >= s.buf.numel() for s in self._slots.values())
+                self._holds = next(iter(self._writing)) if ok and complete and len(self._writing) == 1 else None
+                self._diff_from = None
+                self._busy = False
+                self.last = self._stats
 
     def slot(self, name: str, flat: Any, itemsize: int) -> _Slot:
         """The slot for tensor `name` whose bytes are `flat` (a flat uint8 view on its device)."""
@@ -117,19 +141,28 @@ class DeviceBaseline:
             if s is None or s.buf.numel() != flat.numel() or s.buf.device != flat.device or s.itemsize != itemsize:
                 s = self._slots[name] = _Slot(flat.new_empty(flat.numel()), itemsize, False)
             else:
-                s.diffable = self._diffing
+                s.diffable = self._diff_from is not None
             return s
 
-    def read(self, s: _Slot, src: Any, start: int, out: np.ndarray, base: Any) -> tuple[np.ndarray, Known | None]:
+    def read(self, s: _Slot, src: Any, start: int, out: np.ndarray, base: Any,
+             versions: tuple[VersionId | None, VersionId] | None) -> tuple[np.ndarray, Known | None]:
         """The host bytes of src (the live range [start, start + len) of the slot's tensor) into out, and the range
-        captured into the baseline. base: the previous version's bytes of the range on the host, or None.
+        captured into the baseline.
 
-        Also returns, for a range rebuilt from its changes, (element indices, values) that include every element
-        where it differs from base (codec.encode's `known`), else None.
+        base: the range's bytes in the push's base version, on the host, or None; versions: (the base version, the
+        version being written), or None when the read is not for a push's own encode. Also returns, for a range
+        rebuilt from its changes, (element indices, values) that include every element where it differs from
+        base (codec.encode's `known`), else None.
         """
         size = int(src.numel())
         prev = s.buf[start:start + size]
-        known = self._rebuild(s, src, prev, out, base) if base is not None else None
+        known = None
+        if versions is not None:
+            with self._lock:
+                self._writing.add(versions[1])
+                usable = base is not None and versions[0] is not None and versions[0] == self._diff_from
+            if usable:
+                known = self._rebuild(s, src, prev, out, base)
         if known is None:
             self._copy_whole(src, out)
         self._capture(prev, src)
@@ -147,7 +180,8 @@ class DeviceBaseline:
         or None to copy the range whole."""
         size = int(src.numel())
         w = s.itemsize
-        if not (self._diffing and s.diffable) or size < self.min_range or size % w or len(base) != size:
+        if (not s.diffable or self._diff_from is None or size < self.min_range or size % w or len(base) != size
+                or size // w >= 1 << 31):
             return None
         found = self._device_diff(src, prev, w, size * self.max_fraction)
         if found is None:
@@ -157,7 +191,7 @@ class DeviceBaseline:
         out.view(_NP_INT[w])[where] = values
         if host_checksum(out, w) != expect:
             with self._lock:
-                self._diffing = False  # the baseline is not the base: copy the rest of this push whole
+                self._diff_from = None  # copy the rest of this push whole
                 self._stats = replace(self._stats, mismatches=self._stats.mismatches + 1)
             return None
         return where, values
@@ -165,14 +199,15 @@ class DeviceBaseline:
     @staticmethod
     def _device_diff(src: Any, prev: Any, w: int, max_bytes: float) -> tuple[np.ndarray, np.ndarray, int] | None:
         """On the device: where src differs from prev, as host (indices, values), and the checksum of src; None
-        when those would move more than max_bytes (or the range cannot be viewed as its elements)."""
+        when those would move more than max_bytes (or the range cannot be viewed as its elements). Waits for the
+        device three times (the count, the transfers, the checksum)."""
         th = _torch()
         try:
             cur, old = src.view(int_dtype(w)), prev.view(int_dtype(w))
         except RuntimeError:  # a range not aligned to its element size: copy it whole
             return None
         with th.no_grad():
-            pos = (cur != old).nonzero().view(-1)  # one sync: how many changed
+            pos = (cur != old).nonzero().view(-1)
             if int(pos.numel()) * (_POSITION_BYTES + w) > max_bytes:
                 return None
             values = cur.index_select(0, pos).cpu().numpy().view(_NP_INT[w])
@@ -185,7 +220,7 @@ class DeviceBaseline:
 
     @staticmethod
     def _capture(prev: Any, src: Any) -> None:
-        prev.copy_(src)  # device to device: the baseline follows what this push read
+        prev.copy_(src)  # device to device (asynchronous on an accelerator: end() waits for it)
 
 
 @contextlib.contextmanager
@@ -209,4 +244,4 @@ def _torch() -> Any:
     return torch
 
 
-__all__ = ["DeviceBaseline", "DiffStats", "baseline_push"]
+__all__ = ["DeviceBaseline", "DiffStats", "Known", "VersionId", "baseline_push"]

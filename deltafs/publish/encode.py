@@ -124,7 +124,7 @@ class Encoder:
 
     def __init__(self, repo: Repository, base: LocalState | None, *, level: int, threads: int,
                  stage_dir: str | None, allow_link: bool = True, patch: bool = False,
-                 range_base: bool = False) -> None:
+                 versions: tuple[tuple[str, int] | None, tuple[str, int]] | None = None) -> None:
         self.repo = repo
         self.base = base
         self.base_segments = base.manifest.segments() if base else {}
@@ -134,8 +134,9 @@ class Encoder:
         self.allow_link = allow_link
         # stage_dir is base.path: each file is the base's, same layout (see patchable()); write what changed.
         self.patch = patch
-        # base is the version a DeviceBaseline holds: range reads may be rebuilt from it (publish.device_diff).
-        self.range_base = range_base
+        # A push's own encode: (its base version, the version it writes), each (store id, version), so a
+        # DeviceBaseline holding that base may rebuild range reads from it (publish.device_diff). None: a fold.
+        self.versions = versions
         self.cb = repo.config.chunk_bytes
         self.stats = EncodeStats()
         # Remote stores are latency-bound: many uploads in flight; a local disk is fsync-bound.
@@ -244,10 +245,11 @@ class Encoder:
         if isinstance(reader, DiskReader):
             new: Any = self._read(reader.fd, size, seg.offset + start, held)
         elif reader.copies(seg.offset + start):
-            # An accelerator's bytes, copied; with a DeviceBaseline rebuilt from the base and the changed elements
-            # (this push's own base only: a fold's is another version), which the codec then need not look for.
+            # An accelerator's bytes, copied; with a DeviceBaseline that holds the base version, rebuilt from the
+            # base and the changed elements, which the codec then need not look for.
             out = self._take(held) if size > SMALL_CHUNK else None
-            new, known = reader.read_against(seg.offset + start, size, out, old if self.range_base else None)
+            new, known = reader.read_against(seg.offset + start, size, out, old if self.versions else None,
+                                             self.versions)
         else:
             new = reader.read(seg.offset + start, size)
         if len(new) != size:

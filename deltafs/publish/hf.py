@@ -20,7 +20,8 @@ import numpy as np
 
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import safetensors_name
-from deltafs.publish.device_diff import DeviceBaseline, Known
+from deltafs.publish.device_diff import DeviceBaseline, Known, VersionId
+from deltafs.publish.devices import wait_for_devices
 from deltafs.publish.source import Piece, is_range_bytes  # Piece: host bytes, or RangeBytes such as DeviceBytes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,18 +87,20 @@ class DeviceBytes:
     def read(self, start: int, size: int, out: np.ndarray | None = None) -> np.ndarray:
         """A private host copy of bytes [start, start + size): into out[:size] when given (a reused buffer: a
         fresh multi-MB array per chunk costs page faults), else a new array. torch copies release the GIL."""
-        return self.read_against(start, size, out, None)[0]
+        return self.read_against(start, size, out, None, None)[0]
 
-    def read_against(self, start: int, size: int, out: np.ndarray | None, base: Any) -> tuple[np.ndarray, Known | None]:
-        """read(), given the previous version's bytes of the range on the host (base, or None). With a
-        DeviceBaseline the range may then be rebuilt from its changed elements instead of copied whole
-        (deltafs.publish.device_diff), which are returned too (codec.encode's `known`)."""
+    def read_against(self, start: int, size: int, out: np.ndarray | None, base: Any,
+                     versions: tuple[VersionId | None, VersionId] | None) -> tuple[np.ndarray, Known | None]:
+        """read(), for a push's encode: base is the range's bytes in the push's base version on the host (or None),
+        versions (base version, version being written). With a DeviceBaseline that holds that base version the
+        range may be rebuilt from its changed elements instead of copied whole (deltafs.publish.device_diff),
+        which are returned too (codec.encode's `known`)."""
         if start < 0 or size < 0 or start + size > self.nbytes:
             raise ValueError(f"range [{start}, {start + size}) outside a tensor of {self.nbytes} bytes")
         src = self._flat[start:start + size]
         if self._baseline is not None and self._slot is not None:
             dst = np.empty(size, np.uint8) if out is None else out[:size]
-            return self._baseline.read(self._slot, src, start, dst, base)
+            return self._baseline.read(self._slot, src, start, dst, base, versions)
         if out is None:
             fresh: np.ndarray = src.to("cpu", copy=True).numpy()
             return fresh, None
@@ -216,27 +219,6 @@ def collect_tensors(tensors: Mapping[str, Any], baseline: DeviceBaseline | None 
            for name, t in tensors.items()]
     wait_for_devices({t.data.device for t in out if isinstance(t.data, DeviceBytes)})
     return out
-
-
-def wait_for_devices(devices: set[str]) -> None:
-    """Wait until the work queued on these accelerators (on every stream) has run.
-
-    The push's workers copy from their own threads, whose current stream is the device's default one: without
-    this, a tensor the caller wrote on another stream (an optimizer step under `torch.cuda.stream(s)`) could be
-    copied before that write lands. Once per push and device; the old whole-model copy waited as long.
-    """
-    if not devices:
-        return
-    torch = _torch()
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6: CUDA, ROCm, XPU, MPS ... alike
-    current = accelerator.current_accelerator() if accelerator is not None else None
-    for device in sorted(devices):
-        dev = torch.device(device)
-        if current is not None and dev.type == current.type:
-            accelerator.synchronize(dev)  # type: ignore[union-attr]
-        elif dev.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.synchronize(dev)
-        # Anything else (meta, a device torch cannot synchronize) has no queued work to wait for.
 
 
 def make_shard(name: str, tensors: list[HfTensor], metadata: Mapping[str, str] | None = None) -> HfShard:

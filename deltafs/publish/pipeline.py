@@ -301,7 +301,9 @@ class _Rank:
             else:
                 self.stage = self.cache.new_staging()
             enc = Encoder(self.open_repo(), base, level=self.opts.level, threads=self.threads, stage_dir=self.stage,
-                          allow_link=allow_link, patch=patch, range_base=True)
+                          allow_link=allow_link, patch=patch,
+                          versions=((base.store_id, base.version) if base is not None else None,
+                                    (self.decision.store_id, self.decision.version)))
             try:
                 with Progress(f"push v{self.decision.version}", sum(f.size for f in files), enabled=progress) as bar:
                     entries = enc.encode(files, bar.advance)
@@ -402,7 +404,11 @@ class _Rank:
             state = self.cache.state()
             if state is None or state.digest != man.digest:
                 raise DeltafsError("the push cache does not hold the version just committed")
-            return encode_fold_part(self.open_repo(), man, state, self.keyframe, self.encoded,
+            # In-memory files (push_tensors) are read again from the cache's copy of this version, not from the
+            # tensors: an accelerator's tensors would otherwise cross to the host a second time.
+            files = [f if f.pieces is None else replace(f, abspath=os.path.join(state.path, f.path), pieces=None)
+                     for f in self.encoded]
+            return encode_fold_part(self.open_repo(), man, state, self.keyframe, files,
                                     level=self.opts.level, threads=self.threads)
 
         try:

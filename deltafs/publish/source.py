@@ -86,15 +86,16 @@ class MemoryReader:
             return data[offset - start : offset - start + size]
         return data.read(offset - start, size, out)
 
-    def read_against(self, offset: int, size: int, out: Any, base: Any) -> tuple[Any, Any]:
-        """read(), given the previous version of these bytes (base, or None): a piece that can (an accelerator
-        tensor's with a DeviceBaseline) rebuilds the range from base and its changes, and returns those changes
-        as codec.encode's `known`; otherwise (the bytes, None)."""
+    def read_against(self, offset: int, size: int, out: Any, base: Any, versions: Any) -> tuple[Any, Any]:
+        """read(), for a push's encode, given these bytes in its base version (base, or None) and (base version,
+        version being written): a piece that can (an accelerator tensor's with a DeviceBaseline) rebuilds the
+        range from base and its changes, and returns those changes as codec.encode's `known`; otherwise (the
+        bytes, None)."""
         start, data = self._piece(offset)
         read_against = getattr(data, "read_against", None)
         if read_against is None:
             return self.read(offset, size, out), None
-        got: tuple[Any, Any] = read_against(offset - start, size, out, base)
+        got: tuple[Any, Any] = read_against(offset - start, size, out, base, versions)
         return got
 
     def copies(self, offset: int) -> bool:

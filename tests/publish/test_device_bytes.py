@@ -80,9 +80,9 @@ def test_a_push_read_through_device_bytes_stores_the_same_versions(tmp_path, mon
     reads: list[tuple[int, bool]] = []
     real_read = DeviceBytes.read_against
 
-    def spy(self, start, size, out, base):  # type: ignore[no-untyped-def]
+    def spy(self, start, size, out, base, versions):  # type: ignore[no-untyped-def]
         reads.append((size, out is not None))
-        return real_read(self, start, size, out, base)
+        return real_read(self, start, size, out, base, versions)
 
     monkeypatch.setattr(DeviceBytes, "read_against", spy)
     plain, lazy = str(tmp_path / "plain"), str(tmp_path / "lazy")

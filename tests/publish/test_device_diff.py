@@ -100,24 +100,57 @@ def test_pushes_copy_only_changed_elements_and_publish_the_tensors_bit_exact(tmp
         assert _same_bits(_pulled(store, str(tmp_path / f"d{step}")), w)
 
 
-def test_a_baseline_that_does_not_hold_the_base_is_caught_and_those_ranges_copied_whole(tmp_path):
+@pytest.mark.parametrize("edit", ["step", "sign flips"])
+def test_a_baseline_of_another_version_than_the_base_is_not_used(tmp_path, edit):
     store, w, base = _armed(tmp_path)
     # Another writer publishes in between: this host's push cache is stale, the push re-derives its base from the
     # store (that writer's version), which the baseline does not hold.
     other = {k: v.clone() for k, v in w.items()}
-    _step(other, 5)
+    if edit == "step":
+        _step(other, 5)
+    else:  # two sign flips: changes the word checksum alone cannot see (2 * 2**63 = 0 modulo 2**64)
+        other["big"].view(-1)[3] *= -1
+        other["big"].view(-1)[7] *= -1
     push_tensors(store, other, cache_dir=str(tmp_path / "other"))
     _step(w, 1)
     got = push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
-    # The first ranges rebuilt (one per worker thread at most) are caught; from then on ranges are copied whole.
-    assert got.base_rederived and base.last.mismatches >= 1 and base.last.ranges_diffed == 0
+    assert got.base_rederived and base.last.ranges_diffed == 0 and base.last.mismatches == 0
     assert base.last.bytes_to_host == base.last.bytes_read
     assert _same_bits(_pulled(store, str(tmp_path / "d1")), w)
-    assert base.armed  # the baseline caught up with what this push read: the next push diffs again
+    # The baseline now holds the version just pushed: the next push diffs again.
+    assert base.holds == (Repository.open(store).store_id, got.version)
     _step(w, 2)
     push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
     assert base.last.mismatches == 0 and base.last.ranges_diffed == 4
     assert _same_bits(_pulled(store, str(tmp_path / "d2")), w)
+
+
+def test_a_baseline_is_not_used_for_another_store(tmp_path):
+    store, w, base = _armed(tmp_path)
+    second = _store(str(tmp_path / "s2"))
+    push_tensors(second, w, cache_dir=str(tmp_path / "c2"), device_baseline=base)  # its first version: full
+    _step(w, 1)
+    push_tensors(second, w, cache_dir=str(tmp_path / "c2"), device_baseline=base)
+    assert base.last.ranges_diffed == 4  # the baseline follows the store it last pushed to
+    w1 = {k: v.clone() for k, v in w.items()}
+    _step(w, 2)
+    push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)  # back: its base is version 1
+    assert base.last.ranges_diffed == 0
+    assert _same_bits(_pulled(store, str(tmp_path / "d")), w)
+    assert _same_bits(_pulled(second, str(tmp_path / "d2")), w1)
+
+
+def test_a_fold_reads_the_cache_not_the_device(tmp_path):
+    store, w, base = _armed(tmp_path)
+    for step in (1, 2):  # the fold is written from the second delta after the full version
+        _step(w, step)
+        got = push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base, fold=True)
+        assert base.last.bytes_read == sum(t.numel() * t.element_size() for t in w.values())
+        assert base.last.ranges_diffed == 4
+    assert got.fold_bytes > 0
+    fresh = str(tmp_path / "fresh")
+    pull(store, fresh, version=1)
+    assert _same_bits(_pulled(store, fresh), w)  # 1 -> 3 through the fold
 
 
 def test_a_damaged_baseline_never_reaches_the_store(tmp_path):
