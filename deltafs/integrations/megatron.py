@@ -26,6 +26,7 @@ from typing import Any, Mapping, Unpack
 import torch
 
 from deltafs.errors import UsageError
+from deltafs.publish.device_diff import DeviceBaseline
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.integrations.megatron_gather import Groups, Plan, gather_model, gather_stage, groups_of, plan
 from deltafs.integrations.megatron_layout import Arch, MegatronLayoutError, check_complete, is_skipped
@@ -317,7 +318,8 @@ def megatron_to_hf(model_or_chunks: Any, *, vocab_size: int | None = None, group
 def push_megatron(model_or_chunks: Any, store: Any, options: PushOptions | None = None, *, hf_arch: str | None = None,
                   config: Mapping[str, Any] | None = None, vocab_size: int | None = None,
                   extra_files: Mapping[str, bytes] | None = None, groups: Groups | None = None,
-                  multi_rank: bool = False, **kw: Unpack[PushKeywords]) -> PushResult | None:
+                  multi_rank: bool = False, device_baseline: DeviceBaseline | None = None,
+                  **kw: Unpack[PushKeywords]) -> PushResult | None:
     """Convert the model to an HF checkpoint and push it as the store's next version.
 
     Collective: call on every rank. config: the model's original HF config.json as a dict (keeps
@@ -329,6 +331,8 @@ def push_megatron(model_or_chunks: Any, store: Any, options: PushOptions | None 
     other ranks None. multi_rank=True: each pipeline stage's first TP rank encodes and writes its own
     layers in parallel (deltafs.publish.push_distributed over the default group, so every rank of
     the job must call); every rank gets the PushResult. Both run the same push pipeline (folds too).
+    device_baseline: a DeviceBaseline kept for the run (one per rank with multi_rank), so only the elements that
+    changed since the last push cross from the accelerator to the host (deltafs.publish.device_diff).
     """
     opts = PushOptions.of(options, **kw)
     if vocab_size is None and config is not None and config.get("vocab_size"):
@@ -343,14 +347,14 @@ def push_megatron(model_or_chunks: Any, store: Any, options: PushOptions | None 
         stage, _, stage_groups, _ = _stage(model_or_chunks, vocab_size, groups, info)
         # Only the rank holding the embeddings names the extra files, so they are written once.
         mine = files if stage is not None and stage_groups.pp_rank == 0 else None
-        return push_distributed(store, stage or {}, opts, extra_files=mine)
+        return push_distributed(store, stage or {}, opts, extra_files=mine, device_baseline=device_baseline)
 
     from deltafs.publish import push_tensors
 
     tensors = megatron_to_hf(model_or_chunks, groups=groups, info=info)
     if tensors is None:
         return None
-    return push_tensors(store, tensors, opts, extra_files=files)
+    return push_tensors(store, tensors, opts, extra_files=files, device_baseline=device_baseline)
 
 
 __all__ = ["HF_ARCHS", "ModelInfo", "UnsupportedModelError", "check_supported", "describe", "hf_config",

@@ -96,10 +96,21 @@ def test_bf16_model_in_its_training_wrapper_publishes_bf16(tmp_path: Any) -> Non
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
-def test_push_step_push_then_pull_each_version(tmp_path: Any) -> None:
-    """The trainer loop: push, one optimizer step, push again; each pulled version has Megatron's logits."""
+@pytest.mark.parametrize("with_baseline", [False, True])
+def test_push_step_push_then_pull_each_version(tmp_path: Any, with_baseline: bool, monkeypatch: Any) -> None:
+    """The trainer loop: push, one optimizer step, push again; each pulled version has Megatron's logits.
+
+    with_baseline: through a DeviceBaseline, with the CPU tensors taken as an accelerator's (DeviceBytes; this
+    machine has none) and every range diffed however small."""
+    from deltafs.publish import DeviceBaseline
+    from deltafs.publish import hf as hf_mod
     from deltafs.read.pull import pull
 
+    baseline = None
+    if with_baseline:
+        monkeypatch.setattr(hf_mod, "tensor_bytes",
+                            lambda t, b=None, name="": hf_mod.DeviceBytes(t.detach().contiguous(), b, name))
+        baseline = DeviceBaseline(min_range=1)
     dm = _megatron()
     tiny = mc.Tiny(qkv_bias=True)
     model = mc.build(tiny)
@@ -114,8 +125,11 @@ def test_push_step_push_then_pull_each_version(tmp_path: Any) -> None:
         with torch.no_grad():
             logits.append(mc.forward(model, toks)[..., : tiny.vocab].float())
         res = dm.push_megatron(model, store, config=base, metadata={"step": step},
-                               cache_dir=str(tmp_path / "cache"))
+                               cache_dir=str(tmp_path / "cache"), device_baseline=baseline)
         assert res.version == step + 1
+        if baseline is not None:
+            assert baseline.armed and baseline.last.mismatches == 0
+            assert (baseline.last.ranges_diffed > 0) == (step > 0)
     assert res.kind != "full" and res.bytes_written < res.full_bytes  # the second version is a delta
 
     for version, want in ((1, logits[0]), (2, logits[1])):
