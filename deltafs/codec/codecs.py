@@ -305,15 +305,16 @@ def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.d
     return ranks, diff
 
 
-# numpy >= 1.25 runs ufunc.at on plain integer arrays in one fast loop: 100-115 us against 160-400 us for
-# `out[where] += diff` (a gather, an add and a scatter) for the ~27,000 changes of a 4 MiB bf16 chunk just read
-# from disk (docs/profile.md, round 5). Older numpy's ufunc.at is many times slower than the fancy-index form.
-_ADD_AT_FAST = np.lib.NumpyVersion(np.__version__) >= "1.25.0"
+# numpy >= 1.25 runs ufunc.at on plain integer arrays in one fast loop: 85 us against 150 us for `out[where] +=
+# diff` (a gather, an add and a scatter) for the ~27,000 changes of a 4 MiB bf16 chunk (older numpy's ufunc.at is
+# many times slower). It holds the GIL for the whole call where the fancy form releases it in each step; on 2 cores
+# the two forms decode and pull alike (benchmarks/gil_ops.py; docs/profile.md, round 10), more threads may differ.
+_ADD_AT = np.lib.NumpyVersion(np.__version__) >= "1.25.0"
 
 
 def _scatter_add(out: np.ndarray, where: np.ndarray, diff: np.ndarray) -> None:
     """out[where] += diff (wrapping) for distinct positions."""
-    if _ADD_AT_FAST:
+    if _ADD_AT:
         np.add.at(out, where, diff)
     else:
         out[where] += diff

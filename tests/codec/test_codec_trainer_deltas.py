@@ -73,11 +73,12 @@ def test_split_sparse_roundtrips_for_any_threshold(seed: int, width: int, n: int
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 def test_sparse_apply_is_the_same_with_either_scatter_add(monkeypatch: pytest.MonkeyPatch, add_at: bool,
                                                           width: int) -> None:
-    """Sparse decode adds the differences with np.add.at on numpy >= 1.25 and with fancy indexing before: both
-    give the new bytes, wrapping at the element width, into a fresh array and in place."""
+    """Sparse decode adds the differences with np.add.at on numpy >= 1.25 and with fancy indexing before (and in
+    benchmarks/gil_ops.py's A/B): both give the new bytes, wrapping at the element width, into a fresh array and
+    in place."""
     from deltafs.codec import codecs
 
-    monkeypatch.setattr(codecs, "_ADD_AT_FAST", add_at)
+    monkeypatch.setattr(codecs, "_ADD_AT", add_at)
     rng = np.random.default_rng(width)
     dtype = np.dtype(f"<u{width}")
     base = rng.integers(0, np.iinfo(dtype).max, 50_000, dtype=dtype, endpoint=True)
