@@ -10,7 +10,7 @@ import re
 import threading
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import zstandard
 
@@ -189,6 +189,10 @@ class Segment:
 
     @classmethod
     def from_json(cls, raw: Any, format_version: int = FORMAT_VERSION) -> Segment:
+        fast = cls._from_valid_json(raw, format_version)
+        if fast is not None:
+            return fast
+        # Anything else, field by field, saying what is wrong.
         _require(isinstance(raw, dict), "segment must be an object")
         kind = raw.get("kind")
         _require(kind in ("tensor", "header", "blob"), f"unknown segment kind {kind!r}")
@@ -203,7 +207,7 @@ class Segment:
         dtype = shape = None
         if kind == "tensor":
             dtype = raw.get("dtype")
-            _require(dtype in DTYPE_SIZES, f"unknown dtype {dtype!r} for {key}")
+            _require(isinstance(dtype, str) and dtype in DTYPE_SIZES, f"unknown dtype {dtype!r} for {key}")
             rshape = raw.get("shape")
             _require(isinstance(rshape, list), f"bad shape for {key}")
             shape = tuple(_int(d, "dimension") for d in rshape)
@@ -220,6 +224,33 @@ class Segment:
         if kind == "tensor":
             _require(nbytes(seg.dtype or "", seg.shape or ()) == seg.size, f"{key}: size disagrees with dtype and shape")
         return seg
+
+    @classmethod
+    def _from_valid_json(cls, raw: Any, format_version: int) -> Segment | None:
+        """The usual, valid record, checked in a few C-level tests and no message formatting (a 70B model's manifest
+        holds ~35,000 segments); None for anything else, which from_json then checks field by field."""
+        if type(raw) is not dict:
+            return None
+        kind = raw.get("kind")
+        if not ((kind == "tensor" and raw.keys() == _TENSOR_KEYS)
+                or (kind in ("header", "blob") and raw.keys() == _SEGMENT_KEYS)):
+            return None
+        key, offset, size, digest, chunks = raw["key"], raw["offset"], raw["size"], raw["digest"], raw["chunks"]
+        if not (type(key) is str and key[:2] in ("t:", "h:", "f:") and type(offset) is int and type(size) is int
+                and offset >= 0 and size >= 0 and type(digest) is str and type(chunks) is list
+                and _SEGMENT_DIGEST[format_version].match(digest) is not None):
+            return None
+        dtype = shape = None
+        if kind == "tensor":
+            dtype, rshape = raw["dtype"], raw["shape"]
+            if not (type(dtype) is str and dtype in DTYPE_SIZES and type(rshape) is list
+                    and all(type(d) is int and d >= 0 for d in rshape)):
+                return None
+            shape = tuple(rshape)
+            if nbytes(dtype, shape) != size:
+                return None
+        return cls(key, kind, offset, size, digest, tuple(ChunkRef.from_json(c, format_version) for c in chunks),
+                   dtype, shape)
 
 
 @dataclass(frozen=True)
@@ -554,24 +585,29 @@ def validate(man: Manifest) -> None:
         _require(f.path not in paths, f"duplicate file {f.path}")
         paths.add(f.path)
         pos = 0
+        # Plain `if`s, not _require: this loop runs once per chunk record, and an f-string argument would be
+        # formatted every time.
         for seg in f.segments:
-            _require(seg.key not in keys, f"duplicate segment {seg.key}")
+            if seg.key in keys:
+                _fail(f"duplicate segment {seg.key}")
             keys.add(seg.key)
-            _require(seg.offset == pos, f"{f.path}: segments must tile the file ({seg.key} at {seg.offset}, expected {pos})")
+            if seg.offset != pos:
+                _fail(f"{f.path}: segments must tile the file ({seg.key} at {seg.offset}, expected {pos})")
             pos += seg.size
             expected_chunks = (seg.size + man.chunk_bytes - 1) // man.chunk_bytes
-            _require(len(seg.chunks) == expected_chunks, f"{seg.key}: expected {expected_chunks} chunks, found {len(seg.chunks)}")
+            if len(seg.chunks) != expected_chunks:
+                _fail(f"{seg.key}: expected {expected_chunks} chunks, found {len(seg.chunks)}")
             for i, ch in enumerate(seg.chunks):
-                want = min(man.chunk_bytes, seg.size - i * man.chunk_bytes)
-                _require(ch.index == i and ch.size == want, f"{seg.key}: chunk {i} has the wrong index or size")
-                if man.kind == "full":
-                    _require(ch.name not in DELTA_CODECS, f"{seg.key}: a full version cannot reference a base")
+                if ch.index != i or ch.size != min(man.chunk_bytes, seg.size - i * man.chunk_bytes):
+                    _fail(f"{seg.key}: chunk {i} has the wrong index or size")
+                if man.kind == "full" and ch.name in DELTA_CODECS:
+                    _fail(f"{seg.key}: a full version cannot reference a base")
                 if ch.object is not None:
-                    _require(ch.object_bytes <= man.chunk_bytes + OBJECT_SLACK,
-                             f"{seg.key}: chunk {i} names an object of {ch.object_bytes} bytes, more than a chunk "
-                             f"grid of {man.chunk_bytes} bytes can produce")
-                    _require(sizes.setdefault(ch.object, ch.object_bytes) == ch.object_bytes,
-                             f"{seg.key}: chunk {i} gives object {ch.object} another size than an earlier record")
+                    if ch.object_bytes > man.chunk_bytes + OBJECT_SLACK:
+                        _fail(f"{seg.key}: chunk {i} names an object of {ch.object_bytes} bytes, more than a chunk "
+                              f"grid of {man.chunk_bytes} bytes can produce")
+                    if sizes.setdefault(ch.object, ch.object_bytes) != ch.object_bytes:
+                        _fail(f"{seg.key}: chunk {i} gives object {ch.object} another size than an earlier record")
         _require(pos == f.size, f"{f.path}: segments cover {pos} bytes of {f.size}")
 
 
@@ -588,6 +624,11 @@ DELTA_CODECS = frozenset({"same", "xor", "sparse", "dense"})
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise FormatError(f"malformed manifest: {message}")
+
+
+def _fail(message: str) -> NoReturn:
+    """Raise FormatError for a broken invariant (where a _require call would format its message every time)."""
+    raise FormatError(f"malformed manifest: {message}")
 
 
 # The members of each record (manifests/manifest.schema.json), all required: to_json writes exactly these, so another

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deltafs.errors import FormatError
-from deltafs.format.manifest import Manifest
+from deltafs.format.manifest import Manifest, manifest_json
 from deltafs.publish import push
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import write_safetensors
@@ -218,3 +220,34 @@ def test_a_record_that_lacks_a_member_or_has_one_its_kind_does_not_is_refused(tm
     assert edited != data
     with pytest.raises(FormatError, match=message):
         Manifest.from_bytes(edited)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dtype", ["BF16"], "unknown dtype"),  # unhashable: was a TypeError before the dtype check named its type
+    ("dtype", "Q7", "unknown dtype"),
+    ("shape", [True, 4], "dimension must be a non-negative integer"),
+    ("shape", [-1], "dimension must be a non-negative integer"),
+    ("shape", "4", "bad shape"),
+    ("offset", -8, "segment offset must be a non-negative integer"),
+    ("size", 1.0, "segment size must be a non-negative integer"),
+    ("key", "x:name", "bad segment key"),
+    ("digest", "xxh3-tree:XYZ", "bad segment digest"),
+    ("chunks", {}, "segment chunks must be a list"),
+])
+def test_a_tensor_segment_with_a_bad_field_is_refused_with_what_is_wrong(tmp_path, field, value, message):
+    # The usual record takes a fast path without message formatting; anything else must still get the same checks.
+    raw = json.loads(manifest_json(_stored_manifest(tmp_path)))
+    seg = next(s for f in raw["files"] for s in f["segments"] if s["kind"] == "tensor")
+    seg[field] = value
+    _forget_checked()
+    with pytest.raises(FormatError, match=message):
+        Manifest.from_parsed(raw)
+
+
+def test_a_tensor_segment_whose_size_disagrees_with_dtype_and_shape_is_refused(tmp_path):
+    raw = json.loads(manifest_json(_stored_manifest(tmp_path)))
+    seg = next(s for f in raw["files"] for s in f["segments"] if s["kind"] == "tensor")
+    seg["shape"] = [*seg["shape"], 2]
+    _forget_checked()
+    with pytest.raises(FormatError, match="size disagrees with dtype and shape"):
+        Manifest.from_parsed(raw)
