@@ -39,28 +39,32 @@ from deltafs.testing.checkpoints import safetensors_layout
 from gil_check import CHUNK, chunks_of, load  # a sibling script: benchmarks/ is on sys.path when this one runs
 
 
-def load_other(tree: str, work: str) -> ModuleType:
-    """The other tree's deltafs.codec, imported as deltafs_other.codec (its imports of deltafs.* rewritten)."""
+def load_other(tree: str, work: str, packages: tuple[str, ...] = ("codec",),
+               leaves: tuple[str, ...] = ("errors.py", "defaults.py"), module: str = "codec") -> ModuleType:
+    """The other tree's deltafs.<module>, imported as deltafs_other.<module>: its `packages` and `leaves` are copied
+    under work/deltafs_other with their imports of deltafs.* rewritten (also used by manifest_ab.py)."""
     pkg = os.path.join(work, "deltafs_other")
     os.makedirs(pkg)
     open(os.path.join(pkg, "__init__.py"), "w").close()
     src = os.path.join(tree, "deltafs")
-    shutil.copytree(os.path.join(src, "codec"), os.path.join(pkg, "codec"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for leaf in ("errors.py", "defaults.py"):
+    for sub in packages:
+        shutil.copytree(os.path.join(src, sub), os.path.join(pkg, sub), ignore=shutil.ignore_patterns("__pycache__"))
+    for leaf in leaves:
         shutil.copy(os.path.join(src, leaf), os.path.join(pkg, leaf))
+    allowed = "|".join(list(packages) + [leaf.removesuffix(".py") for leaf in leaves])
     for root, _, files in os.walk(pkg):
         for name in files:
             path = os.path.join(root, name)
             with open(path) as f:
                 text = f.read()
-            text = re.sub(r"\bdeltafs\.", "deltafs_other.", text)
-            if re.search(r"^\s*(from|import)\s+deltafs_other\.(?!codec|errors|defaults)", text, re.M):
-                raise SystemExit(f"{path}: the other tree's codec imports more of deltafs than this script copies")
+            # Only the import statements: "deltafs." also occurs in strings (the manifest's "deltafs.manifest").
+            text = re.sub(r"^(\s*)(from|import) deltafs\.", r"\1\2 deltafs_other.", text, flags=re.M)
+            if re.search(rf"^\s*(from|import)\s+deltafs_other\.(?!{allowed})", text, re.M):
+                raise SystemExit(f"{path}: the other tree's {module} imports more of deltafs than this script copies")
             with open(path, "w") as f:
                 f.write(text)
     sys.path.insert(0, work)
-    return importlib.import_module("deltafs_other.codec")
+    return importlib.import_module(f"deltafs_other.{module}")
 
 
 def pieces(base: str, new: str) -> list[tuple[np.ndarray, np.ndarray, int]]:

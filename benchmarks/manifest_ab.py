@@ -3,7 +3,8 @@
     git worktree add /tmp/v0 REV
     python benchmarks/manifest_ab.py --other /tmp/v0 --rounds 60 STORED_MANIFEST... [--records 35000,8000]
 
-The other tree's deltafs.format (and deltafs.errors) is imported as deltafs_other beside this one's. Each round
+The other tree's deltafs.format (and deltafs.errors) is imported as deltafs_other beside this one's (codec_ab.py's
+load_other). Each round
 decodes every given stored manifest (a file under a store's manifests/) and, with --records, a synthetic manifest of
 that many chunk records (benchmarks/manifest_scale.py's), with each tree in turn, from a process that has not seen
 it (the checked-manifest memo cleared) and after a full garbage collection, so neither pays for the other's
@@ -14,40 +15,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
-import re
-import shutil
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # manifest_scale, beside this script
-
-
-def import_other(tree: str, work: str) -> Any:
-    """The other tree's deltafs.format.manifest, imported as deltafs_other.format.manifest."""
-    pkg = os.path.join(work, "deltafs_other")
-    os.makedirs(pkg)
-    open(os.path.join(pkg, "__init__.py"), "w").close()
-    src = os.path.join(tree, "deltafs")
-    shutil.copytree(os.path.join(src, "format"), os.path.join(pkg, "format"), ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(os.path.join(src, "errors.py"), os.path.join(pkg, "errors.py"))
-    for root, _, files in os.walk(pkg):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path) as f:
-                text = f.read()
-            # Only the import statements: "deltafs." also occurs in format strings such as "deltafs.manifest".
-            text = re.sub(r"^(\s*)(from|import) deltafs\.", r"\1\2 deltafs_other.", text, flags=re.M)
-            if re.search(r"^\s*(from|import)\s+deltafs_other\.(?!format|errors)", text, re.M):
-                raise SystemExit(f"{path}: the other tree's format/ imports more of deltafs than this script copies")
-            with open(path, "w") as f:
-                f.write(text)
-    sys.path.insert(0, work)
-    return importlib.import_module("deltafs_other.format.manifest")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # codec_ab, manifest_scale: beside this script
 
 
 def main() -> None:
@@ -58,10 +32,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     a = ap.parse_args()
     import deltafs.format.manifest as this
+    from codec_ab import load_other
     from manifest_scale import synthetic
 
     with tempfile.TemporaryDirectory() as work:
-        other = import_other(a.other, work)
+        other = load_other(a.other, work, packages=("format",), leaves=("errors.py",), module="format.manifest")
         inputs = [(p, open(p, "rb").read()) for p in a.manifests]
         inputs += [(f"synthetic, {n} records", synthetic(int(n)).sealed().encode())
                    for n in a.records.split(",") if n]
