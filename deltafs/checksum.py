@@ -25,6 +25,11 @@ def _torch() -> Any:
     return torch
 
 
+# The numpy integer dtype of each element size, as int_dtype gives torch's: elements compared and copied as integers
+# keep NaN payloads and signed zeros bit-exact.
+NP_INT_OF_SIZE: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+
+
 def int_dtype(itemsize: int) -> Any:
     """The torch integer dtype of this element size (uint8, int16, int32, int64)."""
     t = _torch()
@@ -117,4 +122,4 @@ def device_checksums(tensors: list[torch.Tensor]) -> list[int]:
     return out
 
 
-__all__ = ["checksum_on_device", "device_checksums", "host_checksum", "int_dtype", "int_view"]
+__all__ = ["NP_INT_OF_SIZE", "checksum_on_device", "device_checksums", "host_checksum", "int_dtype", "int_view"]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from deltafs.buffers import pread_aligned
-from deltafs.checksum import device_checksums, host_checksum, int_view
+from deltafs.checksum import NP_INT_OF_SIZE, device_checksums, host_checksum, int_view
 from deltafs.engines.base import SwitchError, SwitchResult, Target
 from deltafs.engines.versions import read_version_manifest
 from deltafs.errors import DeltafsError, EngineError, IntegrityError
@@ -44,7 +44,6 @@ from deltafs.format.manifest import FileEntry, Manifest, Segment
 
 log = logging.getLogger("deltafs.engines.torch")
 
-_NP_INT_OF_SIZE: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 _DIFF_BLOCK = 1 << 24  # elements compared at once: bounds the temporaries of a diff
 
 
@@ -470,7 +469,7 @@ def _scatter_blocks(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 def _diff(old: np.ndarray, new: np.ndarray, itemsize: int, whole_above: float
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Changed element positions, new values and old values; None when more than whole_above of them changed."""
-    dt = _NP_INT_OF_SIZE[itemsize]
+    dt = NP_INT_OF_SIZE[itemsize]
     a, b = old.view(dt), new.view(dt)
     limit = whole_above * a.size
     parts: list[np.ndarray] = []

@@ -32,13 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from deltafs.checksum import checksum_on_device, host_checksum, int_dtype
+from deltafs.checksum import NP_INT_OF_SIZE, device_checksums, host_checksum, int_dtype
 from deltafs.errors import UsageError
-from deltafs.publish.devices import wait_for_devices
+from deltafs.publish.devices import lazy_torch, wait_for_devices
 
-_MASK = (1 << 64) - 1
 _POSITION_BYTES = 4  # positions cross as int32: ranges of 2**31 elements or more are copied whole
-_NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 Known = tuple[np.ndarray, np.ndarray]  # (ascending element indices, their values), as codec.encode takes them
 VersionId = tuple[str, int]  # (store id, version number)
 
@@ -188,7 +186,7 @@ class DeviceBaseline:
             return None
         where, values, expect = found
         np.copyto(out, np.frombuffer(base, np.uint8))
-        out.view(_NP_INT[w])[where] = values
+        out.view(NP_INT_OF_SIZE[w])[where] = values
         if host_checksum(out, w) != expect:
             with self._lock:
                 self._diff_from = None  # copy the rest of this push whole
@@ -201,7 +199,7 @@ class DeviceBaseline:
         """On the device: where src differs from prev, as host (indices, values), and the checksum of src; None
         when those would move more than max_bytes (or the range cannot be viewed as its elements). Waits for the
         device three times (the count, the transfers, the checksum)."""
-        th = _torch()
+        th = lazy_torch()
         try:
             cur, old = src.view(int_dtype(w)), prev.view(int_dtype(w))
         except RuntimeError:  # a range not aligned to its element size: copy it whole
@@ -210,13 +208,13 @@ class DeviceBaseline:
             pos = (cur != old).nonzero().view(-1)
             if int(pos.numel()) * (_POSITION_BYTES + w) > max_bytes:
                 return None
-            values = cur.index_select(0, pos).cpu().numpy().view(_NP_INT[w])
+            values = cur.index_select(0, pos).cpu().numpy().view(NP_INT_OF_SIZE[w])
             where = pos.to(th.int32).cpu().numpy().astype(np.intp)  # numpy indexes with intp ~2x faster
-            return where, values, int(checksum_on_device(cur)) & _MASK
+            return where, values, device_checksums([cur])[0]
 
     @staticmethod
     def _copy_whole(src: Any, out: np.ndarray) -> None:
-        _torch().from_numpy(out).copy_(src)  # device to host
+        lazy_torch().from_numpy(out).copy_(src)  # device to host
 
     @staticmethod
     def _capture(prev: Any, src: Any) -> None:
@@ -236,12 +234,6 @@ def baseline_push(baseline: DeviceBaseline | None) -> Iterator[None]:
         ok = True
     finally:
         baseline.end(ok)
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 __all__ = ["DeviceBaseline", "DiffStats", "Known", "VersionId", "baseline_push"]

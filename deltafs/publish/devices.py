@@ -1,11 +1,13 @@
-"""What a push asks of torch about accelerators: wait for the work queued on them."""
+"""What a push asks of torch about accelerators: torch itself, imported on first use, and waiting for the work
+queued on them."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-def _torch() -> Any:
+def lazy_torch() -> Any:
+    """torch, imported on first use: `import deltafs` and the CLI stay free of it."""
     import torch
 
     return torch
@@ -20,7 +22,7 @@ def wait_for_devices(devices: set[str]) -> None:
     """
     if not devices:
         return
-    torch = _torch()
+    torch = lazy_torch()
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6: CUDA, ROCm, XPU, MPS ... alike
     current = accelerator.current_accelerator() if accelerator is not None else None
     for device in sorted(devices):
@@ -32,4 +34,4 @@ def wait_for_devices(devices: set[str]) -> None:
         # Anything else (meta, a device torch cannot synchronize) has no queued work to wait for.
 
 
-__all__ = ["wait_for_devices"]
+__all__ = ["lazy_torch", "wait_for_devices"]

@@ -248,8 +248,7 @@ class Encoder:
             # An accelerator's bytes, copied; with a DeviceBaseline that holds the base version, rebuilt from the
             # base and the changed elements, which the codec then need not look for.
             out = self._take(held) if size > SMALL_CHUNK else None
-            new, known = reader.read_against(seg.offset + start, size, out, old if self.versions else None,
-                                             self.versions)
+            new, known = reader.read_against(seg.offset + start, size, out, old, self.versions)
         else:
             new = reader.read(seg.offset + start, size)
         if len(new) != size:

@@ -21,7 +21,7 @@ import numpy as np
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import safetensors_name
 from deltafs.publish.device_diff import DeviceBaseline, Known, VersionId
-from deltafs.publish.devices import wait_for_devices
+from deltafs.publish.devices import lazy_torch, wait_for_devices
 from deltafs.publish.source import Piece, is_range_bytes  # Piece: host bytes, or RangeBytes such as DeviceBytes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,7 +53,7 @@ def host_bytes(t: Any) -> np.ndarray:
     t = _plain_tensor(t)
     if t.device.type != "cpu":
         t = t.to("cpu")
-    flat: np.ndarray = t.contiguous().reshape(-1).view(_torch().uint8).numpy()
+    flat: np.ndarray = t.contiguous().reshape(-1).view(lazy_torch().uint8).numpy()
     return flat
 
 
@@ -62,7 +62,7 @@ def _plain_tensor(t: Any) -> Any:
     not a tensor."""
     if type(t).__name__ == "DTensor":
         t = t.full_tensor()
-    if not isinstance(t, _torch().Tensor):
+    if not isinstance(t, lazy_torch().Tensor):
         raise UsageError(f"expected a torch.Tensor, got {type(t).__name__}")
     return t.detach()
 
@@ -78,7 +78,7 @@ class DeviceBytes:
     """
 
     def __init__(self, t: Any, baseline: DeviceBaseline | None = None, name: str = "") -> None:
-        self._flat = t.reshape(-1).view(_torch().uint8)
+        self._flat = t.reshape(-1).view(lazy_torch().uint8)
         self.nbytes = int(self._flat.numel())
         self.device = str(t.device)
         self._baseline = baseline
@@ -105,14 +105,8 @@ class DeviceBytes:
             fresh: np.ndarray = src.to("cpu", copy=True).numpy()
             return fresh, None
         dst = out[:size]
-        _torch().from_numpy(dst).copy_(src)
+        lazy_torch().from_numpy(dst).copy_(src)
         return dst, None
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 def tensor_bytes(t: Any, baseline: DeviceBaseline | None = None, name: str = "") -> np.ndarray | DeviceBytes:
