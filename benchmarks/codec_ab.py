@@ -1,6 +1,7 @@
 """Two trees' chunk codecs side by side in one process, against XOR + zstd-1, on the chunks of a checkpoint pair.
 
     python benchmarks/codec_ab.py --base BASE.safetensors --new NEW.safetensors --other /tmp/old-tree --rounds 15
+    python benchmarks/codec_ab.py --full --new NEW.safetensors --other /tmp/old-tree --rounds 5
 
 For a codec change that keeps the format: the other tree's `deltafs.codec` (with the two leaf modules it
 imports, `deltafs.errors` and `deltafs.defaults`) is copied under another package name and imported beside this
@@ -13,6 +14,9 @@ run the codec), CPU seconds of that thread: this tree's encode and decode, the o
 copy of the base, as a pull does. Both trees must produce byte-identical payloads (checked); the decoded chunks
 must equal the new ones (checked). Per codec class (sparse, dense, other), the least and the median of the
 rounds are printed.
+
+--full encodes every piece of --new against no base, as a full version (keyframe) stores it (the raw codec), and
+the anchor becomes plain zstd-1 of the piece (decode: decompress into the output); --base is then not read.
 """
 
 from __future__ import annotations
@@ -77,25 +81,30 @@ def pieces(base: str, new: str) -> list[tuple[np.ndarray, np.ndarray, int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True)
+    ap.add_argument("--base", help="the base version (not with --full)")
     ap.add_argument("--new", required=True)
     ap.add_argument("--other", required=True, help="root of the other tree (a git worktree)")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--full", action="store_true", help="full-version chunks (no base): the raw codec vs zstd-1")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    if (args.base is None) != args.full:
+        ap.error("give --base, or --full without it")
 
     work = tempfile.mkdtemp(prefix="codec-ab-")
     try:
         other = load_other(args.other, work)
-        items = pieces(args.base, args.new)
+        items = pieces(args.new if args.full else args.base, args.new)
+        # Full: every piece against no base; what the pieces are decoded over is then junk, not a base.
+        bases = [None if args.full else b for b, _, _ in items]
         impls: dict[str, Any] = {"this": this_codec, "other": other}
-        encoded = {name: [c.encode(n, b, w) for b, n, w in items] for name, c in impls.items()}
+        encoded = {name: [c.encode(n, bases[k], w) for k, (_, n, w) in enumerate(items)] for name, c in impls.items()}
         for a, b in zip(encoded["this"], encoded["other"], strict=True):
             if a.codec != b.codec or a.payload != b.payload:
                 raise SystemExit("the two trees encode a chunk differently: not a format-preserving change")
         classes = [e.codec["name"] if e.codec["name"] in ("sparse", "dense") else "other" for e in encoded["this"]]
         cctx, dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
-        frames = [cctx.compress(np.bitwise_xor(n, b)) for b, n, _ in items]
+        frames = [cctx.compress(n if args.full else np.bitwise_xor(n, b)) for b, n, _ in items]
         buf = np.empty(CHUNK, np.uint8)
 
         def run(what: str, impl: str, sel: list[int]) -> float:
@@ -106,16 +115,22 @@ def main() -> None:
                 if what == "decode":
                     np.copyto(out, b)
                 start = time.thread_time()
-                if impl == "xor":
+                if impl == "xor" and args.full:
+                    if what == "encode":
+                        cctx.compress(n)
+                    else:
+                        np.copyto(out, np.frombuffer(dctx.decompress(frames[k]), np.uint8))
+                elif impl == "xor":
                     if what == "encode":
                         cctx.compress(np.bitwise_xor(n, b))
                     else:
                         np.bitwise_xor(np.frombuffer(dctx.decompress(frames[k]), np.uint8), out, out=out)
                 elif what == "encode":
-                    impls[impl].encode(n, b, w)
+                    impls[impl].encode(n, bases[k], w)
                 else:
                     e = encoded[impl][k]
-                    impls[impl].decode(e.codec, e.payload, out, out.size, w, out=out)
+                    impls[impl].decode(e.codec, e.payload, bases[k] if bases[k] is None else out, out.size, w,
+                                       out=out)
                 spent += time.thread_time() - start
                 if what == "decode" and not np.array_equal(out, n):
                     raise SystemExit(f"{impl} decoded chunk {k} wrongly")
@@ -141,10 +156,12 @@ def main() -> None:
         with ThreadPoolExecutor(1) as pool:
             pool.submit(rounds).result()
 
-        result: dict[str, Any] = {"base": args.base, "new": args.new, "other": args.other, "rounds": args.rounds,
+        result: dict[str, Any] = {"base": None if args.full else args.base, "new": args.new, "full": args.full,
+                                  "other": args.other, "rounds": args.rounds,
                                   "loadavg": os.getloadavg(), "classes": {}}
         print(f"{len(items)} pieces; CPU ms of one thread, least / median of {args.rounds} rounds")
-        print("| chunks | step | this tree | other tree | this / other (least) | XOR+zstd-1 | XOR / this (least) |")
+        anchor = "zstd-1" if args.full else "XOR+zstd-1"
+        print(f"| chunks | step | this tree | other tree | this / other (least) | {anchor} | {anchor} / this (least) |")
         print("|---|---|---|---|---|---|---|")
         for g, sel in groups.items():
             result["classes"][g] = {"chunks": len(sel)}

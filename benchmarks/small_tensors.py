@@ -12,9 +12,9 @@ moved the F32 tensors of deltafs.testing.trained.
 or a sync-bench data set's base/ and new/).
 
 Each --impl NAME=PATH is a deltafs source tree put first on PYTHONPATH (another checkout: `git worktree add`).
-For every round, store and implementation, in turn: a fresh store gets version 1 (full) and a DEST pulls it (not
-timed), then version 2 is pushed and pulled as an update, each in its own process, timing the API call only
-(imports excluded, as benchmarks/sync_bench.py does). Stores: a local directory under --work, and moto's S3 server
+For every round, store and implementation, in turn: a fresh store gets version 1 (a full version: rows "full
+push" and "full pull", into an empty DEST), then version 2 is pushed and pulled as an update, each in its own
+process, timing the API call only (imports excluded, as benchmarks/sync_bench.py does). Stores: a local directory under --work, and moto's S3 server
 in its own process on 127.0.0.1 (`s3`). Also timed: `cp -r` of the checkpoint directory (local).
 Counts the objects each version-2 push added under chunks/ and its bytes_written.
 """
@@ -161,9 +161,10 @@ def main() -> None:
                     else:
                         store = str(work / tag / "store")
                     cache, dest = str(work / tag / "cache"), str(work / tag / "dest")
-                    run_step(impl, "push", store, args.threads, src=str(work / "data" / "v1"), cache=cache,
-                             storage_options=opts)
-                    run_step(impl, "pull", store, args.threads, dest=dest, storage_options=opts)
+                    first = run_step(impl, "push", store, args.threads, src=str(work / "data" / "v1"), cache=cache,
+                                     storage_options=opts)
+                    initial = run_step(impl, "pull", store, args.threads, dest=dest, storage_options=opts)
+                    assert first["result"]["kind"] == "full" and initial["result"]["version"] == 1
                     before = count_objects(store, opts)
                     pushed = run_step(impl, "push", store, args.threads, src=str(work / "data" / "v2"), cache=cache,
                                       storage_options=opts)
@@ -173,12 +174,17 @@ def main() -> None:
                     assert pulled["result"]["version"] == 2 and not pulled["result"].get("fallback")
                     for f in (work / "data" / "v2").iterdir():
                         assert (Path(pulled["result"]["path"]) / f.name).read_bytes() == f.read_bytes(), f.name
+                    rows.append({"round": rnd, "impl": name, "store": store_kind, "step": "full push",
+                                 "seconds": first["seconds"], "bytes_written": first["result"].get("bytes_written")})
+                    rows.append({"round": rnd, "impl": name, "store": store_kind, "step": "full pull",
+                                 "seconds": initial["seconds"]})
                     rows.append({"round": rnd, "impl": name, "store": store_kind, "step": "push",
                                  "seconds": pushed["seconds"], "objects_added": added,
                                  "bytes_written": pushed["result"].get("bytes_written")})
                     rows.append({"round": rnd, "impl": name, "store": store_kind, "step": "pull",
                                  "seconds": pulled["seconds"], "bytes_read": pulled["result"].get("bytes_read")})
-                    print(f"round {rnd} {store_kind:5} {name:6} push {pushed['seconds']:.3f} s ({added} objects, "
+                    print(f"round {rnd} {store_kind:5} {name:6} full push {first['seconds']:.3f} s, full pull "
+                          f"{initial['seconds']:.3f} s; push {pushed['seconds']:.3f} s ({added} objects, "
                           f"{pushed['result'].get('bytes_written')} B)  pull {pulled['seconds']:.3f} s", flush=True)
                     shutil.rmtree(work / tag, ignore_errors=True)
     finally:
@@ -187,7 +193,7 @@ def main() -> None:
     summary = []
     for store_kind in stores:
         for name in impls:
-            for step in ("push", "pull"):
+            for step in ("full push", "full pull", "push", "pull"):
                 secs = [r["seconds"] for r in rows if (r["impl"], r["store"], r["step"]) == (name, store_kind, step)]
                 summary.append({"impl": name, "store": store_kind, "step": step, "median_s": statistics.median(secs),
                                 "min_s": min(secs), "max_s": max(secs)})

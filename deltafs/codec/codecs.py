@@ -21,6 +21,9 @@ from deltafs.errors import FormatError, IntegrityError
 MAX_ELEMENTS = 1 << 40
 
 
+_U8 = np.dtype(np.uint8)
+
+
 def _need_base(name: str, base: np.ndarray | None, size: int) -> np.ndarray:
     if base is None:
         raise FormatError(f"chunk codec {name!r} needs a base chunk")
@@ -95,8 +98,7 @@ class Raw:
         _check_width(self.name, self.width, size)
         body = streams.unseal(_need_payload(self.name, payload), "raw chunk")
         data = streams.unpack(body, size, "raw chunk")
-        chunk = streams.from_planes(data, self.width)
-        return chunk if out is None else _put(out, chunk)
+        return streams.from_planes(data, self.width, out=out)
 
 
 @register
@@ -125,7 +127,9 @@ class Xor:
         b = _need_base(self.name, base, size)
         body = streams.unseal(_need_payload(self.name, payload), "xor chunk")
         data = streams.unpack(body, size, "xor chunk")
-        result: np.ndarray = np.bitwise_xor(streams.from_planes(data, self.width), b, out=out)
+        # The planes go back into a temporary: out may be the base, which the XOR still reads.
+        delta = streams.from_planes(data, self.width, out=streams.temporary("planes", size, _U8))
+        result: np.ndarray = np.bitwise_xor(delta, b, out=out)
         return result
 
 
@@ -165,19 +169,15 @@ class Dense:
         data = streams.unpack(body, size, "dense chunk")
         width = self.width
         dtype = streams.UINT[width]
-        # Few numpy calls, no chunk-sized temporary but the target: the planes are transposed straight into it and
-        # unzigzagged and added there. out may be the base or overlap it (a view of the same buffer): then the
-        # target is a new array, so the base is read whole before out is written.
-        target: np.ndarray = np.empty(size, np.uint8) if out is None or np.may_share_memory(out, b) else out
-        t = streams.from_planes(data, width, out=target).view(dtype)
-        sign = np.bitwise_and(t, dtype.type(1))
+        # Few numpy calls: the planes are transposed into a temporary and unzigzagged there, then added to the
+        # base into out. out may be the base or overlap it (numpy's ufuncs handle the overlap).
+        t = streams.from_planes(data, width, out=streams.temporary("planes", size, _U8)).view(dtype)
+        sign = np.bitwise_and(t, dtype.type(1), out=streams.temporary("sign", size, dtype))
         t >>= dtype.type(1)
         t ^= np.negative(sign, out=sign)
-        t += b.view(dtype)  # wraps, inverting the encoder's subtraction
-        if out is None or out is target:
-            return target
-        np.copyto(out, target)
-        return out
+        target: np.ndarray = np.empty(size, np.uint8) if out is None else out
+        np.add(t, b.view(dtype), out=target.view(dtype))  # wraps, inverting the encoder's subtraction
+        return target
 
 
 def _all_ints(values: list[Any]) -> bool:

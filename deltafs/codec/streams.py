@@ -55,6 +55,17 @@ def scratch(name: str, size: int, dtype: np.dtype[Any] | type) -> np.ndarray:
     return buf[: size * dt.itemsize].view(dt)
 
 
+# Below this many bytes a fresh array costs less than the per-thread lookup of scratch() (no page faults to save).
+SCRATCH_FROM = 64 << 10
+
+
+def temporary(name: str, nbytes: int, dtype: np.dtype[Any]) -> np.ndarray:
+    """nbytes as a dtype array: scratch(name, ...) when large, a fresh array when small (same contract)."""
+    if nbytes < SCRATCH_FROM:
+        return np.empty(nbytes // dtype.itemsize, dtype)
+    return scratch(name, nbytes // dtype.itemsize, dtype)
+
+
 def compress(data: Any, level: int) -> bytes:
     """One zstd frame holding data, with its content size in the frame header."""
     return _compressor(level).compress(data)
@@ -135,14 +146,28 @@ def to_planes(data: np.ndarray, width: int) -> np.ndarray:
     return np.ascontiguousarray(data.reshape(-1, width).T).reshape(-1)
 
 
+# From this many elements, from_planes copies plane by plane (see there); below, one call costs less than width.
+_PLANE_BY_PLANE_FROM = 512
+
+
 def from_planes(planes: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:
     """Inverse of to_planes; into out (uint8, planes' size) when given, with no other temporary."""
-    if out is not None:
-        np.copyto(out.reshape(-1, width), planes.reshape(width, -1).T)
-        return out
     if width == 1:
-        return planes
-    return np.ascontiguousarray(planes.reshape(width, -1).T).reshape(-1)
+        if out is None:
+            return planes
+        np.copyto(out, planes)
+        return out
+    target = np.empty(planes.size, np.uint8) if out is None else out
+    cols, rows = target.reshape(-1, width), planes.reshape(width, -1)
+    if rows.shape[1] < _PLANE_BY_PLANE_FROM:
+        np.copyto(cols, rows.T)
+    else:
+        # One strided copy per plane: numpy runs a transposed copy with the short (width) axis innermost, a
+        # loop of a few bytes per element; per plane the inner loop is the whole plane. 4 MiB of bf16: 1.8 ms
+        # against 13 ms (benchmarks/codec_ab.py, docs/profile.md round 11).
+        for j in range(width):
+            cols[:, j] = rows[j]
+    return target
 
 
 # --- Rice-coded gaps ---------------------------------------------------------------------------------------------

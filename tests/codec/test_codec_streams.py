@@ -102,3 +102,17 @@ def test_streams_are_stored_raw_when_zstd_does_not_help() -> None:
     with pytest.raises(IntegrityError):
         streams.unseal(bytes(sealed), "t")
     assert bytes(streams.unseal(streams.seal([b"ab", b"c"]), "t")) == b"abc"
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("elements", [0, 1, 511, 512, 513, 5000])
+def test_byte_planes_invert_with_and_without_a_target(width: int, elements: int) -> None:
+    # Both of from_planes' copy paths (one transposed copy below 512 elements, plane by plane from there).
+    data = np.random.default_rng(elements * 8 + width).integers(0, 256, elements * width, dtype=np.uint8)
+    planes = streams.to_planes(data, width)
+    # Plane j holds byte j of every element, lowest byte first.
+    assert np.array_equal(planes.reshape(width, -1), data.reshape(-1, width).T)
+    assert np.array_equal(streams.from_planes(planes, width), data)
+    into = np.full(data.size, 0xA5, np.uint8)
+    assert streams.from_planes(planes, width, out=into) is into
+    assert np.array_equal(into, data)
