@@ -35,6 +35,11 @@ from deltafs.read.dest import file_digest_on_disk, rewritable, segment_digest_on
 from deltafs.store.repo import Repository
 
 
+# Chunks up to this size are rebuilt in runs (the encoder's runs: deltafs.publish.encode.SMALL_CHUNK, MAX_RUN).
+RUN_CHUNK = 256 << 10
+MAX_RUN = 64
+
+
 class LocalBaseError(IntegrityError):
     """The local copy a delta would be applied to is missing or does not match its manifest."""
 
@@ -250,8 +255,11 @@ class Builder:
             self._local_fds.clear()
 
     # --- one chunk ----------------------------------------------------------------------------
-    def _chunk(self, task: _Task, check_base: bool = True, out: np.ndarray | None = None) -> np.ndarray:
-        """The chunk's bytes at the target version, decoded into out (size bytes, reused) when given."""
+    def _chunk(self, task: _Task, check_base: bool = True, out: np.ndarray | None = None,
+               base_in_out: bool = False) -> np.ndarray:
+        """The chunk's bytes at the target version, decoded into out (size bytes, reused) when given.
+
+        base_in_out: out holds the chunk's local base already (read with its run, see _read_local_run)."""
         key, i = task.seg.key, task.index
         size = task.seg.chunks[i].size
         records = []
@@ -270,7 +278,9 @@ class Builder:
             raise IntegrityError(f"{key[2:]}: chunk {i} needs a base that the chain does not provide")
         if out is not None:
             out = out[:size]
-        value: np.ndarray | None = self._local_bytes(key, i, size, check_base, out) if start_from_local else None
+        value: np.ndarray | None = None
+        if start_from_local:
+            value = out if base_in_out and out is not None else self._local_bytes(key, i, size, check_base, out)
         for rec in records:
             payload = None
             if rec.object is not None:
@@ -310,6 +320,62 @@ class Builder:
                 for i in range(len(seg.chunks)):
                     yield _Task(f, seg, i)
 
+    def _runs(self, files: list[FileEntry]) -> Iterator[list[_Task]]:
+        """The tasks in file order, cut into runs: a large chunk alone; consecutive small ones of one file that
+        tile one byte range together, up to chunk_bytes or MAX_RUN of them (as the encoder packs them), so a
+        model of thousands of small tensors pays one task, one base read and one write per run, not per tensor."""
+        run: list[_Task] = []
+        run_bytes = end = 0
+        for task in self._tasks(files):
+            size = task.seg.chunks[task.index].size
+            start = task.seg.offset + task.index * self.chunk_bytes
+            if run and (size > RUN_CHUNK or task.file is not run[0].file or start != end
+                        or run_bytes + size > self.chunk_bytes or len(run) >= MAX_RUN):
+                yield run
+                run, run_bytes = [], 0
+            run.append(task)
+            run_bytes, end = run_bytes + size, start + size
+            if size > RUN_CHUNK:
+                yield run
+                run, run_bytes = [], 0
+        if run:
+            yield run
+
+    def _run_bytes(self, run: list[_Task], buf: np.ndarray) -> list[np.ndarray]:
+        """Every chunk of a run rebuilt into consecutive slices of buf (one base read where the base allows)."""
+        sizes = [t.seg.chunks[t.index].size for t in run]
+        based = self._read_local_run(run, sizes, buf)
+        chunks, pos = [], 0
+        for task, size in zip(run, sizes, strict=True):
+            chunks.append(self._chunk(task, check_base=False, out=buf[pos:pos + size], base_in_out=based))
+            pos += size
+        return chunks
+
+    def _read_local_run(self, run: list[_Task], sizes: list[int], buf: np.ndarray) -> bool:
+        """Read the local base of every chunk of the run into buf in one pread, if it holds them in one range of
+        one file in the same order (the usual case: same layout); False (nothing read) otherwise."""
+        local = self.chain.local
+        if local is None or len(run) < 2:
+            return False
+        first = self._local_segments.get(run[0].seg.key)
+        if first is None:
+            return False
+        start = first[1].offset + run[0].index * self.chunk_bytes
+        at = start
+        for task, size in zip(run, sizes, strict=True):
+            hit = self._local_segments.get(task.seg.key)
+            if hit is None or hit[0].path != first[0].path or hit[1].offset + task.index * self.chunk_bytes != at:
+                return False
+            at += size
+        path = os.path.join(local.path, first[0].path)
+        try:
+            got = pread_aligned(self._local_fd(path), at - start, start, buf).size
+        except OSError as exc:
+            raise LocalBaseError(f"local base file {path} unreadable: {exc}") from None
+        if got != at - start:
+            raise LocalBaseError(f"local base file {path} is truncated")
+        return True
+
     def build(self, out_dir: str | None) -> None:
         """Write (or hash) every file of the target; raise IntegrityError on the first mismatch."""
         to_build = []
@@ -341,7 +407,7 @@ class Builder:
             raise
         by_path = {o.entry.path: o for o in outs}
         lock = threading.Lock()
-        tasks = self._tasks(to_build)
+        runs = self._runs(to_build)
         failure: list[BaseException] = []
 
         def worker() -> None:
@@ -350,28 +416,37 @@ class Builder:
                 with lock:
                     if failure:
                         return
-                    task = next(tasks, None)
-                if task is None:
+                    run = next(runs, None)
+                if run is None:
                     return
                 try:
                     # The output digest covers the base: a damaged base shows as a segment mismatch
                     # and is only then looked at (_blame_local), not hashed up front.
-                    data = self._chunk(task, check_base=False, out=buf)
-                    view = data.data
-                    out = by_path[task.file.path]
+                    if len(run) == 1:
+                        chunks = [self._chunk(run[0], check_base=False, out=buf)]
+                    else:
+                        chunks = self._run_bytes(run, buf)
+                    # Written and hashed from the same memory: the run's chunks, one after another in buf (codec.decode
+                    # decodes into out; a single chunk is hashed and written as returned).
+                    views = [chunks[0].data] if len(run) == 1 else _slices(buf, [c.size for c in chunks])
+                    total = sum(len(v) for v in views)
+                    out = by_path[run[0].file.path]
                     if out.fd is not None:
-                        pwrite_all(out.fd, view, task.seg.offset + task.index * self.chunk_bytes)
-                    digest = digests.chunk_digest(view)
-                    self.on_bytes(data.size)
+                        start = run[0].seg.offset + run[0].index * self.chunk_bytes
+                        pwrite_all(out.fd, views[0] if len(run) == 1 else buf[:total].data, start)
+                    digest_list = [digests.chunk_digest(v) for v in views]
+                    self.on_bytes(total)
+                    done: list[Segment] = []
                     with lock:
-                        slots = out.chunk_digests[task.seg.key]
-                        slots[task.index] = digest
-                        out.seg_left[task.seg.key] -= 1
-                        seg_done = out.seg_left[task.seg.key] == 0
-                        out.left -= 1
+                        for task, digest in zip(run, digest_list, strict=True):
+                            out.chunk_digests[task.seg.key][task.index] = digest
+                            out.seg_left[task.seg.key] -= 1
+                            if out.seg_left[task.seg.key] == 0:
+                                done.append(task.seg)
+                        out.left -= len(run)
                         file_done = out.left == 0
-                    if seg_done:
-                        self._check_segment(out, task.seg)
+                    for seg in done:
+                        self._check_segment(out, seg)
                     if file_done:
                         self._finish_file(out)
                 except BaseException as exc:
@@ -523,6 +598,15 @@ def _range_digest(path: str, seg: Segment, chunk_bytes: int) -> str | None:
     if not digests.is_tree_digest(seg.digest):
         return _range_xxh3(path, seg.offset, seg.size)
     return segment_digest_on_disk(path, seg, chunk_bytes)
+
+
+def _slices(buf: np.ndarray, sizes: list[int]) -> list[memoryview]:
+    """Consecutive pieces of buf of these sizes, from its start."""
+    views, pos = [], 0
+    for size in sizes:
+        views.append(buf[pos:pos + size].data)
+        pos += size
+    return views
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
