@@ -3,8 +3,8 @@
     python benchmarks/pull_ab.py TEMPLATE --tree . --tree /tmp/v1 --rounds 12 [--threads 1] [--json OUT]
 
 TEMPLATE holds `store/` and a DEST (`dest` and `dest.deltafs/`) behind the store's HEAD, as
-`benchmarks/sync_bench.py run` leaves its pull templates (`.../tmpl-pull`). Each pull copies the template to
---scratch (not timed), imports deltafs from the tree on PYTHONPATH (checked), and times
+`benchmarks/sync_bench.py run` leaves its pull templates (`.../tmpl-pull`). Each tree's bytecode is compiled
+first. Each pull copies the template to --scratch (not timed), imports deltafs from the tree on PYTHONPATH (checked), and times
 `deltafs.read.pull.pull(store, dest, threads=T, recycle=True)` alone, imports excluded, as sync_bench's API rows
 do; the result is compared byte for byte with the HEAD version's files as a fresh pull of the template
 writes them. The trees alternate in order round by round. Prints the least and the median per tree. Never a
@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     trees = [os.path.abspath(t) for t in a.tree]
+    for tree in trees:  # bytecode first, as an install writes it (these VMs set PYTHONDONTWRITEBYTECODE)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(tree, "deltafs")], check=True)
     times: dict[str, list[float]] = {t: [] for t in trees}
     expect: dict[str, str] | None = None
     for r in range(a.rounds):
