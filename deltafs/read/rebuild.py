@@ -6,7 +6,8 @@ chunk's bytes at the target version come from the newest self-contained record i
 
 A format v2 target is rebuilt with every chunk of every file in parallel: each worker decodes a
 chunk, writes it at its offset into a preallocated file (pwrite) and hashes it; a segment is
-checked when its last chunk lands, a file when its last segment does. Memory is bounded by the
+checked when its last chunk lands, a file when its last segment does. Consecutive small chunks
+(norms, biases) go to a worker together as a run, with one base read and one write. Memory is bounded by the
 threads (a few chunks each). A v1 target's digests are serial streams, so it is written in order.
 """
 
