@@ -342,15 +342,16 @@ class Builder:
         if run:
             yield run
 
-    def _run_bytes(self, run: list[_Task], buf: np.ndarray) -> list[np.ndarray]:
-        """Every chunk of a run rebuilt into consecutive slices of buf (one base read where the base allows)."""
+    def _run_bytes(self, run: list[_Task], buf: np.ndarray) -> list[int]:
+        """Every chunk of a run rebuilt into consecutive slices of buf (one base read where the base allows); their
+        sizes. codec.decode decodes into the slice it is given, so buf holds the run's bytes after this."""
         sizes = [t.seg.chunks[t.index].size for t in run]
         based = self._read_local_run(run, sizes, buf)
-        chunks, pos = [], 0
+        pos = 0
         for task, size in zip(run, sizes, strict=True):
-            chunks.append(self._chunk(task, check_base=False, out=buf[pos:pos + size], base_in_out=based))
+            self._chunk(task, check_base=False, out=buf[pos:pos + size], base_in_out=based)
             pos += size
-        return chunks
+        return sizes
 
     def _read_local_run(self, run: list[_Task], sizes: list[int], buf: np.ndarray) -> bool:
         """Read the local base of every chunk of the run into buf in one pread, if it holds them in one range of
@@ -423,19 +424,13 @@ class Builder:
                 try:
                     # The output digest covers the base: a damaged base shows as a segment mismatch
                     # and is only then looked at (_blame_local), not hashed up front.
-                    if len(run) == 1:
-                        chunks = [self._chunk(run[0], check_base=False, out=buf)]
-                    else:
-                        chunks = self._run_bytes(run, buf)
-                    # Written and hashed from the same memory: the run's chunks, one after another in buf (codec.decode
-                    # decodes into out; a single chunk is hashed and written as returned).
-                    views = [chunks[0].data] if len(run) == 1 else _slices(buf, [c.size for c in chunks])
-                    total = sum(len(v) for v in views)
+                    sizes = self._run_bytes(run, buf)
+                    # Written and hashed from the same memory: the run's chunks, one after another in buf.
+                    total = sum(sizes)
                     out = by_path[run[0].file.path]
                     if out.fd is not None:
-                        start = run[0].seg.offset + run[0].index * self.chunk_bytes
-                        pwrite_all(out.fd, views[0] if len(run) == 1 else buf[:total].data, start)
-                    digest_list = [digests.chunk_digest(v) for v in views]
+                        pwrite_all(out.fd, buf[:total].data, run[0].seg.offset + run[0].index * self.chunk_bytes)
+                    digest_list = [digests.chunk_digest(v) for v in _slices(buf, sizes)]
                     self.on_bytes(total)
                     done: list[Segment] = []
                     with lock:
