@@ -129,8 +129,8 @@ def main() -> None:
                     impls[impl].encode(n, bases[k], w)
                 else:
                     e = encoded[impl][k]
-                    impls[impl].decode(e.codec, e.payload, bases[k] if bases[k] is None else out, out.size, w,
-                                       out=out)
+                    # In place over the base, as a pull decodes; a full version's chunk has none.
+                    impls[impl].decode(e.codec, e.payload, None if args.full else out, out.size, w, out=out)
                 spent += time.thread_time() - start
                 if what == "decode" and not np.array_equal(out, n):
                     raise SystemExit(f"{impl} decoded chunk {k} wrongly")
