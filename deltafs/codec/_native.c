@@ -1,0 +1,300 @@
+/* The sparse codec's per-element loops, compiled: what numpy needs ~20 calls per stream for on small chunks.
+ *
+ * Optional: deltafs.codec uses this module when it was built (setup.py marks it optional) and its numpy code
+ * otherwise; both produce and accept exactly the same bytes (tests/codec/test_native.py). The streams are those
+ * of manifests/FORMAT.md ("sparse"): a unary stream of quotients (a one bit ends each, MSB first), a stream of
+ * k-bit remainders (MSB first), a sign bit per change (MSB first), all zero-padded to whole bytes.
+ *
+ * Every function reads untrusted bytes (payloads from a store) and bounds every index by the buffer lengths
+ * given; the GIL is released while they run. The cheap whole-stream checks (sizes, padding, the range of k)
+ * stay in Python, before these are called.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { OK = 0, WRONG_COUNT = 1, TRAILING_BYTES = 2, OUT_OF_RANGE = 3, SHORT_REMAINDER = 4 };
+
+/* positions(unary, remainder, count, k, end, out) -> status
+ *
+ * Writes the count positions that the gaps lead to into out (int64, native order): position i is the sum of
+ * gaps 0..i plus i, i.e. (zeros before the i-th one bit << k) + (remainders 0..i) + i. Status OK, or the first
+ * problem found: WRONG_COUNT (more or fewer than count one bits), TRAILING_BYTES (bytes after the one that holds
+ * the last one bit), OUT_OF_RANGE (a position >= end), SHORT_REMAINDER (the remainder stream ends early).
+ * Requires count >= 1, 0 <= k <= 32 and 0 < end <= 2**62 (checked here too), so no sum can overflow: every
+ * partial position is compared with end before it grows further.
+ */
+static int decode_positions(const uint8_t *unary, Py_ssize_t unary_len, const uint8_t *rem, Py_ssize_t rem_len,
+                            int64_t count, int k, int64_t end, int64_t *out) {
+    int64_t i = 0, zeros = 0, rsum = 0;
+    uint64_t acc = 0;
+    int nacc = 0;
+    Py_ssize_t rp = 0;
+    const uint64_t mask = k ? ((1ULL << k) - 1) : 0;
+    const int64_t zeros_limit = end >> k; /* zeros << k must stay below end */
+    Py_ssize_t last_byte = -1;
+    for (Py_ssize_t byte = 0; byte < unary_len; byte++) {
+        unsigned v = unary[byte];
+        int consumed = 0; /* bits of this byte already read, from the most significant */
+        while (consumed < 8 && (v & (0xFFu >> consumed))) {
+            int lead = __builtin_clz(v & (0xFFu >> consumed)) - (int)(8 * sizeof(unsigned) - 8);
+            zeros += lead - consumed;
+            consumed = lead + 1;
+            if (i >= count)
+                return WRONG_COUNT;
+            if (zeros > zeros_limit)
+                return OUT_OF_RANGE;
+            int64_t r = 0;
+            if (k) {
+                while (nacc < k) {
+                    if (rp >= rem_len)
+                        return SHORT_REMAINDER;
+                    acc = (acc << 8) | rem[rp++];
+                    nacc += 8;
+                }
+                r = (int64_t)((acc >> (nacc - k)) & mask);
+                nacc -= k;
+            }
+            rsum += r;
+            /* zeros << k <= end <= 2**62, rsum <= the previous position < 2**62 plus r < 2**32, and i < 2**61
+             * (one bit each): the sum fits a uint64, and a position >= end ends the decode. */
+            uint64_t pos = ((uint64_t)zeros << k) + (uint64_t)rsum + (uint64_t)i;
+            if (pos >= (uint64_t)end)
+                return OUT_OF_RANGE;
+            out[i++] = (int64_t)pos;
+            last_byte = byte;
+        }
+        zeros += 8 - consumed;
+    }
+    if (i != count)
+        return WRONG_COUNT;
+    if (last_byte != unary_len - 1)
+        return TRAILING_BYTES;
+    return OK;
+}
+
+static PyObject *positions(PyObject *self, PyObject *args) {
+    Py_buffer unary, rem, out;
+    long long count, end;
+    int k;
+    if (!PyArg_ParseTuple(args, "y*y*LiLw*", &unary, &rem, &count, &k, &end, &out))
+        return NULL;
+    int status = -1;
+    if (count < 1 || k < 0 || k > 32 || end < 1 || end > (1LL << 62))
+        PyErr_SetString(PyExc_ValueError, "positions: count, k or end out of the supported range");
+    else if (out.len < (Py_ssize_t)(count * 8))
+        PyErr_SetString(PyExc_ValueError, "positions: out is smaller than count int64 values");
+    else {
+        int64_t *dst = (int64_t *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        status = decode_positions((const uint8_t *)unary.buf, unary.len, (const uint8_t *)rem.buf, rem.len,
+                                  (int64_t)count, k, (int64_t)end, dst);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&unary);
+    PyBuffer_Release(&rem);
+    PyBuffer_Release(&out);
+    if (status < 0)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
+/* encode(gaps, k, unary_out, remainder_out) -> None
+ *
+ * gaps: int64 values >= 0 (native order). Writes the unary stream (gap >> k zero bits, then a one bit, per gap)
+ * into unary_out and the low k bits of each gap into remainder_out, both MSB first and zero-padded; each must
+ * be exactly as long as the streams are (the caller knows: sum of quotients plus count bits, count * k bits).
+ */
+static int encode_streams(const int64_t *gaps, Py_ssize_t count, int k, uint8_t *unary, Py_ssize_t unary_len,
+                          uint8_t *rem, Py_ssize_t rem_len) {
+    memset(unary, 0, (size_t)unary_len);
+    uint64_t bit = 0; /* next bit of the unary stream */
+    uint64_t acc = 0;
+    int nacc = 0;
+    Py_ssize_t rp = 0;
+    const uint64_t mask = k ? ((1ULL << k) - 1) : 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t g = gaps[i];
+        if (g < 0)
+            return -1;
+        bit += (uint64_t)g >> k;
+        if ((bit >> 3) >= (uint64_t)unary_len)
+            return -1;
+        unary[bit >> 3] |= (uint8_t)(0x80u >> (bit & 7));
+        bit++;
+        if (k) {
+            acc = (acc << k) | ((uint64_t)g & mask);
+            nacc += k;
+            while (nacc >= 8) {
+                if (rp >= rem_len)
+                    return -1;
+                rem[rp++] = (uint8_t)(acc >> (nacc - 8));
+                nacc -= 8;
+            }
+        }
+    }
+    if (nacc) {
+        if (rp >= rem_len)
+            return -1;
+        rem[rp++] = (uint8_t)(acc << (8 - nacc));
+    }
+    if ((Py_ssize_t)((bit + 7) >> 3) != unary_len || rp != rem_len)
+        return -1;
+    return 0;
+}
+
+static PyObject *encode(PyObject *self, PyObject *args) {
+    Py_buffer gaps, unary, rem;
+    int k;
+    if (!PyArg_ParseTuple(args, "y*iw*w*", &gaps, &k, &unary, &rem))
+        return NULL;
+    int status = -2;
+    if (k < 0 || k > 32 || gaps.len % 8)
+        PyErr_SetString(PyExc_ValueError, "encode: k out of range or gaps not int64");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        status = encode_streams((const int64_t *)gaps.buf, gaps.len / 8, k, (uint8_t *)unary.buf, unary.len,
+                                (uint8_t *)rem.buf, rem.len);
+        Py_END_ALLOW_THREADS
+        if (status)
+            PyErr_SetString(PyExc_ValueError, "encode: a negative gap, or output buffers of the wrong size");
+    }
+    PyBuffer_Release(&gaps);
+    PyBuffer_Release(&unary);
+    PyBuffer_Release(&rem);
+    if (status)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* apply(out, width, where, signs, big_at, big_values) -> status
+ *
+ * out[where[i]] += d_i for each of the count = len(where) changes, on width-byte little-endian integers,
+ * wrapping: d_i is the magnitude (1, or big_values[j] + 2 for the j-th index listed in big_at) negated where
+ * sign bit i is set. where: int64 element indexes, distinct; big_at: ascending int64 indexes into the changes;
+ * big_values: len(big_at) width-byte little-endian values. Everything is checked before out is written:
+ * status 1 if an index in where is outside out, 2 if big_at is not ascending within the changes, 3 if a buffer
+ * is too short. Little-endian hosts only (the caller checks).
+ */
+static int apply_changes(uint8_t *out, Py_ssize_t n, int width, const int64_t *where, Py_ssize_t count,
+                         const uint8_t *signs, Py_ssize_t signs_len, const int64_t *big_at, Py_ssize_t big,
+                         const uint8_t *big_values) {
+    if (signs_len < (count + 7) / 8)
+        return 3;
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (where[i] < 0 || where[i] >= n)
+            return 1;
+    for (Py_ssize_t j = 0; j < big; j++)
+        if (big_at[j] < 0 || big_at[j] >= count || (j && big_at[j] <= big_at[j - 1]))
+            return 2;
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t mag = 1;
+        if (j < big && big_at[j] == i) {
+            uint64_t v = 0;
+            memcpy(&v, big_values + j * width, (size_t)width); /* little-endian host: the low bytes */
+            mag = v + 2;
+            j++;
+        }
+        uint64_t d = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? (uint64_t)0 - mag : mag;
+        uint8_t *p = out + where[i] * width;
+        switch (width) {
+        case 1: *p = (uint8_t)(*p + (uint8_t)d); break;
+        case 2: { uint16_t x; memcpy(&x, p, 2); x = (uint16_t)(x + (uint16_t)d); memcpy(p, &x, 2); break; }
+        case 4: { uint32_t x; memcpy(&x, p, 4); x += (uint32_t)d; memcpy(p, &x, 4); break; }
+        default: { uint64_t x; memcpy(&x, p, 8); x += d; memcpy(p, &x, 8); break; }
+        }
+    }
+    return 0;
+}
+
+static PyObject *apply(PyObject *self, PyObject *args) {
+    Py_buffer out, where, signs, big_at, big_values;
+    int width;
+    if (!PyArg_ParseTuple(args, "w*iy*y*y*y*", &out, &width, &where, &signs, &big_at, &big_values))
+        return NULL;
+    int status = -1;
+    if (width != 1 && width != 2 && width != 4 && width != 8)
+        PyErr_SetString(PyExc_ValueError, "apply: width must be 1, 2, 4 or 8");
+    else if (where.len % 8 || big_at.len % 8 || out.len % width || big_values.len < (big_at.len / 8) * width)
+        status = 3;
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        status = apply_changes((uint8_t *)out.buf, out.len / width, width, (const int64_t *)where.buf, where.len / 8,
+                               (const uint8_t *)signs.buf, signs.len, (const int64_t *)big_at.buf, big_at.len / 8,
+                               (const uint8_t *)big_values.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&where);
+    PyBuffer_Release(&signs);
+    PyBuffer_Release(&big_at);
+    PyBuffer_Release(&big_values);
+    if (status < 0)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
+/* dense(planes, width, base, out) -> None
+ *
+ * The dense codec's inverse in one pass: element i's zigzag code t is read from the width byte planes (plane j
+ * holds byte j of every element, little-endian), and out[i] = base[i] + ((t >> 1) ^ -(t & 1)), wrapping. All three
+ * buffers hold n * width bytes; out may be base itself (each element is read before it is written), but must not
+ * overlap it otherwise (the caller checks).
+ */
+static void dense_apply(const uint8_t *planes, Py_ssize_t n, int width, const uint8_t *base, uint8_t *out) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t t = 0, b = 0;
+        for (int j = 0; j < width; j++)
+            t |= (uint64_t)planes[j * n + i] << (8 * j);
+        memcpy(&b, base + i * width, (size_t)width); /* little-endian host: the low bytes */
+        uint64_t v = b + ((t >> 1) ^ ((uint64_t)0 - (t & 1)));
+        memcpy(out + i * width, &v, (size_t)width);
+    }
+}
+
+static PyObject *dense(PyObject *self, PyObject *args) {
+    Py_buffer planes, base, out;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*iy*w*", &planes, &width, &base, &out))
+        return NULL;
+    int ok = (width == 1 || width == 2 || width == 4 || width == 8) && planes.len == out.len && base.len == out.len &&
+             out.len % width == 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        dense_apply((const uint8_t *)planes.buf, out.len / width, width, (const uint8_t *)base.buf, (uint8_t *)out.buf);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "dense: width must be 1, 2, 4 or 8 and all buffers n * width bytes");
+    PyBuffer_Release(&planes);
+    PyBuffer_Release(&base);
+    PyBuffer_Release(&out);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"positions", positions, METH_VARARGS, "positions(unary, remainder, count, k, end, out) -> status"},
+    {"encode", encode, METH_VARARGS, "encode(gaps, k, unary_out, remainder_out) -> None"},
+    {"apply", apply, METH_VARARGS, "apply(out, width, where, signs, big_at, big_values) -> status"},
+    {"dense", dense, METH_VARARGS, "dense(planes, width, base, out) -> None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The sparse codec's per-element loops, compiled.", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "OK", OK) || PyModule_AddIntConstant(m, "WRONG_COUNT", WRONG_COUNT) ||
+        PyModule_AddIntConstant(m, "TRAILING_BYTES", TRAILING_BYTES) ||
+        PyModule_AddIntConstant(m, "OUT_OF_RANGE", OUT_OF_RANGE) ||
+        PyModule_AddIntConstant(m, "SHORT_REMAINDER", SHORT_REMAINDER)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,28 @@
+"""The codec's compiled loops (deltafs/codec/_native.c), where the build could compile them.
+
+setup.py builds the C module as optional: without a C compiler the install goes on without it, and the codec
+runs its numpy code for the same streams (the same bytes, more calls per chunk). `enabled` switches between the
+two at run time; tests run both on the same streams (tests/codec/test_native.py). DELTAFS_NATIVE=0 in the
+environment starts a process with them off, as if they were not built.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+module: ModuleType | None
+try:
+    from deltafs.codec import _native as module
+except ImportError:  # pragma: no cover - depends on the build
+    module = None
+
+BUILT = module is not None
+# The C loops read and write little-endian integers in the host's order.
+enabled = BUILT and sys.byteorder == "little" and os.environ.get("DELTAFS_NATIVE", "1") != "0"
+
+
+def loops() -> ModuleType | None:
+    """The compiled module when it is built and enabled, else None (use numpy)."""
+    return module if enabled else None

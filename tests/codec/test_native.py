@@ -1,0 +1,235 @@
+"""The codec's compiled loops (deltafs/codec/_native.c) against the numpy code they replace: same bytes, same refusals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltafs import codec
+from deltafs.codec import native, streams
+from deltafs.errors import IntegrityError
+
+built = pytest.mark.skipif(not native.BUILT, reason="deltafs.codec._native was not built (no C compiler)")
+
+
+def _both(fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """fn(*args) with the compiled loops, then with numpy: each a result or the IntegrityError's message."""
+    out: list[Any] = []
+    try:
+        for use in (True, False):
+            native.enabled = use
+            try:
+                out.append(fn(*args))
+            except IntegrityError as exc:
+                out.append(f"IntegrityError: {exc}")
+    finally:
+        native.enabled = native.BUILT
+    return out
+
+
+def test_the_module_is_built_where_a_compiler_is() -> None:
+    """CI has a compiler: if the build silently skipped the module there, the fast path would go untested."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None or os.environ.get("DELTAFS_ALLOW_NO_NATIVE"):
+        pytest.skip("no C compiler here")
+    assert native.BUILT and native.enabled
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(gaps=st.lists(st.integers(0, 2**20), min_size=1, max_size=300), k=st.integers(0, 32))
+def test_same_streams_and_positions(gaps: list[int], k: int) -> None:
+    g = np.array(gaps, dtype=np.int64)
+    (u1, r1), (u0, r0) = _both(streams.rice_encode, g, k)
+    assert u1.tobytes() == u0.tobytes() and r1.tobytes() == r0.tobytes()
+    positions = np.cumsum(g + 1) - 1
+    end = int(positions[-1]) + 1
+    for count, e in ((g.size, end), (g.size, end - 1), (g.size + 1, end), (g.size - 1, end), (g.size, 1 << 62)):
+        if count < 1:
+            continue
+        a, b = _both(streams.rice_positions, u1, r1, count, k, e, "t")
+        if isinstance(a, str) or isinstance(b, str):
+            assert a == b
+        else:
+            assert np.array_equal(a, b) and np.array_equal(a, positions)
+    # A zero byte after the last code: refused by both (trailing bytes), although every position is in range.
+    a, b = _both(streams.rice_positions, np.append(u1, np.uint8(0)), r1, g.size, k, 1 << 62, "t")
+    assert a == b and "trailing bytes" in a
+
+
+@built
+@settings(max_examples=500, deadline=None)
+@given(unary=st.binary(min_size=0, max_size=64), remainder=st.binary(max_size=64), count=st.integers(1, 80),
+       k=st.integers(0, 32), end=st.integers(1, 1 << 62))
+def test_same_answer_on_arbitrary_bytes(unary: bytes, remainder: bytes, count: int,
+                                        k: int, end: int) -> None:
+    """Hostile streams: the compiled loop accepts exactly what numpy accepts, with the same positions."""
+    u = np.frombuffer(unary, np.uint8)
+    # Give the remainder stream its expected size half the time, so the decode gets past the cheap checks.
+    r = np.frombuffer(remainder, np.uint8)
+    if count * k and len(remainder) % 2:
+        r = np.resize(r if r.size else np.zeros(1, np.uint8), (count * k + 7) // 8)
+        r[-1] &= (0xFF << ((-count * k) % 8)) & 0xFF
+    a, b = _both(streams.rice_positions, u, r, count, k, end, "t")
+    if isinstance(a, str) or isinstance(b, str):
+        assert a == b
+    else:
+        assert np.array_equal(a, b)
+
+
+@built
+def test_long_zero_runs_and_the_widest_fields() -> None:
+    """Quotients spanning many zero bytes, k = 32 remainders near 2**32, and the overflow bound of end."""
+    g = np.array([(1 << 32) - 1, 5 << 32, 0, (1 << 33) + 7], dtype=np.int64)
+    (u1, r1), (u0, r0) = _both(streams.rice_encode, g, 32)
+    assert u1.tobytes() == u0.tobytes() and r1.tobytes() == r0.tobytes()
+    positions = np.cumsum(g + 1) - 1
+    a, b = _both(streams.rice_positions, u1, r1, g.size, 32, 1 << 40, "t")
+    assert np.array_equal(a, positions) and np.array_equal(b, positions)
+    a, b = _both(streams.rice_positions, u1, r1, g.size, 32, int(positions[-1]), "t")
+    assert a == b and "gap out of range" in a
+
+
+@built
+def test_compiled_encode_refuses_negative_gaps() -> None:
+    c = native.module
+    assert c is not None
+    with pytest.raises(ValueError):
+        c.encode(np.array([3, -1], np.int64), 2, np.zeros(2, np.uint8), np.zeros(1, np.uint8))
+    with pytest.raises(ValueError):  # output buffers that do not match the streams' sizes
+        c.encode(np.array([3, 1], np.int64), 2, np.zeros(5, np.uint8), np.zeros(1, np.uint8))
+
+
+def _chunk(data: st.DataObject, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A base and a new chunk (uint8) of width-byte elements: a few changes, mostly +-1, some large."""
+    n = data.draw(st.integers(8, 3000) | st.integers(4096, 20000))  # from 4096 elements level 5 may split
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    dtype = streams.UINT[width]
+    base = rng.integers(0, 1 << (8 * width - 1), n, dtype=np.uint64).astype(dtype)
+    # Floats keep small and large magnitudes apart (the split of level 5 uses that): mix in small values.
+    base[rng.random(n) < 0.3] >>= dtype.type(8 * width // 2)
+    new = base.copy()
+    # Small weights change more often (as after an optimizer step), so that splitting by magnitude pays.
+    rate = data.draw(st.sampled_from([0.002, 0.02, 0.1]))
+    small = base < dtype.type(1 << (8 * width // 2))
+    at = np.flatnonzero(rng.random(n) < np.where(small, 10 * rate, rate))
+    at = at if at.size else np.array([n // 2])
+    step = rng.choice(np.array([1, -1, 2, -3, 200, -(1 << (8 * width - 2))], np.int64), at.size)
+    new[at] = (base[at].astype(np.int64) + step).astype(dtype)  # wraps
+    return base.view(np.uint8), new.view(np.uint8)
+
+
+@built
+@settings(max_examples=200, deadline=None)
+@given(width=st.sampled_from([1, 2, 4, 8]), level=st.sampled_from([3, 5]), data=st.data())
+def test_sparse_decodes_alike(width: int, level: int, data: st.DataObject) -> None:
+    """Sparse chunks (both split classes at level 5) decode to the new bytes with either path, in place or not."""
+    base, new = _chunk(data, width)
+    enc = codec.encode(new, base, width, level=level)
+
+    def decode(in_place: bool) -> bytes:
+        out = base.copy()
+        return codec.decode(enc.codec, enc.payload, out if in_place else base, out.size, width, out=out).tobytes()
+
+    for in_place in (True, False):
+        a, b = _both(decode, in_place)
+        assert a == b == new.tobytes()
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(width=st.sampled_from([2, 4]), data=st.data())
+def test_damaged_sparse_payloads_are_refused_alike(width: int, data: st.DataObject) -> None:
+    """A byte of a sparse payload changed (its trailer made to match): both paths give the same bytes or refusal,
+    and a refused in-place decode leaves the base as it was."""
+    base, new = _chunk(data, width)
+    enc = codec.encode(new, base, width, level=data.draw(st.sampled_from([3, 5])))
+    if enc.codec["name"] != "sparse":
+        return
+    body = bytearray(enc.payload[:-streams.TRAILER])
+    at = data.draw(st.integers(0, len(body) - 1))
+    body[at] ^= data.draw(st.integers(1, 255))
+    payload = streams.seal([bytes(body)])
+
+    def decode() -> bytes:
+        out = base.copy()
+        try:
+            return codec.decode(enc.codec, payload, out, out.size, width, out=out).tobytes()
+        except IntegrityError:
+            assert out.tobytes() == base.tobytes()
+            raise
+
+    a, b = _both(decode)
+    assert a == b
+
+
+@built
+def test_compiled_apply_refuses_what_the_decoder_would_never_pass() -> None:
+    """Indexes outside the chunk or unordered large-difference indexes: refused before a byte is written."""
+    c = native.module
+    assert c is not None
+    out = np.zeros(16, np.uint8)
+    signs = np.zeros(1, np.uint8)
+    none = np.empty(0, np.int64)
+    assert c.apply(out, 2, np.array([8], np.int64), signs, none, b"") == 1  # element 8 of 8
+    assert c.apply(out, 2, np.array([1, 2], np.int64), signs, np.array([1, 0], np.int64), b"\0" * 4) == 2
+    assert c.apply(out, 2, np.array([1, 2], np.int64), signs, np.array([2], np.int64), b"\0" * 2) == 2
+    assert not out.any()
+    assert c.apply(out, 2, np.array([0, 7], np.int64), np.array([0x40], np.uint8), np.array([0], np.int64), b"\1\0") == 0
+    assert out.view("<u2").tolist() == [3, 0, 0, 0, 0, 0, 0, 0xFFFF]
+
+
+@built
+@settings(max_examples=150, deadline=None)
+@given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1),
+       shift=st.integers(-3, 3))
+def test_dense_decodes_alike(width: int, n: int, seed: int, shift: int) -> None:
+    """Every element moved a little (dense): the same bytes with either path, in place, into a separate buffer,
+    and into a view that overlaps the base at another offset (the compiled loop leaves that case to numpy)."""
+    rng = np.random.default_rng(seed)
+    dtype = streams.UINT[width]
+    base = rng.integers(0, 1 << (8 * width - 1), n, dtype=np.uint64).astype(dtype)
+    new = (base.astype(np.int64) + rng.integers(-40, 40, n)).astype(dtype)
+    enc = codec.encode(new.view(np.uint8), base.view(np.uint8), width)
+    if enc.codec["name"] != "dense":
+        return
+    size = n * width
+
+    def decode(mode: str) -> bytes:
+        if mode == "overlap":
+            room = np.zeros(size + 3 * width * 2, np.uint8)
+            b = room[3 * width: 3 * width + size]
+            b[:] = base.view(np.uint8)
+            out = room[3 * width + shift * width: 3 * width + shift * width + size]
+            return codec.decode(enc.codec, enc.payload, b, size, width, out=out).tobytes()
+        b = base.view(np.uint8).copy()
+        out = b if mode == "in place" else np.empty(size, np.uint8)
+        return codec.decode(enc.codec, enc.payload, b, size, width, out=out).tobytes()
+
+    for mode in ("in place", "separate", "overlap"):
+        a, b = _both(decode, mode)
+        assert a == b == new.tobytes(), mode
+
+
+@built
+def test_the_codec_suite_passes_without_the_compiled_loops() -> None:
+    """An install without a C compiler runs the numpy code alone: the codec's own tests, in a process that starts
+    with the loops off (DELTAFS_NATIVE=0), pass as they do with them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "DELTAFS_NATIVE": "0", "DELTAFS_ALLOW_NO_NATIVE": "1"}
+    check = subprocess.run([sys.executable, "-c", "from deltafs.codec import native; assert native.loops() is None"],
+                           env=env, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", here,
+                          "--ignore", os.path.join(here, "test_native.py")], env=env, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
