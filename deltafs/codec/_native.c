@@ -192,8 +192,10 @@ static int apply_changes(uint8_t *out, Py_ssize_t n, int width, const int64_t *w
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t mag = 1;
         if (j < big && big_at[j] == i) {
+            const uint8_t *q = big_values + j * width; /* little-endian */
             uint64_t v = 0;
-            memcpy(&v, big_values + j * width, (size_t)width); /* little-endian host: the low bytes */
+            for (int m = width - 1; m >= 0; m--)
+                v = (v << 8) | q[m];
             mag = v + 2;
             j++;
         }
@@ -243,14 +245,24 @@ static PyObject *apply(PyObject *self, PyObject *args) {
  * buffers hold n * width bytes; out may be base itself (each element is read before it is written), but must not
  * overlap it otherwise (the caller checks).
  */
+/* One loop per width, so that the compiler sees fixed-size loads and stores (a memcpy of a variable width is a call
+ * per element). */
+#define DENSE_LOOP(T, W)                                                                                              \
+    for (Py_ssize_t i = 0; i < n; i++) {                                                                              \
+        T t = 0, b;                                                                                                   \
+        for (int j = 0; j < (W); j++)                                                                                 \
+            t |= (T)((T)planes[j * n + i] << (8 * j));                                                                \
+        memcpy(&b, base + i * (W), (W)); /* little-endian host */                                                     \
+        T v = (T)(b + (T)((t >> 1) ^ (T)((T)0 - (T)(t & 1))));                                                        \
+        memcpy(out + i * (W), &v, (W));                                                                               \
+    }
+
 static void dense_apply(const uint8_t *planes, Py_ssize_t n, int width, const uint8_t *base, uint8_t *out) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t t = 0, b = 0;
-        for (int j = 0; j < width; j++)
-            t |= (uint64_t)planes[j * n + i] << (8 * j);
-        memcpy(&b, base + i * width, (size_t)width); /* little-endian host: the low bytes */
-        uint64_t v = b + ((t >> 1) ^ ((uint64_t)0 - (t & 1)));
-        memcpy(out + i * width, &v, (size_t)width);
+    switch (width) {
+    case 1: DENSE_LOOP(uint8_t, 1) break;
+    case 2: DENSE_LOOP(uint16_t, 2) break;
+    case 4: DENSE_LOOP(uint32_t, 4) break;
+    default: DENSE_LOOP(uint64_t, 8) break;
     }
 }
 
