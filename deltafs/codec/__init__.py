@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from deltafs.codec import compare, streams
-from deltafs.codec.codecs import Dense, Raw, Same, Sparse, Xor, choose_split
+from deltafs.codec import compare, native, streams
+from deltafs.codec.codecs import Dense, Raw, Same, Sparse, Xor, choose_split, dense_planes
 from deltafs.defaults import DEFAULT_LEVEL
 from deltafs.codec.registry import Codec, from_json, register, registered
 from deltafs.errors import FormatError, IntegrityError
@@ -112,8 +112,12 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     if n.size <= SMALL_CHUNK and width > 1:
         # Small chunks (biases, norms) are dominated by per-call costs: one subtraction answers "what changed"
         # and, when most elements moved (an optimizer step on F32), is already the dense codec's input.
-        d = np.subtract(nw, bw)
-        changed = int(np.count_nonzero(d))
+        d = planes = None
+        if native.loops() is not None:  # one compiled pass counts the changes and makes the dense stream
+            changed, planes = dense_planes(nw, bw)
+        else:
+            d = np.subtract(nw, bw)
+            changed = int(np.count_nonzero(d))
         if changed == 0:
             return Encoded(dict(_SAME), None, 0)
         if changed >= DENSE_FROM * nw.size:
@@ -121,7 +125,7 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
             # the encode here). Its size answers the same question: small arithmetic steps leave at least one
             # byte plane per element near zero, so a payload within DENSE_TRUSTED of the chunk is a trainer step;
             # a larger one (unrelated values, bit flips) goes on to the general path, which tries every codec.
-            dense, dense_payload = Dense.encode(nw, bw, level, diff=d)
+            dense, dense_payload = Dense.encode(nw, bw, level, diff=d, planes=planes)
             if len(dense_payload) <= DENSE_TRUSTED[width] * n.size:
                 return Encoded(dense.to_json(), dense_payload, changed)
     if (known is not None and known[0].size <= nw.size and known[1].size == known[0].size

@@ -287,11 +287,138 @@ static PyObject *dense(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* codes(new, base, width, planes_out) -> changed
+ *
+ * The dense codec's forward pass: d = new - base per width-byte little-endian element (wrapping), its zigzag code
+ * (d << 1) ^ -(d >> (8 * width - 1)) split into width byte planes (plane j: byte j of every element) in
+ * planes_out. Returns how many elements differ. All buffers hold n * width bytes.
+ */
+#define CODES_LOOP(T, W)                                                                                              \
+    for (Py_ssize_t i = 0; i < n; i++) {                                                                              \
+        T x, y;                                                                                                       \
+        memcpy(&x, nb + i * (W), (W));                                                                                \
+        memcpy(&y, bb + i * (W), (W));                                                                                \
+        T d = (T)(x - y);                                                                                             \
+        changed += d != 0;                                                                                            \
+        T z = (T)((T)(d << 1) ^ (T)((T)0 - (T)(d >> (8 * (W) - 1))));                                                 \
+        for (int j = 0; j < (W); j++)                                                                                 \
+            planes[j * n + i] = (uint8_t)(z >> (8 * j));                                                              \
+    }
+
+static Py_ssize_t dense_codes(const uint8_t *nb, const uint8_t *bb, Py_ssize_t n, int width, uint8_t *planes) {
+    Py_ssize_t changed = 0;
+    switch (width) {
+    case 1: CODES_LOOP(uint8_t, 1) break;
+    case 2: CODES_LOOP(uint16_t, 2) break;
+    case 4: CODES_LOOP(uint32_t, 4) break;
+    default: CODES_LOOP(uint64_t, 8) break;
+    }
+    return changed;
+}
+
+static PyObject *codes(PyObject *self, PyObject *args) {
+    Py_buffer nbuf, bbuf, planes;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*y*iw*", &nbuf, &bbuf, &width, &planes))
+        return NULL;
+    Py_ssize_t changed = -1;
+    if ((width == 1 || width == 2 || width == 4 || width == 8) && nbuf.len == bbuf.len && planes.len == nbuf.len &&
+        nbuf.len % width == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        changed = dense_codes((const uint8_t *)nbuf.buf, (const uint8_t *)bbuf.buf, nbuf.len / width, width,
+                              (uint8_t *)planes.buf);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "codes: width must be 1, 2, 4 or 8 and all buffers n * width bytes");
+    PyBuffer_Release(&nbuf);
+    PyBuffer_Release(&bbuf);
+    PyBuffer_Release(&planes);
+    if (changed < 0)
+        return NULL;
+    return PyLong_FromSsize_t(changed);
+}
+
+/* changes(new, base, width, idx_out, new_out, base_out) -> count
+ *
+ * The elements (width bytes each) where new and base differ, in ascending order: their indexes into idx_out
+ * (int64) and their bytes into new_out and base_out, up to the capacity of idx_out (len / 8 entries; the value
+ * buffers hold as many elements). Returns how many differ in all: when that is more than the capacity, the
+ * outputs hold the first ones and the caller calls again with room for all. Compares 32, then 8 bytes at a time.
+ */
+#define EMIT(off_)                                                                                               \
+    do {                                                                                                         \
+        if (count < cap) {                                                                                       \
+            idx[count] = (off_) / width;                                                                         \
+            memcpy(nv + count * width, n + (off_), (size_t)width);                                               \
+            memcpy(bv + count * width, b + (off_), (size_t)width);                                               \
+        }                                                                                                        \
+        count++;                                                                                                 \
+    } while (0)
+
+static Py_ssize_t find_changes(const uint8_t *n, const uint8_t *b, Py_ssize_t elements, int width, int64_t *idx,
+                               uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
+    Py_ssize_t count = 0;
+    const Py_ssize_t bytes = elements * width, words = bytes / 8;
+    const int lanes = 8 / width;
+    const uint64_t lane_mask = width == 8 ? ~(uint64_t)0 : (((uint64_t)1 << (8 * width)) - 1);
+    Py_ssize_t w = 0;
+    for (; w < words; w++) {
+        if (w + 4 <= words && !((w & 3))) {
+            uint64_t x[4], y[4];
+            memcpy(x, n + 8 * w, 32);
+            memcpy(y, b + 8 * w, 32);
+            if (!((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3]))) {
+                w += 3;
+                continue;
+            }
+        }
+        uint64_t x, y;
+        memcpy(&x, n + 8 * w, 8);
+        memcpy(&y, b + 8 * w, 8);
+        uint64_t d = x ^ y;
+        if (!d)
+            continue;
+        for (int l = 0; l < lanes; l++) {
+            if ((d >> (8 * width * l)) & lane_mask)
+                EMIT(8 * w + (Py_ssize_t)l * width);
+        }
+    }
+    for (Py_ssize_t off = 8 * words; off + width <= bytes; off += width)
+        if (memcmp(n + off, b + off, (size_t)width))
+            EMIT(off);
+    return count;
+}
+
+static PyObject *changes(PyObject *self, PyObject *args) {
+    Py_buffer n, b, idx, nv, bv;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*", &n, &b, &width, &idx, &nv, &bv))
+        return NULL;
+    Py_ssize_t count = -1;
+    if ((width == 1 || width == 2 || width == 4 || width == 8) && n.len == b.len && n.len % width == 0 &&
+        idx.len % 8 == 0 && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
+        Py_BEGIN_ALLOW_THREADS
+        count = find_changes((const uint8_t *)n.buf, (const uint8_t *)b.buf, n.len / width, width, (int64_t *)idx.buf,
+                             (uint8_t *)nv.buf, (uint8_t *)bv.buf, idx.len / 8);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "changes: width must be 1, 2, 4 or 8 and the buffers sized alike");
+    PyBuffer_Release(&n);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&nv);
+    PyBuffer_Release(&bv);
+    if (count < 0)
+        return NULL;
+    return PyLong_FromSsize_t(count);
+}
 static PyMethodDef methods[] = {
     {"positions", positions, METH_VARARGS, "positions(unary, remainder, count, k, end, out) -> status"},
     {"encode", encode, METH_VARARGS, "encode(gaps, k, unary_out, remainder_out) -> None"},
     {"apply", apply, METH_VARARGS, "apply(out, width, where, signs, big_at, big_values) -> status"},
     {"dense", dense, METH_VARARGS, "dense(planes, width, base, out) -> None"},
+    {"codes", codes, METH_VARARGS, "codes(new, base, width, planes_out) -> changed"},
+    {"changes", changes, METH_VARARGS, "changes(new, base, width, idx_out, new_out, base_out) -> count"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -133,6 +133,19 @@ class Xor:
         return result
 
 
+def dense_planes(nw: np.ndarray, bw: np.ndarray, diff: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+    """(how many elements differ, the byte planes of the zigzag-coded differences nw - bw): the dense payload's
+    stream before zstd. diff: nw - bw if the caller has it."""
+    width = nw.dtype.itemsize
+    c = native.loops()
+    if c is not None:
+        planes = np.empty(nw.nbytes, np.uint8)
+        return c.codes(nw, bw, width, planes), planes
+    d = np.subtract(nw, bw) if diff is None else diff
+    codes = zigzag(d).astype(streams.UINT[width], copy=False)
+    return int(np.count_nonzero(d)), streams.to_planes(codes.view(np.uint8), width)
+
+
 @register
 @dataclass(frozen=True)
 class Dense:
@@ -155,11 +168,14 @@ class Dense:
         return cls(width_field(fields(raw, ("width",))["width"]))
 
     @staticmethod
-    def encode(nw: np.ndarray, bw: np.ndarray, level: int, diff: np.ndarray | None = None) -> tuple[Dense, bytes]:
-        """nw, bw: new and base as width-byte little-endian unsigned ints; diff: nw - bw if the caller has it."""
+    def encode(nw: np.ndarray, bw: np.ndarray, level: int, diff: np.ndarray | None = None,
+               planes: np.ndarray | None = None) -> tuple[Dense, bytes]:
+        """nw, bw: new and base as width-byte little-endian unsigned ints; diff: nw - bw, or planes: the byte planes
+        of its zigzag codes (dense_planes), if the caller has them."""
         width = nw.dtype.itemsize
-        codes = zigzag(np.subtract(nw, bw) if diff is None else diff).astype(streams.UINT[width], copy=False)
-        return Dense(width), streams.seal([streams.pack(streams.to_planes(codes.view(np.uint8), width), level)])
+        if planes is None:
+            planes = dense_planes(nw, bw, diff)[1]
+        return Dense(width), streams.seal([streams.pack(planes, level)])
 
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
                out: np.ndarray | None = None) -> np.ndarray:

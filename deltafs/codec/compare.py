@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from deltafs.codec import streams
+from deltafs.codec import native, streams
 
 _WORD = np.dtype("<u8")
 
@@ -21,6 +21,9 @@ def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.nd
     for bf16; only the changed words are split into lanes. Values come back as streams.UINT[width].
     """
     dtype = streams.UINT[width]
+    c = native.loops()
+    if c is not None:
+        return _compiled_changes(c, n, b, width, dtype)
     lanes = 8 // width
     words = n.size // 8
     if lanes == 1 or words == 0:
@@ -43,6 +46,23 @@ def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.nd
             nv, bv = np.concatenate([nv, tn[tail]]), np.concatenate([bv, tb[tail]])
     return idx, nv, bv
 
+
+def _compiled_changes(c: Any, n: np.ndarray, b: np.ndarray, width: int,
+                      dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """changes() in one compiled pass; room for 1/16 of the elements (all of a small chunk) first, again if more
+    changed (an unused np.empty costs no memory until written)."""
+    elements = n.size // width
+    room = elements if elements <= _ROOM else max(_ROOM, elements >> 4)
+    for _ in range(2):
+        idx, nv, bv = np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype)
+        count: int = c.changes(n, b, width, idx, nv, bv)
+        if count <= room:
+            return idx[:count], nv[:count], bv[:count]
+        room = count
+    raise AssertionError("unreachable: the second pass has room for every change")
+
+
+_ROOM = 1 << 16
 
 _SIGNED: dict[int, np.dtype[Any]] = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 # Shift counts as numpy scalars of each width's dtype: a Python int operand costs a type resolution per call.

@@ -233,3 +233,39 @@ def test_the_codec_suite_passes_without_the_compiled_loops() -> None:
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", here,
                           "--ignore", os.path.join(here, "test_native.py")], env=env, capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+@built
+@settings(max_examples=200, deadline=None)
+@given(width=st.sampled_from([1, 2, 4, 8]), level=st.sampled_from([1, 3, 5]), data=st.data())
+def test_encodes_alike(width: int, level: int, data: st.DataObject) -> None:
+    """The same codec record and payload from either path: sparse steps, dense steps (every element moved), and
+    unrelated values, small chunks and large."""
+    base, new = _chunk(data, width)
+    kind = data.draw(st.sampled_from(["steps", "dense", "unrelated"]))
+    if kind != "steps":
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+        dtype = streams.UINT[width]
+        b = base.view(dtype)
+        moved = (b.astype(np.int64) + rng.integers(-9, 9, b.size)) if kind == "dense" else rng.integers(0, 255, b.size)
+        new = moved.astype(dtype).view(np.uint8)
+    a, b2 = _both(lambda: codec.encode(new, base, width, level=level))
+    assert (a.codec, a.payload, a.changed) == (b2.codec, b2.payload, b2.changed)
+
+
+@built
+@settings(max_examples=60, deadline=None)
+@given(width=st.sampled_from([1, 2, 4, 8]), n=st.sampled_from([1, 7, 33, 1000, 70_000, 300_000]),
+       rate=st.sampled_from([0.0, 0.001, 0.3, 1.0]), seed=st.integers(0, 2**32 - 1))
+def test_changes_alike(width: int, n: int, rate: float, seed: int) -> None:
+    """The compare that starts every delta: same indexes and values, from a chunk whose length is not a whole
+    number of 8-byte words to more changes than the compiled pass first makes room for (a second pass)."""
+    from deltafs.codec import compare
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, n * width, dtype=np.uint8)
+    new = base.copy()
+    hit = rng.random(n * width) < rate / width
+    new[hit] ^= rng.integers(1, 256, int(hit.sum()), dtype=np.uint8)
+    a, b = _both(compare.changes, new, base, width)
+    assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True))
