@@ -35,6 +35,12 @@ def test_console_script_help_version_and_bare_call():
         assert proc.returncode == 0 and re.fullmatch(r"deltafs \d+\.\d+\.\d+\S*\n", proc.stdout), (args, proc.stdout)
     env = subprocess.run([exe, "env"], capture_output=True, text=True, check=True).stdout
     assert "deltafs: " in env and "python: " in env and "zstandard: " in env
+    from deltafs.codec import native
+
+    assert ("codec loops: compiled" if native.BUILT else "codec loops: numpy (not built") in env, env
+    off = subprocess.run([exe, "env"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DELTAFS_NATIVE": "0"}).stdout
+    assert "codec loops: numpy (" in off and "DELTAFS_NATIVE: 0" in off, off
 
 
 @pytest.mark.parametrize("command", COMMANDS)
