@@ -106,9 +106,11 @@ def watch_cmd(
         finally:
             sub.close()
     # SIGTERM (systemd stop) and Ctrl-C end the loop in order: a switch in progress completes
-    # and resumes the engine before the process exits.
+    # and resumes the engine before the process exits. stop() runs in a thread: see deltafs.watch.signals.
+    from deltafs.watch.signals import handler
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sub.stop())
+        signal.signal(sig, handler(sub.stop, "deltafs-stop"))
     return sub.run()
 
 

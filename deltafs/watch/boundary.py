@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from deltafs.defaults import DEFAULT_MAX_WAIT
 from deltafs.engines.base import Engine
 from deltafs.errors import EngineError, UsageError
+from deltafs.watch import signals
 
 log = logging.getLogger("deltafs.watch")
 
@@ -112,7 +113,7 @@ class Signal:
         if sigusr1:
             if threading.current_thread() is not threading.main_thread():
                 raise UsageError("the SIGUSR1 boundary must be set up from the main thread")
-            self._old_handler = signal.signal(signal.SIGUSR1, lambda *_: self._event.set())
+            self._old_handler = signal.signal(signal.SIGUSR1, signals.handler(self._event.set, "deltafs-boundary"))
         if port is not None:
             self._httpd = _serve(self, port)
 
