@@ -82,12 +82,7 @@ def env_cmd() -> None:
             lines.append(f"{dist}: not installed")
     from deltafs.codec import native
 
-    if native.loops() is not None:
-        lines.append(f"codec loops: compiled ({native.module.__file__ if native.module else ''})")
-    else:
-        why = ("not built: no C compiler at install" if not native.BUILT
-               else "turned off: DELTAFS_NATIVE=0" if os.environ.get("DELTAFS_NATIVE") == "0" else "big-endian host")
-        lines.append(f"codec loops: numpy ({why})")
+    lines.append(f"codec loops: {native.describe()}")
     for var in ("DELTAFS_CACHE", "DELTAFS_STORAGE_OPTIONS", "DELTAFS_METRICS_DIR", "DELTAFS_LOG_LEVEL", "DELTAFS_NATIVE"):
         value = os.environ.get(var)
         if value is not None:

@@ -424,16 +424,4 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The sparse codec's per-element loops, compiled.", -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    if (PyModule_AddIntConstant(m, "OK", OK) || PyModule_AddIntConstant(m, "WRONG_COUNT", WRONG_COUNT) ||
-        PyModule_AddIntConstant(m, "TRAILING_BYTES", TRAILING_BYTES) ||
-        PyModule_AddIntConstant(m, "OUT_OF_RANGE", OUT_OF_RANGE) ||
-        PyModule_AddIntConstant(m, "SHORT_REMAINDER", SHORT_REMAINDER)) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

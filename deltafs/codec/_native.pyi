@@ -1,13 +1,7 @@
 # Signatures of the compiled module deltafs/codec/_native.c (optional; see deltafs/codec/native.py).
 from typing import Any
 
-OK: int
-WRONG_COUNT: int
-TRAILING_BYTES: int
-OUT_OF_RANGE: int
-SHORT_REMAINDER: int
-
-def positions(unary: Any, remainder: Any, count: int, k: int, end: int, out: Any, /) -> int: ...
+def positions(unary: Any, remainder: Any, count: int, k: int, end: int, out: Any, /) -> int: ...  # 0: ok
 def encode(gaps: Any, k: int, unary_out: Any, remainder_out: Any, /) -> None: ...
 def apply(out: Any, width: int, where: Any, signs: Any, big_at: Any, big_values: Any, /) -> int: ...
 def dense(planes: Any, width: int, base: Any, out: Any, /) -> None: ...

@@ -53,13 +53,12 @@ def _compiled_changes(c: Any, n: np.ndarray, b: np.ndarray, width: int,
     changed (an unused np.empty costs no memory until written)."""
     elements = n.size // width
     room = elements if elements <= _ROOM else max(_ROOM, elements >> 4)
-    for _ in range(2):
-        idx, nv, bv = np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype)
-        count: int = c.changes(n, b, width, idx, nv, bv)
-        if count <= room:
-            return idx[:count], nv[:count], bv[:count]
-        room = count
-    raise AssertionError("unreachable: the second pass has room for every change")
+    idx, nv, bv = np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype)
+    count: int = c.changes(n, b, width, idx, nv, bv)
+    if count > room:
+        idx, nv, bv = np.empty(count, np.int64), np.empty(count, dtype), np.empty(count, dtype)
+        c.changes(n, b, width, idx, nv, bv)
+    return idx[:count], nv[:count], bv[:count]
 
 
 _ROOM = 1 << 16

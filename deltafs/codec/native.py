@@ -26,3 +26,14 @@ enabled = BUILT and sys.byteorder == "little" and os.environ.get("DELTAFS_NATIVE
 def loops() -> ModuleType | None:
     """The compiled module when it is built and enabled, else None (use numpy)."""
     return module if enabled else None
+
+
+def describe() -> str:
+    """Which loops run and why, for `deltafs env`."""
+    if enabled and module is not None:
+        return f"compiled ({module.__file__})"
+    if not BUILT:
+        return "numpy (not built: no C compiler at install)"
+    if sys.byteorder != "little":
+        return "numpy (big-endian host)"
+    return "numpy (turned off" + (": DELTAFS_NATIVE=0)" if os.environ.get("DELTAFS_NATIVE") == "0" else ")")
