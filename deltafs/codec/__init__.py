@@ -60,9 +60,6 @@ DENSE_TRUSTED = {2: 0.5, 4: 0.75, 8: 0.875}
 _SAME = {"name": "same"}
 
 
-_U8 = np.dtype(np.uint8)
-
-
 @dataclass(frozen=True)
 class Encoded:
     """One encoded chunk: its codec record (JSON-able), the stored payload, and what changed."""
@@ -73,7 +70,7 @@ class Encoded:
 
 
 def _as_u8(buf: Any) -> np.ndarray:
-    if type(buf) is np.ndarray and buf.dtype == _U8 and buf.ndim == 1 and buf.flags.c_contiguous:
+    if type(buf) is np.ndarray and buf.dtype == streams.U8 and buf.ndim == 1 and buf.flags.c_contiguous:
         return buf  # the usual case, a chunk of a file's bytes: no wrapper calls
     if isinstance(buf, np.ndarray):
         return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
@@ -185,7 +182,7 @@ def decode(codec: dict[str, Any], payload: bytes | None, base: Any | None, size:
     b = None if base is None else _as_u8(base)
     if out is not None:
         flags = out.flags if isinstance(out, np.ndarray) else None
-        if not (flags is not None and out.dtype == _U8 and out.ndim == 1 and out.size == size
+        if not (flags is not None and out.dtype == streams.U8 and out.ndim == 1 and out.size == size
                 and flags.c_contiguous and flags.writeable):
             raise ValueError(f"out must be a writable contiguous 1-D uint8 array of {size} bytes")
         if out is base:

@@ -21,9 +21,6 @@ from deltafs.errors import FormatError, IntegrityError
 MAX_ELEMENTS = 1 << 40
 
 
-_U8 = np.dtype(np.uint8)
-
-
 def _need_base(name: str, base: np.ndarray | None, size: int) -> np.ndarray:
     if base is None:
         raise FormatError(f"chunk codec {name!r} needs a base chunk")
@@ -128,7 +125,7 @@ class Xor:
         body = streams.unseal(_need_payload(self.name, payload), "xor chunk")
         data = streams.unpack(body, size, "xor chunk")
         # The planes go back into a temporary: out may be the base, which the XOR still reads.
-        delta = streams.from_planes(data, self.width, out=streams.temporary("planes", size, _U8))
+        delta = streams.from_planes(data, self.width, out=streams.temporary("planes", size, streams.U8))
         result: np.ndarray = np.bitwise_xor(delta, b, out=out)
         return result
 
@@ -194,7 +191,7 @@ class Dense:
         dtype = streams.UINT[width]
         # Few numpy calls: the planes are transposed into a temporary and unzigzagged there, then added to the
         # base into out. out may be the base or overlap it (numpy's ufuncs handle the overlap).
-        t = streams.from_planes(data, width, out=streams.temporary("planes", size, _U8)).view(dtype)
+        t = streams.from_planes(data, width, out=streams.temporary("planes", size, streams.U8)).view(dtype)
         sign = np.bitwise_and(t, dtype.type(1), out=streams.temporary("sign", size, dtype))
         t >>= dtype.type(1)
         t ^= np.negative(sign, out=sign)

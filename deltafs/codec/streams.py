@@ -16,6 +16,8 @@ from deltafs.errors import IntegrityError
 
 # Little-endian unsigned integer dtype for each element width the codecs know.
 UINT: dict[int, np.dtype[Any]] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+# Bytes: what chunks are passed around as (compared with `==`, cheaper than np.uint8 each time).
+U8: np.dtype[Any] = np.dtype(np.uint8)
 
 # zstd contexts are not thread-safe and cost ~100 us to build, so each thread keeps its own (a cache, not state:
 # results never depend on it).
