@@ -254,39 +254,52 @@ _GROUP_KEYS = frozenset(Group.KEYS)  # dict.keys() compares equal to a set of th
 def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -> tuple[Group, list[bytes]]:
     """Streams for one class of space elements: rank gaps (Rice), signs (1 bit each), magnitudes that are not 1.
 
-    Written for few numpy calls per group (each costs about a microsecond however small the chunk): the Rice
-    parameter comes from the known gap total, and quotients are computed once.
+    Written for few calls per group (each costs about a microsecond however small the chunk): the Rice parameter's
+    search starts from the known gap total, and signs and magnitudes come from one pass (_signs_and_big).
     """
     width = diff.dtype.itemsize
     count = ranks.size
     # Gaps >= 0 count the class's elements skipped since the previous change. A last gap up to the sentinel rank
     # `space` makes the stream say how big the class is, so a decoder given the wrong chunk size or base notices.
     gaps = streams.gaps_of(ranks, space)
-    k, q = streams.best_rice_k_and_quotients(gaps, space - count)
-    unary, remainder = streams.rice_encode(gaps, k, q)
-    # Sign and magnitude of the wrapped difference read as two's complement; unsigned math, so -2**(bits-1) works.
-    negative = diff >= diff.dtype.type(1 << (width * 8 - 1))
-    # |d| is the smaller of d and -d (wrapped); for -2**(bits-1) both are equal. A where= ufunc is ~30x slower.
-    magnitude = np.minimum(diff, np.negative(diff))
-    # One ulp up or down is by far the most common change; only the others are listed, as a sparse list of its own.
-    big_at = (magnitude != 1).nonzero()[0]
-    parts = [unary, remainder, np.packbits(negative)]
+    k, unary, remainder = streams.rice_streams(gaps, space - count)
+    signs, big_at, big_values = _signs_and_big(diff)
+    parts = [unary, remainder, signs]
     big_k = 0
     if big_at.size:
         big_gaps = streams.gaps_of(big_at, None)
-        big_k, big_q = streams.best_rice_k_and_quotients(big_gaps, int(big_at[-1]) + 1 - big_at.size)
-        big_unary, big_remainder = streams.rice_encode(big_gaps, big_k, big_q)
-        big_values = magnitude[big_at]
-        big_values -= diff.dtype.type(2)  # magnitude 0 cannot occur; 2 and up store from 0
-        # Explicitly little-endian before splitting into byte planes (arithmetic results are in native order).
-        little = big_values.astype(streams.UINT[width], copy=False)
-        planes = streams.to_planes(little.view(np.uint8), width).reshape(width, -1)
+        big_k, big_unary, big_remainder = streams.rice_streams(big_gaps, int(big_at[-1]) + 1 - big_at.size)
+        planes = streams.to_planes(big_values.view(np.uint8), width).reshape(width, -1)
         parts += [big_unary, big_remainder, *planes]
     else:
         big_unary = np.empty(0, np.uint8)
         parts += [big_unary] * (2 + width)
     group = Group(int(count), k, int(unary.size), int(big_at.size), big_k, int(big_unary.size))
     return group, [streams.pack(p, level) for p in parts]
+
+
+def _signs_and_big(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sign bits packed MSB first, indexes of the changes whose magnitude is not 1, those magnitudes less 2 as
+    little-endian integers) of wrapped differences; one compiled pass, or numpy's."""
+    width = diff.dtype.itemsize
+    dtype = streams.UINT[width]
+    c = native.loops()
+    if c is not None:
+        count = diff.size
+        signs = np.empty((count + 7) // 8, np.uint8)
+        big_at, big = np.empty(count, np.int64), np.empty(count, dtype)
+        nbig = c.signs(np.ascontiguousarray(diff), width, signs, big_at, big)
+        return signs, big_at[:nbig], big[:nbig]
+    # Sign and magnitude of the wrapped difference read as two's complement; unsigned math, so -2**(bits-1) works.
+    negative = diff >= diff.dtype.type(1 << (width * 8 - 1))
+    # |d| is the smaller of d and -d (wrapped); for -2**(bits-1) both are equal. A where= ufunc is ~30x slower.
+    magnitude = np.minimum(diff, np.negative(diff))
+    # One ulp up or down is by far the most common change; only the others are listed, as a sparse list of its own.
+    big_at = (magnitude != 1).nonzero()[0]
+    big_values = magnitude[big_at]
+    big_values -= diff.dtype.type(2)  # magnitude 0 cannot occur; 2 and up store from 0
+    # Explicitly little-endian before splitting into byte planes (arithmetic results are in native order).
+    return np.packbits(negative), big_at, big_values.astype(dtype, copy=False)
 
 
 @dataclass(frozen=True)

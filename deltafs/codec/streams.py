@@ -5,7 +5,8 @@ trailer, byte planes and Rice-coded gaps. Every function here is pure and vector
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -13,6 +14,8 @@ import zstandard
 
 from deltafs.codec import native
 from deltafs.errors import IntegrityError
+
+T = TypeVar("T")
 
 # Little-endian unsigned integer dtype for each element width the codecs know.
 UINT: dict[int, np.dtype[Any]] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
@@ -198,21 +201,52 @@ def best_rice_k(gaps: np.ndarray, total: int | None = None) -> int:
 
 def best_rice_k_and_quotients(gaps: np.ndarray, total: int | None = None) -> tuple[int, np.ndarray]:
     """(best k, gaps >> k): the quotients are needed again to encode, so they are kept, not recomputed."""
+    k, (_, q) = _walk_k(gaps.size, _first_k(gaps, total), lambda j: _quotients(gaps, j))
+    return k, q
+
+
+def _first_k(gaps: np.ndarray, total: int | None) -> int:
+    """Where the walk starts: the k the gaps' mean suggests."""
     count = gaps.size
     if total is None:
         total = int(gaps.sum()) if count else 0
     mean = total / count if count else 0.0
-    k = max(0, min(MAX_RICE_K, int(np.log2(mean * 0.69 + 1.0))))
+    return max(0, min(MAX_RICE_K, int(np.log2(mean * 0.69 + 1.0))))
+
+
+def _quotients(gaps: np.ndarray, k: int) -> tuple[int, np.ndarray]:
     q = gaps >> k
-    cost = count * (k + 1) + int(q.sum())
+    return int(q.sum()), q
+
+
+def _walk_k(count: int, k: int, quotients: Callable[[int], tuple[int, T]]) -> tuple[int, tuple[int, T]]:
+    """(k, quotients(k)) for the k of least cost count * (k + 1) + quotient total, walking down from the start,
+    then up; quotients(k) returns (that total, whatever the caller keeps for the k it settles on)."""
+    best = quotients(k)
+    cost = count * (k + 1) + best[0]
     for step in (-1, 1):
         while 0 <= k + step <= MAX_RICE_K:
-            q_next = gaps >> (k + step)
-            c = count * (k + step + 1) + int(q_next.sum())
+            nxt = quotients(k + step)
+            c = count * (k + step + 1) + nxt[0]
             if c >= cost:
                 break
-            k, cost, q = k + step, c, q_next
-    return k, q
+            k, cost, best = k + step, c, nxt
+    return k, best
+
+
+def rice_streams(gaps: np.ndarray, total: int | None = None) -> tuple[int, np.ndarray, np.ndarray]:
+    """(k, unary stream, remainder stream): the gaps Rice-coded with the k that codes them smallest (total: their
+    sum, when the caller knows it). Compiled: each k is priced in one pass, with no array of quotients."""
+    c = native.loops()
+    if c is None or not gaps.size:
+        k, q = best_rice_k_and_quotients(gaps, total)
+        return (k, *rice_encode(gaps, k, q))
+    g = np.ascontiguousarray(gaps, np.int64)
+    k, (qsum, _) = _walk_k(g.size, _first_k(g, total), lambda j: (c.shifted_sum(g, j), None))
+    unary = np.empty((qsum + g.size + 7) // 8, np.uint8)
+    remainder = np.empty((g.size * k + 7) // 8, np.uint8)
+    c.encode(g, k, unary, remainder)
+    return k, unary, remainder
 
 
 def rice_encode(gaps: np.ndarray, k: int, q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -269,3 +269,45 @@ def test_changes_alike(width: int, n: int, rate: float, seed: int) -> None:
     new[hit] ^= rng.integers(1, 256, int(hit.sum()), dtype=np.uint8)
     a, b = _both(compare.changes, new, base, width)
     assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True))
+
+
+@built
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**40)), min_size=1, max_size=400),
+       total_known=st.booleans())
+def test_rice_streams_alike(gaps: list[int], total_known: bool) -> None:
+    """The encoder's Rice parameter search priced in one compiled pass per k (no quotient arrays) settles on the
+    same k and writes the same two streams as numpy's, from small gaps to ones that need k near its limit."""
+    g = np.array(gaps, dtype=np.int64)
+    total = int(g.sum()) if total_known else None
+    (k1, u1, r1), (k0, u0, r0) = _both(streams.rice_streams, g, total)
+    assert (k1, u1.tobytes(), r1.tobytes()) == (k0, u0.tobytes(), r0.tobytes())
+    assert k1 == streams.best_rice_k(g, total)
+
+
+@built
+def test_shifted_sum_refuses_negative_gaps() -> None:
+    assert native.module is not None
+    assert native.module.shifted_sum(np.array([5, 9, 2**40], np.int64), 3) == (5 >> 3) + (9 >> 3) + (2**40 >> 3)
+    with pytest.raises(ValueError):
+        native.module.shifted_sum(np.array([5, -1, 3], np.int64), 0)
+
+
+@built
+@settings(max_examples=200, deadline=None)
+@given(width=st.sampled_from([1, 2, 4, 8]), count=st.integers(1, 70), seed=st.integers(0, 2**32 - 1))
+def test_signs_and_magnitudes_alike(width: int, count: int, seed: int) -> None:
+    """A sparse group's sign bits, big-change indexes and magnitudes from the compiled pass and from numpy: counts
+    that do not fill the last sign byte, +-1 steps among larger ones, and the extremes (the most negative value,
+    whose magnitude is itself)."""
+    from deltafs.codec.codecs import _signs_and_big
+
+    dtype = streams.UINT[width]
+    rng = np.random.default_rng(seed)
+    top = (1 << (8 * width)) - 1
+    pick = rng.integers(0, 5, count)
+    raw = np.where(pick == 0, 1, np.where(pick == 1, top, rng.integers(0, top, count, dtype=np.uint64, endpoint=True)))
+    raw[rng.integers(0, count)] = 1 << (8 * width - 1)
+    diff = raw.astype(dtype)
+    a, b = _both(_signs_and_big, diff)
+    assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True))
