@@ -58,6 +58,8 @@ def load_other(tree: str, work: str, packages: tuple[str, ...] = ("codec",),
     allowed = "|".join(list(packages) + [leaf.removesuffix(".py") for leaf in leaves])
     for root, _, files in os.walk(pkg):
         for name in files:
+            if not name.endswith(".py"):  # a compiled extension (codec/_native) is copied as it is
+                continue
             path = os.path.join(root, name)
             with open(path) as f:
                 text = f.read()
