@@ -93,3 +93,30 @@ def test_sparse_apply_is_the_same_with_either_scatter_add(monkeypatch: pytest.Mo
     into = b8.copy()
     codec.decode(enc.codec, enc.payload, into, n8.size, width, out=into)
     assert into.tobytes() == n8.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([64, 256, 1024, 4096]), p=st.floats(0.5, 0.89),
+       scale=st.sampled_from([1e-3, 1e-5, 1e-7]))
+def test_small_f32_step_takes_the_smaller_difference_codec(seed: int, n: int, p: float, scale: float) -> None:
+    """A small F32 tensor (a LayerNorm weight) of which 50-90% moved by an optimizer-sized step is stored as the
+    smaller of dense and sparse: on 256-element tensors dense is often far smaller, where sparse's per-stream costs
+    dominate; either way no larger than sparse alone, the previous choice, and it decodes to the new bytes."""
+    from deltafs.codec.codecs import Dense
+
+    rng = np.random.default_rng(seed)
+    base = (1.0 + rng.normal(0, 0.05, n)).astype(np.float32)
+    new = base.copy()
+    moved = rng.random(n) < p
+    new[moved] += (rng.normal(0, scale, int(moved.sum())) * np.abs(base[moved])).astype(np.float32)
+    nb, bb = new.view(np.uint8), base.view(np.uint8)
+    got = codec.encode(nb, bb, 4)
+    nw, bw = new.view("<u4"), base.view("<u4")
+    idx = np.flatnonzero(nw != bw)
+    if not 0.5 * n <= idx.size < 0.9 * n:
+        return  # the step left too many elements as they were (tiny scale): another policy's case
+    sparse = Sparse.encode(nw, bw, idx, codec.DEFAULT_LEVEL)[1]
+    dense = Dense.encode(nw, bw, codec.DEFAULT_LEVEL)[1]
+    assert got.codec["name"] in ("sparse", "dense")
+    assert got.payload is not None and len(got.payload) == min(len(sparse), len(dense))
+    assert codec.decode(got.codec, got.payload, bb, nb.size, 4).tobytes() == nb.tobytes()
