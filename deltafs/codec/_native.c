@@ -34,24 +34,44 @@ static int decode_positions(const uint8_t *unary, Py_ssize_t unary_len, const ui
     const uint64_t mask = k ? ((1ULL << k) - 1) : 0;
     const int64_t zeros_limit = end >> k; /* zeros << k must stay below end */
     Py_ssize_t last_byte = -1;
-    for (Py_ssize_t byte = 0; byte < unary_len; byte++) {
-        unsigned v = unary[byte];
-        int consumed = 0; /* bits of this byte already read, from the most significant */
-        while (consumed < 8 && (v & (0xFFu >> consumed))) {
-            int lead = __builtin_clz(v & (0xFFu >> consumed)) - (int)(8 * sizeof(unsigned) - 8);
-            zeros += lead - consumed;
-            consumed = lead + 1;
+    /* The unary stream 8 bytes at a time, MSB first: w holds the word's unread bits at its top. */
+    for (Py_ssize_t byte = 0; byte < unary_len; byte += 8) {
+        const int nbytes = unary_len - byte >= 8 ? 8 : (int)(unary_len - byte);
+        uint64_t w = 0;
+        if (nbytes == 8) {
+            memcpy(&w, unary + byte, 8);
+            w = __builtin_bswap64(w); /* little-endian hosts only (the caller checks) */
+        } else {
+            for (int j = 0; j < nbytes; j++)
+                w |= (uint64_t)unary[byte + j] << (56 - 8 * j);
+        }
+        int consumed = 0; /* bits of this word already read */
+        while (w) {
+            const int lead = __builtin_clzll(w);
+            zeros += lead;
+            consumed += lead + 1;
+            w = (w << lead) << 1; /* two shifts: lead + 1 may be 64 */
             if (i >= count)
                 return WRONG_COUNT;
             if (zeros > zeros_limit)
                 return OUT_OF_RANGE;
             int64_t r = 0;
             if (k) {
-                while (nacc < k) {
-                    if (rp >= rem_len)
-                        return SHORT_REMAINDER;
-                    acc = (acc << 8) | rem[rp++];
-                    nacc += 8;
+                if (nacc < k) { /* nacc < k <= 32: 32 more bits fit the 64-bit accumulator */
+                    if (rp + 4 <= rem_len) {
+                        uint32_t v;
+                        memcpy(&v, rem + rp, 4);
+                        acc = (acc << 32) | __builtin_bswap32(v);
+                        rp += 4;
+                        nacc += 32;
+                    } else {
+                        while (nacc <= 56 && rp < rem_len) {
+                            acc = (acc << 8) | rem[rp++];
+                            nacc += 8;
+                        }
+                        if (nacc < k)
+                            return SHORT_REMAINDER;
+                    }
                 }
                 r = (int64_t)((acc >> (nacc - k)) & mask);
                 nacc -= k;
@@ -63,9 +83,9 @@ static int decode_positions(const uint8_t *unary, Py_ssize_t unary_len, const ui
             if (pos >= (uint64_t)end)
                 return OUT_OF_RANGE;
             out[i++] = (int64_t)pos;
-            last_byte = byte;
+            last_byte = byte + (consumed - 1) / 8;
         }
-        zeros += 8 - consumed;
+        zeros += 8 * nbytes - consumed;
     }
     if (i != count)
         return WRONG_COUNT;

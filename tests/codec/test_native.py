@@ -311,3 +311,20 @@ def test_signs_and_magnitudes_alike(width: int, count: int, seed: int) -> None:
     diff = raw.astype(dtype)
     a, b = _both(_signs_and_big, diff)
     assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True))
+
+
+@built
+@settings(max_examples=150, deadline=None)
+@given(gaps=st.lists(st.integers(0, 2**12), min_size=1, max_size=200), k=st.integers(1, 32),
+       short=st.integers(1, 8))
+def test_positions_refuses_a_short_remainder_stream(gaps: list[int], k: int, short: int) -> None:
+    """A remainder stream cut short is refused (status 4), never read past its end: the cut stream is a view into
+    the whole one, so a read beyond the cut would find the real bytes and succeed."""
+    assert native.module is not None
+    g = np.array(gaps, dtype=np.int64)
+    unary, remainder = streams.rice_encode(g, k)
+    cut = max(0, remainder.size - short)
+    out = np.empty(g.size, np.int64)
+    end = int((np.cumsum(g + 1) - 1)[-1]) + 1
+    assert native.module.positions(unary, remainder, g.size, k, end, out) == 0
+    assert native.module.positions(unary, memoryview(remainder)[:cut], g.size, k, end, out) == 4
