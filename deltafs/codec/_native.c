@@ -477,6 +477,17 @@ static inline uint64_t lanes_changed_4(uint64_t d) { d |= d >> 16; d |= d >> 8; 
 static inline uint64_t lanes_changed_8(uint64_t d) { return d != 0; }
 
 #define CHANGES_BLOCK 32 /* 16 and 64 measured alike on bf16 at 1.3% changed; 128 slower */
+/* Record the changed element at byte offset at_ (its index and both values) while there is room; count it always. */
+#define EMIT_CHANGE(W, at_)                                                                                      \
+    do {                                                                                                         \
+        const Py_ssize_t at = (at_);                                                                             \
+        if (count < cap) {                                                                                       \
+            idx[count] = at / W;                                                                                 \
+            memcpy(nv + count * W, n + at, W);                                                                   \
+            memcpy(bv + count * W, b + at, W);                                                                   \
+        }                                                                                                        \
+        count++;                                                                                                 \
+    } while (0)
 #define CHANGES_LOOP(W)                                                                                          \
     static Py_ssize_t find_changes_##W(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,      \
                                        uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {                              \
@@ -497,27 +508,13 @@ static inline uint64_t lanes_changed_8(uint64_t d) { return d != 0; }
                 memcpy(&x, n + off + j, 8);                                                                      \
                 memcpy(&y, b + off + j, 8);                                                                      \
                 uint64_t m = lanes_changed_##W(x ^ y);                                                           \
-                while (m) {                                                                                      \
-                    Py_ssize_t at = off + j + (__builtin_ctzll(m) >> 3);                                         \
-                    m &= m - 1;                                                                                  \
-                    if (count < cap) {                                                                           \
-                        idx[count] = at / W;                                                                     \
-                        memcpy(nv + count * W, n + at, W);                                                       \
-                        memcpy(bv + count * W, b + at, W);                                                       \
-                    }                                                                                            \
-                    count++;                                                                                     \
-                }                                                                                                \
+                for (; m; m &= m - 1)                                                                            \
+                    EMIT_CHANGE(W, off + j + (__builtin_ctzll(m) >> 3));                                         \
             }                                                                                                    \
         }                                                                                                        \
         for (; off + W <= bytes; off += W)                                                                       \
-            if (memcmp(n + off, b + off, W)) {                                                                   \
-                if (count < cap) {                                                                               \
-                    idx[count] = off / W;                                                                        \
-                    memcpy(nv + count * W, n + off, W);                                                          \
-                    memcpy(bv + count * W, b + off, W);                                                          \
-                }                                                                                                \
-                count++;                                                                                         \
-            }                                                                                                    \
+            if (memcmp(n + off, b + off, W))                                                                     \
+                EMIT_CHANGE(W, off);                                                                             \
         return count;                                                                                            \
     }
 CHANGES_LOOP(1)

@@ -6,7 +6,7 @@ width-byte little-endian unsigned integers (`nw`, `bw`: new and base); decoders 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -532,8 +532,7 @@ class Sparse:
             if not g.count:
                 continue
             if index is not None:  # ranks within the class to element indexes
-                where = index.select(changes.where, 1 if gi == 0 else 0)
-                changes = _Changes(where, changes.signs, changes.big_at, changes.big)
+                changes = replace(changes, where=index.select(changes.where, 1 if gi == 0 else 0))
             updates.append(changes)
         # Everything is decoded and checked before the first byte of out is written, so a damaged payload
         # leaves an in-place base untouched.

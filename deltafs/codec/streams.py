@@ -243,10 +243,15 @@ def rice_streams(gaps: np.ndarray, total: int | None = None) -> tuple[int, np.nd
         return (k, *rice_encode(gaps, k, q))
     g = np.ascontiguousarray(gaps, np.int64)
     k, (qsum, _) = _walk_k(g.size, _first_k(g, total), lambda j: (c.shifted_sum(g, j), None))
-    unary = np.empty((qsum + g.size + 7) // 8, np.uint8)
-    remainder = np.empty((g.size * k + 7) // 8, np.uint8)
-    c.encode(g, k, unary, remainder)
-    return k, unary, remainder
+    return (k, *_compiled_rice(c, g, k, qsum))
+
+
+def _compiled_rice(c: Any, gaps: np.ndarray, k: int, qsum: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two streams in one compiled pass; their sizes follow from the quotients' total qsum."""
+    unary = np.empty((qsum + gaps.size + 7) // 8, np.uint8)
+    remainder = np.empty((gaps.size * k + 7) // 8, np.uint8)
+    c.encode(np.ascontiguousarray(gaps, np.int64), k, unary, remainder)
+    return unary, remainder
 
 
 def rice_encode(gaps: np.ndarray, k: int, q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -257,11 +262,7 @@ def rice_encode(gaps: np.ndarray, k: int, q: np.ndarray | None = None) -> tuple[
         q = gaps >> k
     c = native.loops()
     if c is not None and gaps.size:
-        # One pass in C instead of ~15 numpy calls; the stream sizes follow from the quotients' total.
-        unary = np.empty((int(q.sum()) + gaps.size + 7) // 8, np.uint8)
-        remainder = np.empty((gaps.size * k + 7) // 8, np.uint8)
-        c.encode(np.ascontiguousarray(gaps, np.int64), k, unary, remainder)
-        return unary, remainder
+        return _compiled_rice(c, gaps, k, int(q.sum()))  # one pass in C instead of ~15 numpy calls
     ones = q.cumsum()  # bit index of each gap's terminating one bit: sum of (q + 1) so far, minus one
     ones += np.arange(ones.size)
     unary = np.zeros(int(ones[-1]) + 1 if ones.size else 0, dtype=np.uint8)
