@@ -229,8 +229,10 @@ class Encoder:
         return fd
 
     def _chunk(self, reader: FileReader, seg: SourceSegment, i: int, base_fd: int | None, base_offset: int,
-               stage_fd: int | None) -> _Chunk:
-        """One chunk: read it (and its base), encode, hash; _chunks names and stores the payload. Runs in a worker."""
+               stage_fd: int | None, given: tuple[memoryview, memoryview | None] | None = None) -> _Chunk:
+        """One chunk: read it (and its base), encode, hash; _chunks names and stores the payload. Runs in a worker.
+
+        given: (new, base) bytes of this chunk, read already with the rest of its run (base None: read it here)."""
         if self._failed.is_set():
             raise DeltafsError("push aborted")
         start = i * self.cb
@@ -239,11 +241,14 @@ class Encoder:
         old = None
         known = None
         if base_fd is not None:
-            old = self._read(base_fd, size, base_offset + start, held)
+            old = given[1] if given is not None and given[1] is not None else \
+                self._read(base_fd, size, base_offset + start, held)
             if len(old) != size:
                 raise LocalBaseError("push cache file is truncated")
-        if isinstance(reader, DiskReader):
-            new: Any = self._read(reader.fd, size, seg.offset + start, held)
+        if given is not None:
+            new: Any = given[0]
+        elif isinstance(reader, DiskReader):
+            new = self._read(reader.fd, size, seg.offset + start, held)
         elif reader.copies(seg.offset + start):
             # An accelerator's bytes, copied; with a DeviceBaseline that holds the base version, rebuilt from the
             # base and the changed elements, which the codec then need not look for.
@@ -270,7 +275,9 @@ class Encoder:
         The payloads of a run are stored as one object (a pack, format 3) when there are several: each chunk
         record then names the pack and where its payload lies in it.
         """
-        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd) for seg, i, base_fd, base_offset in run]
+        pieces = self._run_reads(reader, run)
+        out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd, pieces[k] if pieces else None)
+               for k, (seg, i, base_fd, base_offset) in enumerate(run)]
         stored = [(c, c.enc.payload) for c in out if c.enc.payload is not None]
         batch: list[tuple[str, bytes]] = []
         if len(stored) == 1:
@@ -303,6 +310,38 @@ class Encoder:
                 ctx.puts.append(([(oid, len(payload)) for oid, payload in batch], fut))
         return out
 
+    def _run_reads(self, reader: FileReader, run: list[tuple[SourceSegment, int, int | None, int]]
+                   ) -> list[tuple[memoryview, memoryview | None]] | None:
+        """The bytes of a run of several small chunks of a file on disk, and of their bases where those lie in one
+        span of one file: one pread each instead of one per chunk (each read hands the GIL over and waits to take
+        it back). None for a single chunk or another reader."""
+        if len(run) < 2 or not isinstance(reader, DiskReader):
+            return None
+        spans = [(seg.offset + i * self.cb, min(self.cb, seg.size - i * self.cb), base_fd, base_offset + i * self.cb)
+                 for seg, i, base_fd, base_offset in run]
+        first, last = spans[0], spans[-1]
+        total = last[0] + last[1] - first[0]
+        if total != sum(s[1] for s in spans):
+            return None  # not one span (cannot happen for segments that tile a file; checked, not assumed)
+        new = memoryview(os.pread(reader.fd, total, first[0]))
+        if len(new) != total:
+            raise DeltafsError("a source file shrank while it was being pushed")
+        # The bases, when those that exist lie in one file at the same distance from their chunks (the layout
+        # did not move): one read from the first to the last of them. Otherwise each chunk reads its own.
+        based = [s for s in spans if s[2] is not None]
+        base: memoryview | None = None
+        if based and all(s[2] == based[0][2] and s[3] - s[0] == based[0][3] - based[0][0] for s in based):
+            lo, hi = based[0][3], based[-1][3] + based[-1][1]
+            base = memoryview(os.pread(based[0][2], hi - lo, lo))  # type: ignore[arg-type]
+            if len(base) != hi - lo:
+                raise LocalBaseError("push cache file is truncated")
+        out = []
+        for offset, size, fd, base_at in spans:
+            at = offset - first[0]
+            old = base[base_at - lo:base_at - lo + size] if base is not None and fd is not None else None
+            out.append((new[at:at + size], old))
+        return out
+
     def _read(self, fd: int, size: int, offset: int, held: list[np.ndarray]) -> Any:
         """A chunk's bytes: small ones as a plain read, others into a recycled chunk-sized buffer."""
         if size <= SMALL_CHUNK:
@@ -322,6 +361,8 @@ class Encoder:
         return buf
 
     def recycle(self, held: list[np.ndarray]) -> None:
+        if not held:
+            return  # small chunks hold no buffer: no lock to take
         with self._lock:
             self._free.extend(held)
 
