@@ -522,9 +522,156 @@ CHANGES_LOOP(2)
 CHANGES_LOOP(4)
 CHANGES_LOOP(8)
 
+/* The same compare with AVX-512 on x86-64 hosts that have it (checked at run time): 64 bytes per compare, the
+ * changed lanes' values packed together with a compress instead of one branch per changed element (the scalar
+ * loop's cost at 1-5% changed is its mispredicted branches, ~15 ns per change). Same outputs as the scalar loops
+ * (tests/codec/test_native.py compares them on every width, length and rate), including past the capacity:
+ * what fits is written, the rest only counted. Widths 2, 4 and 8; width 1 (headers, blobs) stays scalar. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_SIMD_CHANGES 1
+#define SIMD_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi2")))
+
+/* Indexes of the c lanes listed in lanes[] (lowest first), plus first, as int64: 8 at a time, no store past c. */
+SIMD_TARGET static inline void store_indexes16(int64_t *out, const uint16_t *lanes, int c, int64_t first) {
+    const __m512i add = _mm512_set1_epi64(first);
+    for (int j = 0; j < c; j += 8) {
+        const __m512i v = _mm512_add_epi64(_mm512_cvtepu16_epi64(_mm_loadu_si128((const __m128i *)(lanes + j))), add);
+        _mm512_mask_storeu_epi64(out + j, (__mmask8)(c - j >= 8 ? 0xFF : (1u << (c - j)) - 1), v);
+    }
+}
+
+/* Past the capacity, or in the last partial block: the scalar emit, one changed lane (bit of m) at a time. */
+#define EMIT_MASK(W, m_, off_)                                                                                    \
+    for (uint64_t mm = (m_); mm; mm &= mm - 1)                                                                   \
+        EMIT_CHANGE(W, (off_) + (Py_ssize_t)__builtin_ctzll(mm) * W)
+
+SIMD_TARGET static Py_ssize_t find_changes_2_simd(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
+                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
+    Py_ssize_t count = 0, off = 0;
+    const Py_ssize_t blocks = bytes - bytes % 64;
+    uint16_t lanes[40];
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                                          12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (; off < blocks; off += 64) {
+        const __m512i x = _mm512_loadu_si512(n + off), y = _mm512_loadu_si512(b + off);
+        const __mmask32 m = _mm512_cmpneq_epu16_mask(x, y);
+        if (!m)
+            continue;
+        const int c = __builtin_popcount(m);
+        if (count + c > cap) {
+            if (count >= cap)
+                count += c;
+            else
+                EMIT_MASK(2, m, off);
+            continue;
+        }
+        const __mmask32 low = (__mmask32)(c == 32 ? 0xFFFFFFFFu : (1u << c) - 1);
+        _mm512_mask_storeu_epi16(nv + count * 2, low, _mm512_maskz_compress_epi16(m, x));
+        _mm512_mask_storeu_epi16(bv + count * 2, low, _mm512_maskz_compress_epi16(m, y));
+        _mm512_storeu_si512(lanes, _mm512_maskz_compress_epi16(m, iota));
+        store_indexes16(idx + count, lanes, c, off / 2);
+        count += c;
+    }
+    for (; off + 2 <= bytes; off += 2)
+        if (memcmp(n + off, b + off, 2))
+            EMIT_CHANGE(2, off);
+    return count;
+}
+
+SIMD_TARGET static Py_ssize_t find_changes_4_simd(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
+                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
+    Py_ssize_t count = 0, off = 0;
+    const Py_ssize_t blocks = bytes - bytes % 64;
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (; off < blocks; off += 64) {
+        const __m512i x = _mm512_loadu_si512(n + off), y = _mm512_loadu_si512(b + off);
+        const __mmask16 m = _mm512_cmpneq_epu32_mask(x, y);
+        if (!m)
+            continue;
+        const int c = __builtin_popcount(m);
+        if (count + c > cap) {
+            if (count >= cap)
+                count += c;
+            else
+                EMIT_MASK(4, m, off);
+            continue;
+        }
+        const __mmask16 low = (__mmask16)((1u << c) - 1);
+        _mm512_mask_storeu_epi32(nv + count * 4, low, _mm512_maskz_compress_epi32(m, x));
+        _mm512_mask_storeu_epi32(bv + count * 4, low, _mm512_maskz_compress_epi32(m, y));
+        const __m512i at = _mm512_maskz_compress_epi32(m, iota);
+        const __m512i first = _mm512_set1_epi64(off / 4);
+        _mm512_mask_storeu_epi64(idx + count, (__mmask8)(low & 0xFF),
+                                 _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(at)), first));
+        if (c > 8)
+            _mm512_mask_storeu_epi64(idx + count + 8, (__mmask8)(low >> 8),
+                                     _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(at, 1)), first));
+        count += c;
+    }
+    for (; off + 4 <= bytes; off += 4)
+        if (memcmp(n + off, b + off, 4))
+            EMIT_CHANGE(4, off);
+    return count;
+}
+
+SIMD_TARGET static Py_ssize_t find_changes_8_simd(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
+                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
+    Py_ssize_t count = 0, off = 0;
+    const Py_ssize_t blocks = bytes - bytes % 64;
+    const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+    for (; off < blocks; off += 64) {
+        const __m512i x = _mm512_loadu_si512(n + off), y = _mm512_loadu_si512(b + off);
+        const __mmask8 m = _mm512_cmpneq_epu64_mask(x, y);
+        if (!m)
+            continue;
+        const int c = __builtin_popcount(m);
+        if (count + c > cap) {
+            if (count >= cap)
+                count += c;
+            else
+                EMIT_MASK(8, m, off);
+            continue;
+        }
+        const __mmask8 low = (__mmask8)((1u << c) - 1);
+        _mm512_mask_storeu_epi64(nv + count * 8, low, _mm512_maskz_compress_epi64(m, x));
+        _mm512_mask_storeu_epi64(bv + count * 8, low, _mm512_maskz_compress_epi64(m, y));
+        _mm512_mask_storeu_epi64(idx + count, low,
+                                 _mm512_add_epi64(_mm512_maskz_compress_epi64(m, iota), _mm512_set1_epi64(off / 8)));
+        count += c;
+    }
+    for (; off + 8 <= bytes; off += 8)
+        if (memcmp(n + off, b + off, 8))
+            EMIT_CHANGE(8, off);
+    return count;
+}
+
+/* Whether this CPU (and the OS, which must save the AVX-512 registers: libgcc checks XCR0) runs the loops above. */
+static int simd_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vbmi2");
+}
+#else
+static int simd_supported(void) { return 0; }
+#endif
+static int simd_ok = -1; /* simd_supported(), asked once at import */
+
 static Py_ssize_t find_changes(const uint8_t *n, const uint8_t *b, Py_ssize_t elements, int width, int64_t *idx,
-                               uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
+                               uint8_t *nv, uint8_t *bv, Py_ssize_t cap, int simd) {
     const Py_ssize_t bytes = elements * width;
+#ifdef HAVE_SIMD_CHANGES
+    if (simd && simd_ok) {
+        switch (width) {
+        case 2: return find_changes_2_simd(n, b, bytes, idx, nv, bv, cap);
+        case 4: return find_changes_4_simd(n, b, bytes, idx, nv, bv, cap);
+        case 8: return find_changes_8_simd(n, b, bytes, idx, nv, bv, cap);
+        default: break;
+        }
+    }
+#else
+    (void)simd;
+#endif
     switch (width) {
     case 1: return find_changes_1(n, b, bytes, idx, nv, bv, cap);
     case 2: return find_changes_2(n, b, bytes, idx, nv, bv, cap);
@@ -535,15 +682,15 @@ static Py_ssize_t find_changes(const uint8_t *n, const uint8_t *b, Py_ssize_t el
 
 static PyObject *changes(PyObject *self, PyObject *args) {
     Py_buffer n, b, idx, nv, bv;
-    int width;
-    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*", &n, &b, &width, &idx, &nv, &bv))
+    int width, simd = 1;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*|p", &n, &b, &width, &idx, &nv, &bv, &simd))
         return NULL;
     Py_ssize_t count = -1;
     if ((width == 1 || width == 2 || width == 4 || width == 8) && n.len == b.len && n.len % width == 0 &&
         idx.len % 8 == 0 && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
         Py_BEGIN_ALLOW_THREADS
         count = find_changes((const uint8_t *)n.buf, (const uint8_t *)b.buf, n.len / width, width, (int64_t *)idx.buf,
-                             (uint8_t *)nv.buf, (uint8_t *)bv.buf, idx.len / 8);
+                             (uint8_t *)nv.buf, (uint8_t *)bv.buf, idx.len / 8, simd);
         Py_END_ALLOW_THREADS
     } else
         PyErr_SetString(PyExc_ValueError, "changes: width must be 1, 2, 4 or 8 and the buffers sized alike");
@@ -556,13 +703,17 @@ static PyObject *changes(PyObject *self, PyObject *args) {
         return NULL;
     return PyLong_FromSsize_t(count);
 }
+static PyObject *simd(PyObject *self, PyObject *unused) { return PyBool_FromLong(simd_ok > 0); }
+
 static PyMethodDef methods[] = {
     {"positions", positions, METH_VARARGS, "positions(unary, remainder, count, k, end, out) -> status"},
     {"encode", encode, METH_VARARGS, "encode(gaps, k, unary_out, remainder_out) -> None"},
     {"apply", apply, METH_VARARGS, "apply(out, width, where, signs, big_at, big_values) -> status"},
     {"dense", dense, METH_VARARGS, "dense(planes, width, base, out) -> None"},
     {"codes", codes, METH_VARARGS, "codes(new, base, width, planes_out) -> changed"},
-    {"changes", changes, METH_VARARGS, "changes(new, base, width, idx_out, new_out, base_out) -> count"},
+    {"changes", changes, METH_VARARGS,
+     "changes(new, base, width, idx_out, new_out, base_out, simd=True) -> count (simd=False: the scalar loops)"},
+    {"simd", simd, METH_NOARGS, "simd() -> whether changes() uses AVX-512 on this host"},
     {"shifted_sum", shifted_sum, METH_VARARGS, "shifted_sum(gaps, k) -> sum of gaps >> k"},
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
     {NULL, NULL, 0, NULL},
@@ -570,4 +721,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The sparse codec's per-element loops, compiled.", -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    simd_ok = simd_supported();
+    return PyModule_Create(&module);
+}
