@@ -527,124 +527,84 @@ CHANGES_LOOP(8)
  * loop's cost at 1-5% changed is its mispredicted branches, ~15 ns per change). Same outputs as the scalar loops
  * (tests/codec/test_native.py compares them on every width, length and rate), including past the capacity:
  * what fits is written, the rest only counted. Widths 2, 4 and 8; width 1 (headers, blobs) stays scalar. */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* Compilers that know the avx512vbmi2 target (GCC 8, clang 6 and later); older ones build the scalar loops only. */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 6) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 8))
 #include <immintrin.h>
 #define HAVE_SIMD_CHANGES 1
 #define SIMD_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi2")))
 
-/* Indexes of the c lanes listed in lanes[] (lowest first), plus first, as int64: 8 at a time, no store past c. */
-SIMD_TARGET static inline void store_indexes16(int64_t *out, const uint16_t *lanes, int c, int64_t first) {
+/* Store one 64-byte block's c changed lanes (mask m of new x against base y) at idx, nv and bv, packed lowest
+ * first, as int64 element indexes from first and as values; nothing past the c-th entry is written. */
+SIMD_TARGET static inline void store_block_2(__m512i x, __m512i y, __mmask32 m, int c, int64_t *idx, uint8_t *nv,
+                                             uint8_t *bv, int64_t first) {
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                                          12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask32 low = (__mmask32)(c == 32 ? 0xFFFFFFFFu : (1u << c) - 1);
+    uint16_t lanes[32];
+    _mm512_mask_storeu_epi16(nv, low, _mm512_maskz_compress_epi16(m, x));
+    _mm512_mask_storeu_epi16(bv, low, _mm512_maskz_compress_epi16(m, y));
+    _mm512_storeu_si512(lanes, _mm512_maskz_compress_epi16(m, iota));
     const __m512i add = _mm512_set1_epi64(first);
     for (int j = 0; j < c; j += 8) {
         const __m512i v = _mm512_add_epi64(_mm512_cvtepu16_epi64(_mm_loadu_si128((const __m128i *)(lanes + j))), add);
-        _mm512_mask_storeu_epi64(out + j, (__mmask8)(c - j >= 8 ? 0xFF : (1u << (c - j)) - 1), v);
+        _mm512_mask_storeu_epi64(idx + j, (__mmask8)(c - j >= 8 ? 0xFF : (1u << (c - j)) - 1), v);
     }
 }
 
-/* Past the capacity, or in the last partial block: the scalar emit, one changed lane (bit of m) at a time. */
-#define EMIT_MASK(W, m_, off_)                                                                                    \
-    for (uint64_t mm = (m_); mm; mm &= mm - 1)                                                                   \
-        EMIT_CHANGE(W, (off_) + (Py_ssize_t)__builtin_ctzll(mm) * W)
-
-SIMD_TARGET static Py_ssize_t find_changes_2_simd(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
-                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
-    Py_ssize_t count = 0, off = 0;
-    const Py_ssize_t blocks = bytes - bytes % 64;
-    uint16_t lanes[40];
-    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
-                                          12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (; off < blocks; off += 64) {
-        const __m512i x = _mm512_loadu_si512(n + off), y = _mm512_loadu_si512(b + off);
-        const __mmask32 m = _mm512_cmpneq_epu16_mask(x, y);
-        if (!m)
-            continue;
-        const int c = __builtin_popcount(m);
-        if (count + c > cap) {
-            if (count >= cap)
-                count += c;
-            else
-                EMIT_MASK(2, m, off);
-            continue;
-        }
-        const __mmask32 low = (__mmask32)(c == 32 ? 0xFFFFFFFFu : (1u << c) - 1);
-        _mm512_mask_storeu_epi16(nv + count * 2, low, _mm512_maskz_compress_epi16(m, x));
-        _mm512_mask_storeu_epi16(bv + count * 2, low, _mm512_maskz_compress_epi16(m, y));
-        _mm512_storeu_si512(lanes, _mm512_maskz_compress_epi16(m, iota));
-        store_indexes16(idx + count, lanes, c, off / 2);
-        count += c;
-    }
-    for (; off + 2 <= bytes; off += 2)
-        if (memcmp(n + off, b + off, 2))
-            EMIT_CHANGE(2, off);
-    return count;
-}
-
-SIMD_TARGET static Py_ssize_t find_changes_4_simd(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
-                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
-    Py_ssize_t count = 0, off = 0;
-    const Py_ssize_t blocks = bytes - bytes % 64;
+SIMD_TARGET static inline void store_block_4(__m512i x, __m512i y, __mmask16 m, int c, int64_t *idx, uint8_t *nv,
+                                             uint8_t *bv, int64_t first) {
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (; off < blocks; off += 64) {
-        const __m512i x = _mm512_loadu_si512(n + off), y = _mm512_loadu_si512(b + off);
-        const __mmask16 m = _mm512_cmpneq_epu32_mask(x, y);
-        if (!m)
-            continue;
-        const int c = __builtin_popcount(m);
-        if (count + c > cap) {
-            if (count >= cap)
-                count += c;
-            else
-                EMIT_MASK(4, m, off);
-            continue;
-        }
-        const __mmask16 low = (__mmask16)((1u << c) - 1);
-        _mm512_mask_storeu_epi32(nv + count * 4, low, _mm512_maskz_compress_epi32(m, x));
-        _mm512_mask_storeu_epi32(bv + count * 4, low, _mm512_maskz_compress_epi32(m, y));
-        const __m512i at = _mm512_maskz_compress_epi32(m, iota);
-        const __m512i first = _mm512_set1_epi64(off / 4);
-        _mm512_mask_storeu_epi64(idx + count, (__mmask8)(low & 0xFF),
-                                 _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(at)), first));
-        if (c > 8)
-            _mm512_mask_storeu_epi64(idx + count + 8, (__mmask8)(low >> 8),
-                                     _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(at, 1)), first));
-        count += c;
-    }
-    for (; off + 4 <= bytes; off += 4)
-        if (memcmp(n + off, b + off, 4))
-            EMIT_CHANGE(4, off);
-    return count;
+    const __mmask16 low = (__mmask16)((1u << c) - 1);
+    _mm512_mask_storeu_epi32(nv, low, _mm512_maskz_compress_epi32(m, x));
+    _mm512_mask_storeu_epi32(bv, low, _mm512_maskz_compress_epi32(m, y));
+    const __m512i at = _mm512_maskz_compress_epi32(m, iota), add = _mm512_set1_epi64(first);
+    _mm512_mask_storeu_epi64(idx, (__mmask8)(low & 0xFF),
+                             _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(at)), add));
+    if (c > 8)
+        _mm512_mask_storeu_epi64(idx + 8, (__mmask8)(low >> 8),
+                                 _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(at, 1)), add));
 }
 
-SIMD_TARGET static Py_ssize_t find_changes_8_simd(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
-                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
-    Py_ssize_t count = 0, off = 0;
-    const Py_ssize_t blocks = bytes - bytes % 64;
+SIMD_TARGET static inline void store_block_8(__m512i x, __m512i y, __mmask8 m, int c, int64_t *idx, uint8_t *nv,
+                                             uint8_t *bv, int64_t first) {
     const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-    for (; off < blocks; off += 64) {
-        const __m512i x = _mm512_loadu_si512(n + off), y = _mm512_loadu_si512(b + off);
-        const __mmask8 m = _mm512_cmpneq_epu64_mask(x, y);
-        if (!m)
-            continue;
-        const int c = __builtin_popcount(m);
-        if (count + c > cap) {
-            if (count >= cap)
-                count += c;
-            else
-                EMIT_MASK(8, m, off);
-            continue;
-        }
-        const __mmask8 low = (__mmask8)((1u << c) - 1);
-        _mm512_mask_storeu_epi64(nv + count * 8, low, _mm512_maskz_compress_epi64(m, x));
-        _mm512_mask_storeu_epi64(bv + count * 8, low, _mm512_maskz_compress_epi64(m, y));
-        _mm512_mask_storeu_epi64(idx + count, low,
-                                 _mm512_add_epi64(_mm512_maskz_compress_epi64(m, iota), _mm512_set1_epi64(off / 8)));
-        count += c;
-    }
-    for (; off + 8 <= bytes; off += 8)
-        if (memcmp(n + off, b + off, 8))
-            EMIT_CHANGE(8, off);
-    return count;
+    const __mmask8 low = (__mmask8)((1u << c) - 1);
+    _mm512_mask_storeu_epi64(nv, low, _mm512_maskz_compress_epi64(m, x));
+    _mm512_mask_storeu_epi64(bv, low, _mm512_maskz_compress_epi64(m, y));
+    _mm512_mask_storeu_epi64(idx, low, _mm512_add_epi64(_mm512_maskz_compress_epi64(m, iota), _mm512_set1_epi64(first)));
 }
+
+/* The loop for width W: a 64-byte block with no change costs one compare and one branch; a block whose changes do
+ * not all fit past count takes the scalar emit (what fits is written, the rest counted); the tail shorter than a
+ * block is compared element by element. */
+#define SIMD_CHANGES_LOOP(W, MASK, CMP)                                                                          \
+    SIMD_TARGET static Py_ssize_t find_changes_##W##_simd(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes,   \
+                                                          int64_t *idx, uint8_t *nv, uint8_t *bv, Py_ssize_t cap) { \
+        Py_ssize_t count = 0, off = 0;                                                                           \
+        const Py_ssize_t blocks = bytes - bytes % 64;                                                            \
+        for (; off < blocks; off += 64) {                                                                        \
+            const __m512i x = _mm512_loadu_si512(n + off), y = _mm512_loadu_si512(b + off);                      \
+            const MASK m = CMP(x, y);                                                                            \
+            if (!m)                                                                                              \
+                continue;                                                                                        \
+            const int c = __builtin_popcount(m);                                                                 \
+            if (count + c <= cap)                                                                                \
+                store_block_##W(x, y, m, c, idx + count, nv + count * W, bv + count * W, off / W);               \
+            else if (count < cap) {                                                                              \
+                for (uint64_t mm = m; mm; mm &= mm - 1)                                                          \
+                    EMIT_CHANGE(W, off + (Py_ssize_t)__builtin_ctzll(mm) * W);                                   \
+                continue;                                                                                        \
+            }                                                                                                    \
+            count += c;                                                                                          \
+        }                                                                                                        \
+        for (; off + W <= bytes; off += W)                                                                       \
+            if (memcmp(n + off, b + off, W))                                                                     \
+                EMIT_CHANGE(W, off);                                                                             \
+        return count;                                                                                            \
+    }
+SIMD_CHANGES_LOOP(2, __mmask32, _mm512_cmpneq_epu16_mask)
+SIMD_CHANGES_LOOP(4, __mmask16, _mm512_cmpneq_epu32_mask)
+SIMD_CHANGES_LOOP(8, __mmask8, _mm512_cmpneq_epu64_mask)
 
 /* Whether this CPU (and the OS, which must save the AVX-512 registers: libgcc checks XCR0) runs the loops above. */
 static int simd_supported(void) {
