@@ -606,13 +606,116 @@ SIMD_CHANGES_LOOP(2, __mmask32, _mm512_cmpneq_epu16_mask)
 SIMD_CHANGES_LOOP(4, __mmask16, _mm512_cmpneq_epu32_mask)
 SIMD_CHANGES_LOOP(8, __mmask8, _mm512_cmpneq_epu64_mask)
 
-/* Whether this CPU (and the OS, which must save the AVX-512 registers: libgcc checks XCR0) runs the loops above. */
+/* AVX2 hosts (x86-64 without AVX-512: AMD Zen 2 and 3, older Intel) have no compress instruction: the changed
+ * lanes of each 16-byte half (width 2) or 32-byte vector (width 4) are moved to the front by a byte shuffle or a lane
+ * permute from a table indexed by the lane mask, built at import. Each store writes a whole vector, so a block
+ * needs room for all its lanes past count (else the scalar emit); entries past count are scratch, as the caller
+ * keeps only the first count. No pext: it is microcoded, and slow, on AMD before Zen 3. */
+#define AVX2_TARGET __attribute__((target("avx2,popcnt")))
+static uint8_t SHUF16[256][16]; /* pshufb control: the set lanes of an 8-lane mask, 2 bytes each, to the front */
+static uint8_t LANES8[256][8];   /* the set lanes of an 8-lane mask, lowest first (the rest 0) */
+static uint32_t PERM32[256][8];  /* the same as 32-bit lane indexes for vpermd */
+
+static void build_lane_tables(void) {
+    for (int m = 0; m < 256; m++) {
+        int k = 0;
+        memset(SHUF16[m], 0x80, 16);
+        for (int l = 0; l < 8; l++)
+            if (m >> l & 1) {
+                SHUF16[m][2 * k] = (uint8_t)(2 * l);
+                SHUF16[m][2 * k + 1] = (uint8_t)(2 * l + 1);
+                LANES8[m][k] = (uint8_t)l;
+                PERM32[m][k] = (uint32_t)l;
+                k++;
+            }
+        for (; k < 8; k++)
+            LANES8[m][k] = 0, PERM32[m][k] = 0;
+    }
+}
+
+/* Eight int64 indexes first + lanes[0..7] at out (a whole vector: room checked by the caller). */
+AVX2_TARGET static inline void store_lanes8(int64_t *out, const uint8_t *lanes, int64_t first) {
+    const __m256i l32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)lanes));
+    const __m256i add = _mm256_set1_epi64x(first);
+    _mm256_storeu_si256((__m256i *)out, _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(l32)), add));
+    _mm256_storeu_si256((__m256i *)(out + 4), _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(l32, 1)), add));
+}
+
+AVX2_TARGET static inline void store_half_2(__m128i x, __m128i y, unsigned m, int64_t *idx, uint8_t *nv, uint8_t *bv,
+                                            int64_t first) {
+    const __m128i shuf = _mm_loadu_si128((const __m128i *)SHUF16[m]);
+    _mm_storeu_si128((__m128i *)nv, _mm_shuffle_epi8(x, shuf));
+    _mm_storeu_si128((__m128i *)bv, _mm_shuffle_epi8(y, shuf));
+    store_lanes8(idx, LANES8[m], first);
+}
+
+AVX2_TARGET static Py_ssize_t find_changes_2_avx2(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
+                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
+    Py_ssize_t count = 0, off = 0;
+    const Py_ssize_t blocks = bytes - bytes % 32;
+    for (; off < blocks; off += 32) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(n + off)), y = _mm256_loadu_si256((const __m256i *)(b + off));
+        /* Each 16-bit compare result packed to one byte per lane: lanes 0-7 in bits 0-7, lanes 8-15 in 16-23. */
+        const __m256i eq = _mm256_packs_epi16(_mm256_cmpeq_epi16(x, y), _mm256_setzero_si256());
+        const unsigned m = ~(unsigned)_mm256_movemask_epi8(eq) & 0x00FF00FFu;
+        if (!m)
+            continue;
+        if (count + 16 > cap) {
+            for (unsigned mm = (m & 0xFF) | (m >> 8 & 0xFF00); mm; mm &= mm - 1)
+                EMIT_CHANGE(2, off + (Py_ssize_t)__builtin_ctz(mm) * 2);
+            continue;
+        }
+        const unsigned lo = m & 0xFF, hi = m >> 16;
+        store_half_2(_mm256_castsi256_si128(x), _mm256_castsi256_si128(y), lo, idx + count, nv + count * 2,
+                     bv + count * 2, off / 2);
+        count += __builtin_popcount(lo);
+        store_half_2(_mm256_extracti128_si256(x, 1), _mm256_extracti128_si256(y, 1), hi, idx + count, nv + count * 2,
+                     bv + count * 2, off / 2 + 8);
+        count += __builtin_popcount(hi);
+    }
+    for (; off + 2 <= bytes; off += 2)
+        if (memcmp(n + off, b + off, 2))
+            EMIT_CHANGE(2, off);
+    return count;
+}
+
+AVX2_TARGET static Py_ssize_t find_changes_4_avx2(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
+                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
+    Py_ssize_t count = 0, off = 0;
+    const Py_ssize_t blocks = bytes - bytes % 32;
+    for (; off < blocks; off += 32) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(n + off)), y = _mm256_loadu_si256((const __m256i *)(b + off));
+        const unsigned m = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, y))) & 0xFFu;
+        if (!m)
+            continue;
+        if (count + 8 > cap) {
+            for (unsigned mm = m; mm; mm &= mm - 1)
+                EMIT_CHANGE(4, off + (Py_ssize_t)__builtin_ctz(mm) * 4);
+            continue;
+        }
+        const __m256i perm = _mm256_loadu_si256((const __m256i *)PERM32[m]);
+        _mm256_storeu_si256((__m256i *)(nv + count * 4), _mm256_permutevar8x32_epi32(x, perm));
+        _mm256_storeu_si256((__m256i *)(bv + count * 4), _mm256_permutevar8x32_epi32(y, perm));
+        store_lanes8(idx + count, LANES8[m], off / 4);
+        count += __builtin_popcount(m);
+    }
+    for (; off + 4 <= bytes; off += 4)
+        if (memcmp(n + off, b + off, 4))
+            EMIT_CHANGE(4, off);
+    return count;
+}
+
+/* The best vector compare this CPU (and the OS, which must save the wider registers: libgcc checks XCR0) runs: 2 for
+ * the AVX-512 loops, 1 for the AVX2 ones, 0 for none. */
 static int simd_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vbmi2");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vbmi2"))
+        return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt") ? 1 : 0;
 }
 #else
+static void build_lane_tables(void) {}
 static int simd_supported(void) { return 0; }
 #endif
 static int simd_ok = -1; /* simd_supported(), asked once at import */
@@ -621,11 +724,18 @@ static Py_ssize_t find_changes(const uint8_t *n, const uint8_t *b, Py_ssize_t el
                                uint8_t *nv, uint8_t *bv, Py_ssize_t cap, int simd) {
     const Py_ssize_t bytes = elements * width;
 #ifdef HAVE_SIMD_CHANGES
-    if (simd && simd_ok) {
+    const int level = simd < simd_ok ? simd : simd_ok;
+    if (level >= 2) {
         switch (width) {
         case 2: return find_changes_2_simd(n, b, bytes, idx, nv, bv, cap);
         case 4: return find_changes_4_simd(n, b, bytes, idx, nv, bv, cap);
         case 8: return find_changes_8_simd(n, b, bytes, idx, nv, bv, cap);
+        default: break;
+        }
+    } else if (level == 1) {
+        switch (width) {
+        case 2: return find_changes_2_avx2(n, b, bytes, idx, nv, bv, cap);
+        case 4: return find_changes_4_avx2(n, b, bytes, idx, nv, bv, cap);
         default: break;
         }
     }
@@ -642,8 +752,8 @@ static Py_ssize_t find_changes(const uint8_t *n, const uint8_t *b, Py_ssize_t el
 
 static PyObject *changes(PyObject *self, PyObject *args) {
     Py_buffer n, b, idx, nv, bv;
-    int width, simd = 1;
-    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*|p", &n, &b, &width, &idx, &nv, &bv, &simd))
+    int width, simd = 2;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*|i", &n, &b, &width, &idx, &nv, &bv, &simd))
         return NULL;
     Py_ssize_t count = -1;
     if ((width == 1 || width == 2 || width == 4 || width == 8) && n.len == b.len && n.len % width == 0 &&
@@ -663,7 +773,7 @@ static PyObject *changes(PyObject *self, PyObject *args) {
         return NULL;
     return PyLong_FromSsize_t(count);
 }
-static PyObject *simd(PyObject *self, PyObject *unused) { return PyBool_FromLong(simd_ok > 0); }
+static PyObject *simd(PyObject *self, PyObject *unused) { return PyLong_FromLong(simd_ok); }
 
 static PyMethodDef methods[] = {
     {"positions", positions, METH_VARARGS, "positions(unary, remainder, count, k, end, out) -> status"},
@@ -672,8 +782,8 @@ static PyMethodDef methods[] = {
     {"dense", dense, METH_VARARGS, "dense(planes, width, base, out) -> None"},
     {"codes", codes, METH_VARARGS, "codes(new, base, width, planes_out) -> changed"},
     {"changes", changes, METH_VARARGS,
-     "changes(new, base, width, idx_out, new_out, base_out, simd=True) -> count (simd=False: the scalar loops)"},
-    {"simd", simd, METH_NOARGS, "simd() -> whether changes() uses AVX-512 on this host"},
+     "changes(new, base, width, idx_out, new_out, base_out, simd=2) -> count (simd: the most vector level to use)"},
+    {"simd", simd, METH_NOARGS, "simd() -> the vector compare changes() uses here: 2 AVX-512, 1 AVX2, 0 none"},
     {"shifted_sum", shifted_sum, METH_VARARGS, "shifted_sum(gaps, k) -> sum of gaps >> k"},
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
     {NULL, NULL, 0, NULL},
@@ -682,6 +792,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The sparse codec's per-element loops, compiled.", -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
+    build_lane_tables();
     simd_ok = simd_supported();
     return PyModule_Create(&module);
 }

@@ -31,9 +31,9 @@ def loops() -> ModuleType | None:
 def describe() -> str:
     """Which loops run and why, for `deltafs env`."""
     if enabled and module is not None:
-        # An older build of the module has no simd(): it predates the vector compare.
-        vector = getattr(module, "simd", lambda: False)()
-        return f"compiled, compare {'AVX-512' if vector else 'scalar'} ({module.__file__})"
+        # An older build of the module has no simd(): it predates the vector compares.
+        level = getattr(module, "simd", lambda: 0)()
+        return f"compiled, compare {('scalar', 'AVX2', 'AVX-512')[level]} ({module.__file__})"
     if not BUILT:
         return "numpy (not built: no C compiler at install)"
     if sys.byteorder != "little":
