@@ -641,69 +641,70 @@ AVX2_TARGET static inline void store_lanes8(int64_t *out, const uint8_t *lanes, 
     _mm256_storeu_si256((__m256i *)(out + 4), _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(l32, 1)), add));
 }
 
-AVX2_TARGET static inline void store_half_2(__m128i x, __m128i y, unsigned m, int64_t *idx, uint8_t *nv, uint8_t *bv,
-                                            int64_t first) {
-    const __m128i shuf = _mm_loadu_si128((const __m128i *)SHUF16[m]);
-    _mm_storeu_si128((__m128i *)nv, _mm_shuffle_epi8(x, shuf));
-    _mm_storeu_si128((__m128i *)bv, _mm_shuffle_epi8(y, shuf));
+/* The changed lanes of a 32-byte block of new x against base y, bit l for lane l. */
+AVX2_TARGET static inline unsigned avx2_mask_2(__m256i x, __m256i y) {
+    /* Each 16-bit compare result packed to one byte per lane: lanes 0-7 in bits 0-7, lanes 8-15 in 16-23. */
+    const __m256i eq = _mm256_packs_epi16(_mm256_cmpeq_epi16(x, y), _mm256_setzero_si256());
+    const unsigned m = ~(unsigned)_mm256_movemask_epi8(eq) & 0x00FF00FFu;
+    return (m & 0xFF) | (m >> 8 & 0xFF00);
+}
+
+AVX2_TARGET static inline unsigned avx2_mask_4(__m256i x, __m256i y) {
+    return ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, y))) & 0xFFu;
+}
+
+/* Store the block's changed lanes (mask m) at idx, nv and bv, packed lowest first, as whole vectors (room for all
+ * the block's lanes); returns how many changed. */
+AVX2_TARGET static inline int avx2_store_2(__m256i x, __m256i y, unsigned m, int64_t *idx, uint8_t *nv, uint8_t *bv,
+                                           int64_t first) {
+    const unsigned lo = m & 0xFF, hi = m >> 8;
+    const int c = __builtin_popcount(lo);
+    const __m128i s0 = _mm_loadu_si128((const __m128i *)SHUF16[lo]), s1 = _mm_loadu_si128((const __m128i *)SHUF16[hi]);
+    _mm_storeu_si128((__m128i *)nv, _mm_shuffle_epi8(_mm256_castsi256_si128(x), s0));
+    _mm_storeu_si128((__m128i *)bv, _mm_shuffle_epi8(_mm256_castsi256_si128(y), s0));
+    store_lanes8(idx, LANES8[lo], first);
+    _mm_storeu_si128((__m128i *)(nv + 2 * c), _mm_shuffle_epi8(_mm256_extracti128_si256(x, 1), s1));
+    _mm_storeu_si128((__m128i *)(bv + 2 * c), _mm_shuffle_epi8(_mm256_extracti128_si256(y, 1), s1));
+    store_lanes8(idx + c, LANES8[hi], first + 8);
+    return c + __builtin_popcount(hi);
+}
+
+AVX2_TARGET static inline int avx2_store_4(__m256i x, __m256i y, unsigned m, int64_t *idx, uint8_t *nv, uint8_t *bv,
+                                           int64_t first) {
+    const __m256i perm = _mm256_loadu_si256((const __m256i *)PERM32[m]);
+    _mm256_storeu_si256((__m256i *)nv, _mm256_permutevar8x32_epi32(x, perm));
+    _mm256_storeu_si256((__m256i *)bv, _mm256_permutevar8x32_epi32(y, perm));
     store_lanes8(idx, LANES8[m], first);
+    return __builtin_popcount(m);
 }
 
-AVX2_TARGET static Py_ssize_t find_changes_2_avx2(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
-                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
-    Py_ssize_t count = 0, off = 0;
-    const Py_ssize_t blocks = bytes - bytes % 32;
-    for (; off < blocks; off += 32) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(n + off)), y = _mm256_loadu_si256((const __m256i *)(b + off));
-        /* Each 16-bit compare result packed to one byte per lane: lanes 0-7 in bits 0-7, lanes 8-15 in 16-23. */
-        const __m256i eq = _mm256_packs_epi16(_mm256_cmpeq_epi16(x, y), _mm256_setzero_si256());
-        const unsigned m = ~(unsigned)_mm256_movemask_epi8(eq) & 0x00FF00FFu;
-        if (!m)
-            continue;
-        if (count + 16 > cap) {
-            for (unsigned mm = (m & 0xFF) | (m >> 8 & 0xFF00); mm; mm &= mm - 1)
-                EMIT_CHANGE(2, off + (Py_ssize_t)__builtin_ctz(mm) * 2);
-            continue;
-        }
-        const unsigned lo = m & 0xFF, hi = m >> 16;
-        store_half_2(_mm256_castsi256_si128(x), _mm256_castsi256_si128(y), lo, idx + count, nv + count * 2,
-                     bv + count * 2, off / 2);
-        count += __builtin_popcount(lo);
-        store_half_2(_mm256_extracti128_si256(x, 1), _mm256_extracti128_si256(y, 1), hi, idx + count, nv + count * 2,
-                     bv + count * 2, off / 2 + 8);
-        count += __builtin_popcount(hi);
+/* The loop for width W: 32-byte blocks; one with no change costs one compare and one branch, one without room for
+ * all its lanes past count takes the scalar emit; the tail shorter than a block is compared element by element. */
+#define AVX2_CHANGES_LOOP(W)                                                                                     \
+    AVX2_TARGET static Py_ssize_t find_changes_##W##_avx2(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes,   \
+                                                          int64_t *idx, uint8_t *nv, uint8_t *bv, Py_ssize_t cap) { \
+        Py_ssize_t count = 0, off = 0;                                                                           \
+        const Py_ssize_t blocks = bytes - bytes % 32;                                                            \
+        for (; off < blocks; off += 32) {                                                                        \
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(n + off));                                   \
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(b + off));                                   \
+            const unsigned m = avx2_mask_##W(x, y);                                                              \
+            if (!m)                                                                                              \
+                continue;                                                                                        \
+            if (count + 32 / W <= cap) {                                                                         \
+                count += avx2_store_##W(x, y, m, idx + count, nv + count * W, bv + count * W, off / W);          \
+                continue;                                                                                        \
+            }                                                                                                    \
+            for (unsigned mm = m; mm; mm &= mm - 1)                                                              \
+                EMIT_CHANGE(W, off + (Py_ssize_t)__builtin_ctz(mm) * W);                                         \
+        }                                                                                                        \
+        for (; off + W <= bytes; off += W)                                                                       \
+            if (memcmp(n + off, b + off, W))                                                                     \
+                EMIT_CHANGE(W, off);                                                                             \
+        return count;                                                                                            \
     }
-    for (; off + 2 <= bytes; off += 2)
-        if (memcmp(n + off, b + off, 2))
-            EMIT_CHANGE(2, off);
-    return count;
-}
-
-AVX2_TARGET static Py_ssize_t find_changes_4_avx2(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,
-                                                  uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {
-    Py_ssize_t count = 0, off = 0;
-    const Py_ssize_t blocks = bytes - bytes % 32;
-    for (; off < blocks; off += 32) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(n + off)), y = _mm256_loadu_si256((const __m256i *)(b + off));
-        const unsigned m = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, y))) & 0xFFu;
-        if (!m)
-            continue;
-        if (count + 8 > cap) {
-            for (unsigned mm = m; mm; mm &= mm - 1)
-                EMIT_CHANGE(4, off + (Py_ssize_t)__builtin_ctz(mm) * 4);
-            continue;
-        }
-        const __m256i perm = _mm256_loadu_si256((const __m256i *)PERM32[m]);
-        _mm256_storeu_si256((__m256i *)(nv + count * 4), _mm256_permutevar8x32_epi32(x, perm));
-        _mm256_storeu_si256((__m256i *)(bv + count * 4), _mm256_permutevar8x32_epi32(y, perm));
-        store_lanes8(idx + count, LANES8[m], off / 4);
-        count += __builtin_popcount(m);
-    }
-    for (; off + 4 <= bytes; off += 4)
-        if (memcmp(n + off, b + off, 4))
-            EMIT_CHANGE(4, off);
-    return count;
-}
+AVX2_CHANGES_LOOP(2)
+AVX2_CHANGES_LOOP(4)
 
 /* The best vector compare this CPU (and the OS, which must save the wider registers: libgcc checks XCR0) runs: 2 for
  * the AVX-512 loops, 1 for the AVX2 ones, 0 for none. */
