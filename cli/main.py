@@ -83,7 +83,8 @@ def env_cmd() -> None:
     from deltafs.codec import native
 
     lines.append(f"codec loops: {native.describe()}")
-    for var in ("DELTAFS_CACHE", "DELTAFS_STORAGE_OPTIONS", "DELTAFS_METRICS_DIR", "DELTAFS_LOG_LEVEL", "DELTAFS_NATIVE"):
+    for var in ("DELTAFS_CACHE", "DELTAFS_STORAGE_OPTIONS", "DELTAFS_METRICS_DIR", "DELTAFS_LOG_LEVEL", "DELTAFS_NATIVE",
+                "DELTAFS_SIMD"):
         value = os.environ.get(var)
         if value is not None:
             lines.append(f"{var}: {'(set)' if var == 'DELTAFS_STORAGE_OPTIONS' else value}")

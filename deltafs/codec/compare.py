@@ -54,10 +54,10 @@ def _compiled_changes(c: Any, n: np.ndarray, b: np.ndarray, width: int,
     elements = n.size // width
     room = elements if elements <= _ROOM else max(_ROOM, elements >> 4)
     idx, nv, bv = np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype)
-    count: int = c.changes(n, b, width, idx, nv, bv)
+    count: int = c.changes(n, b, width, idx, nv, bv, native.simd_level)
     if count > room:
         idx, nv, bv = np.empty(count, np.int64), np.empty(count, dtype), np.empty(count, dtype)
-        c.changes(n, b, width, idx, nv, bv)
+        c.changes(n, b, width, idx, nv, bv, native.simd_level)
     return idx[:count], nv[:count], bv[:count]
 
 

@@ -23,6 +23,18 @@ BUILT = module is not None
 enabled = BUILT and sys.byteorder == "little" and os.environ.get("DELTAFS_NATIVE", "1") != "0"
 
 
+def _simd_level() -> int:
+    """The compare's vector level: the host's (2 AVX-512, 1 AVX2, 0 none; an older build of the module has no
+    simd()), at most DELTAFS_SIMD when that is set to 0, 1 or 2 (to rule the vector loops out, or compare them)."""
+    host = int(getattr(module, "simd", lambda: 0)()) if module is not None else 0
+    cap = os.environ.get("DELTAFS_SIMD", "").strip()
+    return min(host, int(cap)) if cap in ("0", "1", "2") else host
+
+
+# Passed to the compiled compare; tests set it like `enabled` (every level gives the same bytes).
+simd_level = _simd_level()
+
+
 def loops() -> ModuleType | None:
     """The compiled module when it is built and enabled, else None (use numpy)."""
     return module if enabled else None
@@ -31,9 +43,8 @@ def loops() -> ModuleType | None:
 def describe() -> str:
     """Which loops run and why, for `deltafs env`."""
     if enabled and module is not None:
-        # An older build of the module has no simd(): it predates the vector compares.
-        level = getattr(module, "simd", lambda: 0)()
-        return f"compiled, compare {('scalar', 'AVX2', 'AVX-512')[level]} ({module.__file__})"
+        capped = " (DELTAFS_SIMD)" if os.environ.get("DELTAFS_SIMD", "").strip() in ("0", "1", "2") else ""
+        return f"compiled, compare {('scalar', 'AVX2', 'AVX-512')[simd_level]}{capped} ({module.__file__})"
     if not BUILT:
         return "numpy (not built: no C compiler at install)"
     if sys.byteorder != "little":

@@ -305,6 +305,56 @@ def test_changes_vector_loops_match_the_scalar_ones(width: int, n: int, rate: fl
 
 
 @built
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from(["bf16", "f32", "f64"]), n=st.sampled_from([300, 5000, 70_000, 600_000]),
+       rate=st.sampled_from([0.003, 0.02, 0.05, 0.3, 0.97]), seed=st.integers(0, 2**32 - 1))
+def test_every_compare_level_writes_the_same_payload(dtype: str, n: int, rate: float, seed: int) -> None:
+    """A trainer-like step (small steps on a few percent of the elements, or on nearly all) encodes to the same codec
+    record and payload whichever compare runs (DELTAFS_SIMD's levels: scalar, AVX2, AVX-512, as far as this host
+    has them), and decodes back to the new bytes."""
+    rng = np.random.default_rng(seed)
+    if dtype == "f64":
+        base = rng.standard_normal(n)
+    else:
+        base = rng.standard_normal(n).astype(np.float32)
+    moved = base * (1 + 1e-3 * rng.standard_normal(n)).astype(base.dtype)
+    new = np.where(rng.random(n) < rate, moved, base).astype(base.dtype)
+    if dtype == "bf16":  # the upper halves of F32: bf16 bit patterns
+        base, new = (base.view(np.uint32) >> 16).astype(np.uint16), (new.view(np.uint32) >> 16).astype(np.uint16)
+    width = base.dtype.itemsize
+    b8, n8 = base.view(np.uint8), new.view(np.uint8)
+    host = native.simd_level
+    out = []
+    try:
+        for level in range(host + 1):
+            native.simd_level = level
+            enc = codec.encode(n8, b8, width, level=3)
+            out.append((enc.codec, enc.payload, enc.changed))
+    finally:
+        native.simd_level = host
+    assert all(o == out[0] for o in out[1:])
+    codec_rec, payload, _ = out[0]
+    assert codec.decode(codec_rec, payload, b8, n8.size, width).tobytes() == n8.tobytes()
+
+
+def test_deltafs_simd_caps_the_compare_level() -> None:
+    """DELTAFS_SIMD=0 in the environment starts a process whose compare runs the scalar loops, and `deltafs env` says
+    so; an unknown value is ignored."""
+    probe = "from deltafs.codec import native; print(native.simd_level, native.describe())"
+    for value, expect in (("0", "0"), ("junk", None)):
+        run = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "DELTAFS_SIMD": value},
+                             capture_output=True, text=True, check=True)
+        level, text = run.stdout.split(" ", 1)
+        if not native.BUILT or not native.enabled:
+            assert text.startswith("numpy")
+            continue
+        if expect is not None:
+            assert level == expect and "compare scalar (DELTAFS_SIMD)" in text, text
+        else:
+            assert int(level) == native.simd_level and "(DELTAFS_SIMD)" not in text, text
+
+
+@built
 @settings(max_examples=200, deadline=None)
 @given(gaps=st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**40)), min_size=1, max_size=400),
        total_known=st.booleans())
