@@ -488,6 +488,11 @@ static inline uint64_t lanes_changed_8(uint64_t d) { return d != 0; }
         }                                                                                                        \
         count++;                                                                                                 \
     } while (0)
+/* The last elements, fewer than a block: compared one by one. */
+#define EMIT_TAIL(W)                                                                                             \
+    for (; off + W <= bytes; off += W)                                                                           \
+        if (memcmp(n + off, b + off, W))                                                                         \
+            EMIT_CHANGE(W, off)
 #define CHANGES_LOOP(W)                                                                                          \
     static Py_ssize_t find_changes_##W(const uint8_t *n, const uint8_t *b, Py_ssize_t bytes, int64_t *idx,      \
                                        uint8_t *nv, uint8_t *bv, Py_ssize_t cap) {                              \
@@ -512,9 +517,7 @@ static inline uint64_t lanes_changed_8(uint64_t d) { return d != 0; }
                     EMIT_CHANGE(W, off + j + (__builtin_ctzll(m) >> 3));                                         \
             }                                                                                                    \
         }                                                                                                        \
-        for (; off + W <= bytes; off += W)                                                                       \
-            if (memcmp(n + off, b + off, W))                                                                     \
-                EMIT_CHANGE(W, off);                                                                             \
+        EMIT_TAIL(W);                                                                                            \
         return count;                                                                                            \
     }
 CHANGES_LOOP(1)
@@ -532,6 +535,12 @@ CHANGES_LOOP(8)
 #include <immintrin.h>
 #define HAVE_SIMD_CHANGES 1
 #define SIMD_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi2")))
+
+/* A block's changed lanes (bit l of m for lane l) through the scalar emit, lowest first: where the vector store
+ * lacks room past count. */
+#define EMIT_LANES(W, m_)                                                                                        \
+    for (uint64_t mm = (m_); mm; mm &= mm - 1)                                                                   \
+        EMIT_CHANGE(W, off + (Py_ssize_t)__builtin_ctzll(mm) * W)
 
 /* Store one 64-byte block's c changed lanes (mask m of new x against base y) at idx, nv and bv, packed lowest
  * first, as int64 element indexes from first and as values; nothing past the c-th entry is written. */
@@ -591,15 +600,12 @@ SIMD_TARGET static inline void store_block_8(__m512i x, __m512i y, __mmask8 m, i
             if (count + c <= cap)                                                                                \
                 store_block_##W(x, y, m, c, idx + count, nv + count * W, bv + count * W, off / W);               \
             else if (count < cap) {                                                                              \
-                for (uint64_t mm = m; mm; mm &= mm - 1)                                                          \
-                    EMIT_CHANGE(W, off + (Py_ssize_t)__builtin_ctzll(mm) * W);                                   \
+                EMIT_LANES(W, m);                                                                                \
                 continue;                                                                                        \
             }                                                                                                    \
             count += c;                                                                                          \
         }                                                                                                        \
-        for (; off + W <= bytes; off += W)                                                                       \
-            if (memcmp(n + off, b + off, W))                                                                     \
-                EMIT_CHANGE(W, off);                                                                             \
+        EMIT_TAIL(W);                                                                                            \
         return count;                                                                                            \
     }
 SIMD_CHANGES_LOOP(2, __mmask32, _mm512_cmpneq_epu16_mask)
@@ -695,12 +701,9 @@ AVX2_TARGET static inline int avx2_store_4(__m256i x, __m256i y, unsigned m, int
                 count += avx2_store_##W(x, y, m, idx + count, nv + count * W, bv + count * W, off / W);          \
                 continue;                                                                                        \
             }                                                                                                    \
-            for (unsigned mm = m; mm; mm &= mm - 1)                                                              \
-                EMIT_CHANGE(W, off + (Py_ssize_t)__builtin_ctz(mm) * W);                                         \
+            EMIT_LANES(W, m);                                                                                    \
         }                                                                                                        \
-        for (; off + W <= bytes; off += W)                                                                       \
-            if (memcmp(n + off, b + off, W))                                                                     \
-                EMIT_CHANGE(W, off);                                                                             \
+        EMIT_TAIL(W);                                                                                            \
         return count;                                                                                            \
     }
 AVX2_CHANGES_LOOP(2)

@@ -23,16 +23,13 @@ BUILT = module is not None
 enabled = BUILT and sys.byteorder == "little" and os.environ.get("DELTAFS_NATIVE", "1") != "0"
 
 
-def _simd_level() -> int:
-    """The compare's vector level: the host's (2 AVX-512, 1 AVX2, 0 none; an older build of the module has no
-    simd()), at most DELTAFS_SIMD when that is set to 0, 1 or 2 (to rule the vector loops out, or compare them)."""
-    host = int(getattr(module, "simd", lambda: 0)()) if module is not None else 0
-    cap = os.environ.get("DELTAFS_SIMD", "").strip()
-    return min(host, int(cap)) if cap in ("0", "1", "2") else host
-
-
-# Passed to the compiled compare; tests set it like `enabled` (every level gives the same bytes).
-simd_level = _simd_level()
+# DELTAFS_SIMD=0, 1 or 2 caps the compare's vector level (to rule the vector loops out, or compare them); anything
+# else is ignored.
+_SIMD_CAP = os.environ.get("DELTAFS_SIMD", "").strip()
+_SIMD_CAP = _SIMD_CAP if _SIMD_CAP in ("0", "1", "2") else ""
+# The level passed to the compiled compare: the host's (2 AVX-512, 1 AVX2, 0 none), at most the cap. Tests set it
+# like `enabled` (every level gives the same bytes).
+simd_level = 0 if module is None else min(module.simd(), int(_SIMD_CAP or 2))
 
 
 def loops() -> ModuleType | None:
@@ -43,7 +40,7 @@ def loops() -> ModuleType | None:
 def describe() -> str:
     """Which loops run and why, for `deltafs env`."""
     if enabled and module is not None:
-        capped = " (DELTAFS_SIMD)" if os.environ.get("DELTAFS_SIMD", "").strip() in ("0", "1", "2") else ""
+        capped = " (DELTAFS_SIMD)" if _SIMD_CAP else ""
         return f"compiled, compare {('scalar', 'AVX2', 'AVX-512')[simd_level]}{capped} ({module.__file__})"
     if not BUILT:
         return "numpy (not built: no C compiler at install)"
