@@ -25,17 +25,14 @@ import time
 import numpy as np
 
 from deltafs.buffers import aligned_empty
+from deltafs.read.rebuild import pwrite_all
 
 CHUNK = 4 << 20
 
 
 def _write(fd: int, buf: memoryview, chunks: range) -> None:
     for i in chunks:
-        view = buf
-        offset = i * CHUNK
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
+        pwrite_all(fd, buf, i * CHUNK)
 
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; not in Python 3.11's mmap module
