@@ -6,4 +6,4 @@ uses its numpy code for the same streams (same bytes, slower on small chunks).
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("deltafs.codec._native", ["deltafs/codec/_native.c"], optional=True)])
+setup(ext_modules=[Extension("deltafs.codec._native", ["deltafs/codec/_native.c"], libraries=["m"], optional=True)])

@@ -153,8 +153,10 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     if fraction <= SPARSE_ONLY_BELOW:
         rec, payload = Sparse.encode(nw, bw, idx, level, split, values=(nv, bv))
     elif small_dense is not None:
-        rec, payload = min([Sparse.encode(nw, bw, idx, level, split, values=(nv, bv)), small_dense],
-                           key=lambda c: len(c[1]))
+        # The smaller of sparse and the dense payload in hand (sparse on a tie); the sparse encode stops once it
+        # cannot be the smaller, which on such chunks is usually after its first zstd call.
+        sparse = Sparse.encode_within(nw, bw, idx, level, len(small_dense[1]), split, values=(nv, bv))
+        rec, payload = small_dense if sparse is None else sparse
     elif compare.looks_like_update(nv, bv):
         # Small arithmetic steps (a trainer's): a difference codec wins, which one is set by the density.
         if fraction >= DENSE_FROM:

@@ -11,6 +11,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -286,6 +287,153 @@ static PyObject *signs(PyObject *self, PyObject *args) {
     if (nbig < 0)
         return NULL;
     return PyLong_FromSsize_t(nbig);
+}
+
+/* group(ranks, diff, width, space) -> (k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes)
+ *
+ * Every stream of one sparse class in one call, as bytes: what streams.rice_streams, codecs._signs_and_big and
+ * streams.to_planes compute in about twenty numpy calls (a few dozen microseconds on a chunk of a few KiB, more than
+ * the work). ranks: the count ascending int64 ranks of the changes within a class of space elements; diff: their
+ * count wrapped differences (width bytes each, little-endian). The rank gaps (with the last one up to the sentinel
+ * rank space) and the gaps between big changes are each Rice-coded with the k that codes them smallest, found by
+ * the same walk as streams._walk_k from the same start (streams._first_k); planes holds the big changes'
+ * magnitudes less 2 as width byte planes of big bytes each, lowest first. ValueError when the ranks are not
+ * ascending or not below space.
+ */
+static int rice_start(Py_ssize_t count, uint64_t total) {
+    /* streams._first_k: int(log2(mean * 0.69 + 1.0)) in 0..32, every step rounded as Python rounds it. */
+    volatile double mean = count ? (double)total / (double)count : 0.0;
+    volatile double scaled = mean * 0.69;
+    const double k = log2(scaled + 1.0);
+    return k < 0 ? 0 : k > 32 ? 32 : (int)k;
+}
+
+static uint64_t quotient_sum(const int64_t *gaps, Py_ssize_t count, int k) {
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++)
+        total += (uint64_t)gaps[i] >> k;
+    return total;
+}
+
+static int rice_walk(const int64_t *gaps, Py_ssize_t count, uint64_t total, uint64_t *qsum) {
+    /* streams._walk_k: down from the start while the cost falls, then up. */
+    int k = rice_start(count, total);
+    uint64_t best = quotient_sum(gaps, count, k);
+    uint64_t cost = (uint64_t)count * (uint64_t)(k + 1) + best;
+    for (int step = -1; step <= 1; step += 2) {
+        while (k + step >= 0 && k + step <= 32) {
+            const uint64_t q = quotient_sum(gaps, count, k + step);
+            const uint64_t c = (uint64_t)count * (uint64_t)(k + step + 1) + q;
+            if (c >= cost)
+                break;
+            k += step;
+            cost = c;
+            best = q;
+        }
+    }
+    *qsum = best;
+    return k;
+}
+
+static PyObject *group(PyObject *self, PyObject *args) {
+    Py_buffer ranks, diff;
+    int width;
+    Py_ssize_t space;
+    if (!PyArg_ParseTuple(args, "y*y*in", &ranks, &diff, &width, &space))
+        return NULL;
+    PyObject *result = NULL;
+    PyObject *out[6] = {NULL, NULL, NULL, NULL, NULL, NULL}; /* unary, remainder, signs, big_unary, big_rem, planes */
+    int64_t *gaps = NULL, *big_at = NULL;
+    uint8_t *big = NULL;
+    const Py_ssize_t count = ranks.len / 8;
+    if (!(width == 1 || width == 2 || width == 4 || width == 8) || ranks.len % 8 || diff.len != count * width ||
+        space < count) {
+        PyErr_SetString(PyExc_ValueError, "group: width must be 1, 2, 4 or 8, ranks int64 and diff one per rank");
+        goto done;
+    }
+    gaps = PyMem_RawMalloc((size_t)(count + 1) * 8);
+    big_at = PyMem_RawMalloc((size_t)(count ? count : 1) * 8);
+    big = PyMem_RawMalloc((size_t)(count ? count : 1) * (size_t)width);
+    if (!gaps || !big_at || !big) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *r = (const int64_t *)ranks.buf;
+    int ascending = 1, k = 0, big_k = 0;
+    uint64_t qsum = 0, big_qsum = 0;
+    Py_ssize_t nbig = 0;
+    uint8_t *sg = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t prev = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        ascending &= r[i] > prev && r[i] < (int64_t)space;
+        gaps[i] = r[i] - prev - 1;
+        prev = r[i];
+    }
+    gaps[count] = (int64_t)space - 1 - prev;
+    if (ascending)
+        k = rice_walk(gaps, count + 1, (uint64_t)(space - count), &qsum);
+    Py_END_ALLOW_THREADS
+    if (!ascending) {
+        PyErr_SetString(PyExc_ValueError, "group: ranks must be ascending and below space");
+        goto done;
+    }
+    out[2] = PyBytes_FromStringAndSize(NULL, (count + 7) / 8);
+    if (!out[2])
+        goto done;
+    sg = (uint8_t *)PyBytes_AS_STRING(out[2]);
+    Py_BEGIN_ALLOW_THREADS
+    const uint8_t *d = (const uint8_t *)diff.buf;
+    switch (width) {
+    case 1: nbig = signs_1(d, count, sg, big_at, big); break;
+    case 2: nbig = signs_2(d, count, sg, big_at, big); break;
+    case 4: nbig = signs_4(d, count, sg, big_at, big); break;
+    default: nbig = signs_8(d, count, sg, big_at, big); break;
+    }
+    if (nbig) {
+        /* Gaps between big changes (no sentinel), in place: each index is read before it is overwritten. */
+        int64_t last = -1;
+        for (Py_ssize_t i = 0; i < nbig; i++) {
+            const int64_t at = big_at[i];
+            big_at[i] = at - last - 1;
+            last = at;
+        }
+        big_k = rice_walk(big_at, nbig, (uint64_t)(last + 1 - nbig), &big_qsum);
+    }
+    Py_END_ALLOW_THREADS
+    out[0] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((qsum + (uint64_t)count + 1 + 7) / 8));
+    out[1] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)(count + 1) * (uint64_t)k + 7) / 8));
+    out[3] = PyBytes_FromStringAndSize(NULL, nbig ? (Py_ssize_t)((big_qsum + (uint64_t)nbig + 7) / 8) : 0);
+    out[4] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)nbig * (uint64_t)big_k + 7) / 8));
+    out[5] = PyBytes_FromStringAndSize(NULL, nbig * width);
+    if (!out[0] || !out[1] || !out[3] || !out[4] || !out[5])
+        goto done;
+    int status = 0;
+    uint8_t *u = (uint8_t *)PyBytes_AS_STRING(out[0]), *rm = (uint8_t *)PyBytes_AS_STRING(out[1]);
+    uint8_t *bu = (uint8_t *)PyBytes_AS_STRING(out[3]), *br = (uint8_t *)PyBytes_AS_STRING(out[4]);
+    uint8_t *pl = (uint8_t *)PyBytes_AS_STRING(out[5]);
+    Py_BEGIN_ALLOW_THREADS
+    status = encode_streams(gaps, count + 1, k, u, PyBytes_GET_SIZE(out[0]), rm, PyBytes_GET_SIZE(out[1]));
+    if (!status && nbig)
+        status = encode_streams(big_at, nbig, big_k, bu, PyBytes_GET_SIZE(out[3]), br, PyBytes_GET_SIZE(out[4]));
+    for (Py_ssize_t i = 0; i < nbig; i++)
+        for (int j = 0; j < width; j++)
+            pl[j * nbig + i] = big[i * width + j];
+    Py_END_ALLOW_THREADS
+    if (status) {
+        PyErr_SetString(PyExc_RuntimeError, "group: stream sizes disagree (a bug)");
+        goto done;
+    }
+    result = Py_BuildValue("(iOOOniOOO)", k, out[0], out[1], out[2], nbig, big_k, out[3], out[4], out[5]);
+done:
+    for (int i = 0; i < 6; i++)
+        Py_XDECREF(out[i]);
+    PyMem_RawFree(gaps);
+    PyMem_RawFree(big_at);
+    PyMem_RawFree(big);
+    PyBuffer_Release(&ranks);
+    PyBuffer_Release(&diff);
+    return result;
 }
 
 /* apply(out, width, where, signs, big_at, big_values) -> status
@@ -790,6 +938,8 @@ static PyMethodDef methods[] = {
     {"simd", simd, METH_NOARGS, "simd() -> the vector compare changes() uses here: 2 AVX-512, 1 AVX2, 0 none"},
     {"shifted_sum", shifted_sum, METH_VARARGS, "shifted_sum(gaps, k) -> sum of gaps >> k"},
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
+    {"group", group, METH_VARARGS,
+     "group(ranks, diff, width, space) -> (k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes)"},
     {NULL, NULL, 0, NULL},
 };
 

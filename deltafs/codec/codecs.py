@@ -251,13 +251,32 @@ class Group:
 _GROUP_KEYS = frozenset(Group.KEYS)  # dict.keys() compares equal to a set of the same keys
 
 
-def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -> tuple[Group, list[bytes]]:
-    """Streams for one class of space elements: rank gaps (Rice), signs (1 bit each), magnitudes that are not 1.
+# Streams 1-4 of a group (Rice remainders, signs, the large changes' gaps) are close to uniform by construction: the
+# low bits of geometric gaps and the signs of optimizer steps. zstd is tried on them only from this many bytes, where
+# clustered positions (an embedding's rows) can make them compressible. Over four steps of the trained data set and
+# three of the generator, zstd shrank 2 of 2,597 such streams (8,253 and 18,207 bytes, both an embedding's
+# remainders) and none below 8 KiB; each attempt on a small stream costs about as much as the rest of its encode.
+UNIFORM_TRY_FROM = 4096
 
-    Written for few calls per group (each costs about a microsecond however small the chunk): the Rice parameter's
-    search starts from the known gap total, and signs and magnitudes come from one pass (_signs_and_big).
+
+def _group_streams(ranks: np.ndarray, diff: np.ndarray, space: int) -> tuple[Group, list[Any], list[bool]]:
+    """One class of space elements as its 5 + width streams (rank gaps in Rice code, signs, the magnitudes that are
+    not 1), not yet stored, and for each whether zstd is worth trying on it.
+
+    Compiled, one call (native.group). In numpy, written for few calls per group (each costs about a microsecond
+    however small the chunk): the Rice parameter's search starts from the known gap total, and signs and
+    magnitudes come from one pass (_signs_and_big). Both give the same streams (tests/codec/test_native.py).
     """
     width = diff.dtype.itemsize
+    c = native.loops()
+    if c is not None:
+        k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes = c.group(
+            np.ascontiguousarray(ranks, np.int64), np.ascontiguousarray(diff), width, space)
+        group = Group(int(ranks.size), k, len(unary), big, big_k, len(big_unary))
+        view = memoryview(planes)
+        views = [memoryview(unary), memoryview(remainder), memoryview(signs), memoryview(big_unary),
+                 memoryview(big_remainder), *(view[j * big:(j + 1) * big] for j in range(width))]
+        return group, views, _worth_trying(views)
     count = ranks.size
     # Gaps >= 0 count the class's elements skipped since the previous change. A last gap up to the sentinel rank
     # `space` makes the stream say how big the class is, so a decoder given the wrong chunk size or base notices.
@@ -275,7 +294,13 @@ def _encode_group(ranks: np.ndarray, diff: np.ndarray, space: int, level: int) -
         big_unary = np.empty(0, np.uint8)
         parts += [big_unary] * (2 + width)
     group = Group(int(count), k, int(unary.size), int(big_at.size), big_k, int(big_unary.size))
-    return group, [streams.pack(p, level) for p in parts]
+    arrays = [np.ascontiguousarray(p) for p in parts]
+    return group, arrays, _worth_trying(arrays)
+
+
+def _worth_trying(parts: list[Any]) -> list[bool]:
+    """For each of a group's streams, whether zstd is tried on it (see UNIFORM_TRY_FROM)."""
+    return [j == 0 or j >= 5 or p.nbytes >= UNIFORM_TRY_FROM for j, p in enumerate(parts)]
 
 
 def _signs_and_big(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -314,7 +339,7 @@ class _Changes:
 
 def _decode_group(group: Group, parts: list[np.ndarray], space: int, dtype: np.dtype[Any]) -> _Changes:
     """The changes of one class of space elements, with every stream checked (nothing is written yet)."""
-    # count + 1 gaps: the last one reaches the sentinel rank `space` (see _encode_group).
+    # count + 1 gaps: the last one reaches the sentinel rank `space` (see _group_streams).
     ranks = streams.rice_positions(parts[0], parts[1], group.count + 1, group.rice, space + 1, "sparse positions")
     if int(ranks[-1]) != space:
         raise IntegrityError("sparse: positions do not span the chunk", expected=space, actual=int(ranks[-1]))
@@ -475,6 +500,17 @@ class Sparse:
                values: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Sparse, bytes]:
         """nw, bw: new and base as width-byte unsigned ints; idx: ascending positions where they differ;
         values: (nw[idx], bw[idx]) when the caller has them already."""
+        encoded = Sparse.encode_within(nw, bw, idx, level, None, split, values)
+        assert encoded is not None  # no limit: always encoded
+        return encoded
+
+    @staticmethod
+    def encode_within(nw: np.ndarray, bw: np.ndarray, idx: np.ndarray, level: int, limit: int | None,
+                      split: int = 0, values: tuple[np.ndarray, np.ndarray] | None = None
+                      ) -> tuple[Sparse, bytes] | None:
+        """encode(), or None as soon as the payload is known to exceed limit bytes (another codec's payload that
+        is kept unless this one is no larger). Streams that are stored raw count first; the others are compressed
+        largest first, so a losing payload is usually known after one zstd call instead of 5 + width."""
         nv, bv = (nw[idx], bw[idx]) if values is None else values
         # Wrapping subtraction on the bit patterns: one ulp up or down is +-1 whatever the float format.
         diff = nv - bv
@@ -486,13 +522,31 @@ class Sparse:
             members = [(ranks.take(hi), diff.take(hi), index.ones), (ranks.take(lo), diff.take(lo), index.zeros)]
         else:
             members = [(idx, diff, nw.size)]
-        groups, parts = [], []
+        groups: list[Group] = []
+        parts: list[Any] = []  # numpy arrays or memoryviews: both have nbytes and tobytes()
+        tries: list[bool] = []
         for r, d, space in members:
-            g, p = _encode_group(r, d, space, level)
+            g, p, t = _group_streams(r, d, space)
             groups.append(g)
             parts += p
-        rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(len(p) for p in parts))
-        return rec, streams.seal(parts)
+            tries += t
+        # Raw streams are stored as they are (contiguous arrays or memoryviews; seal joins them without a copy each).
+        stored: list[Any] = list(parts)
+        sizes = [p.nbytes for p in parts]
+        total = streams.TRAILER + sum(n for n, t in zip(sizes, tries, strict=True) if not t)
+        order = [j for j, t in enumerate(tries) if t]
+        if limit is not None:
+            order.sort(key=lambda j: -sizes[j])
+        for j in order:
+            if limit is not None and total > limit:
+                return None
+            stored[j] = streams.pack(parts[j], level)
+            sizes[j] = len(stored[j])
+            total += sizes[j]
+        if limit is not None and total > limit:
+            return None
+        rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(sizes))
+        return rec, streams.seal(stored)
 
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
                out: np.ndarray | None = None) -> np.ndarray:

@@ -4,6 +4,8 @@ trailer, byte planes and Rice-coded gaps. Every function here is pure and vector
 
 from __future__ import annotations
 
+import math
+
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -129,7 +131,8 @@ def decompress(frame: bytes | memoryview, size: int, what: str) -> np.ndarray:
 TRAILER = 8
 
 
-def seal(parts: list[bytes]) -> bytes:
+def seal(parts: list[Any]) -> bytes:
+    """The parts (bytes-like) joined, with the trailer."""
     body = b"".join(parts)
     return body + xxhash.xxh3_64_intdigest(body).to_bytes(TRAILER, "little")
 
@@ -211,7 +214,8 @@ def _first_k(gaps: np.ndarray, total: int | None) -> int:
     if total is None:
         total = int(gaps.sum()) if count else 0
     mean = total / count if count else 0.0
-    return max(0, min(MAX_RICE_K, int(np.log2(mean * 0.69 + 1.0))))
+    # math.log2 is the C library's log2, which the compiled group encoder calls too (the same k, the same bytes).
+    return max(0, min(MAX_RICE_K, int(math.log2(mean * 0.69 + 1.0))))
 
 
 def _quotients(gaps: np.ndarray, k: int) -> tuple[int, np.ndarray]:

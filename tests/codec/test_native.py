@@ -411,3 +411,39 @@ def test_positions_refuses_a_short_remainder_stream(gaps: list[int], k: int, sho
     end = int((np.cumsum(g + 1) - 1)[-1]) + 1
     assert native.module.positions(unary, remainder, g.size, k, end, out) == 0
     assert native.module.positions(unary, memoryview(remainder)[:cut], g.size, k, end, out) == 4
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(width=st.sampled_from([1, 2, 4, 8]), space=st.integers(0, 5000), rate=st.sampled_from([0.0, 0.002, 0.05, 0.6, 1.0]),
+       ones=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**32 - 1))
+def test_group_streams_alike(width: int, space: int, rate: float, ones: float, seed: int) -> None:
+    """One sparse class's streams from the compiled group encoder and from numpy: the same Group record (Rice
+    parameters, counts) and the same bytes in every stream, for empty classes, classes where every element changed,
+    no +-1 steps, only +-1 steps, and the extreme differences."""
+    from deltafs.codec.codecs import _group_streams
+
+    rng = np.random.default_rng(seed)
+    ranks = np.flatnonzero(rng.random(space) < rate).astype(np.int64)
+    dtype = streams.UINT[width]
+    top = (1 << (8 * width)) - 1
+    wide = rng.integers(0, top, ranks.size, dtype=np.uint64, endpoint=True)
+    step = np.where(rng.random(ranks.size) < 0.5, 1, top)
+    diff = np.where(rng.random(ranks.size) < ones, step, wide).astype(dtype)
+    if diff.size:
+        diff[rng.integers(0, diff.size)] = 1 << (8 * width - 1)
+    (g1, p1, t1), (g0, p0, t0) = _both(_group_streams, ranks, diff, space)
+    assert g1 == g0 and t1 == t0
+    assert [bytes(p) for p in p1] == [np.ascontiguousarray(p).tobytes() for p in p0]
+
+
+@built
+def test_group_refuses_ranks_out_of_order_or_range() -> None:
+    assert native.module is not None
+    diff = np.ones(3, np.uint16)
+    for ranks in ([1, 1, 2], [3, 2, 5], [0, 1, 10], [-1, 0, 1]):
+        with pytest.raises(ValueError, match="ascending"):
+            native.module.group(np.array(ranks, np.int64), diff, 2, 10)
+    with pytest.raises(ValueError):
+        native.module.group(np.array([0, 1], np.int64), diff, 2, 10)  # one difference per rank
+    assert native.module.group(np.array([0, 5, 9], np.int64), diff, 2, 10)[4] == 0  # no big changes
