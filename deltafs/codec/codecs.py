@@ -254,7 +254,7 @@ _GROUP_KEYS = frozenset(Group.KEYS)  # dict.keys() compares equal to a set of th
 # Streams 1-4 of a group (Rice remainders, signs, the large changes' gaps) are close to uniform by construction: the
 # low bits of geometric gaps and the signs of optimizer steps. zstd is tried on them only from this many bytes, where
 # clustered positions (an embedding's rows) can make them compressible. Over four steps of the trained data set and
-# three of the generator, zstd shrank 2 of 2,597 such streams (8,253 and 18,207 bytes, both an embedding's
+# three of the generator, zstd shrank 2 of 2,208 such streams (8,253 and 18,207 bytes, both an embedding's
 # remainders) and none below 8 KiB; each attempt on a small stream costs about as much as the rest of its encode.
 UNIFORM_TRY_FROM = 4096
 
