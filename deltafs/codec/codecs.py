@@ -251,8 +251,8 @@ class Group:
 _GROUP_KEYS = frozenset(Group.KEYS)  # dict.keys() compares equal to a set of the same keys
 
 
-# Streams 1-4 of a group (Rice remainders, signs, the large changes' gaps) are close to uniform by construction: the
-# low bits of geometric gaps and the signs of optimizer steps. zstd is tried on them only from this many bytes, where
+# Streams 1-4 of a group (Rice remainders, signs, the large changes' gaps) of numeric elements are close to uniform
+# by construction: the low bits of geometric gaps and the signs of optimizer steps. zstd is tried on them only from this many bytes, where
 # clustered positions (an embedding's rows) can make them compressible. Over four steps of the trained data set and
 # three of the generator, zstd shrank 2 of 2,208 such streams (8,253 and 18,207 bytes, both an embedding's
 # remainders) and none below 8 KiB; each attempt on a small stream costs about as much as the rest of its encode.
@@ -276,7 +276,7 @@ def _group_streams(ranks: np.ndarray, diff: np.ndarray, space: int) -> tuple[Gro
         view = memoryview(planes)
         views = [memoryview(unary), memoryview(remainder), memoryview(signs), memoryview(big_unary),
                  memoryview(big_remainder), *(view[j * big:(j + 1) * big] for j in range(width))]
-        return group, views, _worth_trying(views)
+        return group, views, _worth_trying(views, width)
     count = ranks.size
     # Gaps >= 0 count the class's elements skipped since the previous change. A last gap up to the sentinel rank
     # `space` makes the stream say how big the class is, so a decoder given the wrong chunk size or base notices.
@@ -295,12 +295,13 @@ def _group_streams(ranks: np.ndarray, diff: np.ndarray, space: int) -> tuple[Gro
         parts += [big_unary] * (2 + width)
     group = Group(int(count), k, int(unary.size), int(big_at.size), big_k, int(big_unary.size))
     arrays = [np.ascontiguousarray(p) for p in parts]
-    return group, arrays, _worth_trying(arrays)
+    return group, arrays, _worth_trying(arrays, width)
 
 
-def _worth_trying(parts: list[Any]) -> list[bool]:
-    """For each of a group's streams, whether zstd is tried on it (see UNIFORM_TRY_FROM)."""
-    return [j == 0 or j >= 5 or p.nbytes >= UNIFORM_TRY_FROM for j, p in enumerate(parts)]
+def _worth_trying(parts: list[Any], width: int) -> list[bool]:
+    """For each of a group's streams, whether zstd is tried on it (see UNIFORM_TRY_FROM). Bytewise chunks (safetensors
+    headers, other files) are not numbers stepped by an optimizer: every stream is tried there."""
+    return [width == 1 or j == 0 or j >= 5 or p.nbytes >= UNIFORM_TRY_FROM for j, p in enumerate(parts)]
 
 
 def _signs_and_big(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -83,3 +83,13 @@ def test_near_uniform_streams_are_tried_with_zstd_only_from_their_threshold() ->
         assert rec.frames[0] < rec.groups[0].stream_sizes(2)[0]  # the unary stream of equal gaps: compressed
         out = codec.decode(rec.to_json(), payload, base.view(np.uint8), 2 * count, 2)
         assert out.tobytes() == new.tobytes()
+
+
+def test_bytewise_chunks_try_every_stream() -> None:
+    """Headers and other files (width 1) are not optimizer steps: their small sign stream of zeros is compressed."""
+    count = 8 * (UNIFORM_TRY_FROM // 2)
+    base = np.zeros(count, np.uint8)
+    new = base + np.uint8(3)
+    rec, payload = Sparse.encode(new, base, np.arange(count, dtype=np.int64), codec.DEFAULT_LEVEL)
+    assert rec.frames[2] < rec.groups[0].stream_sizes(1)[2]
+    assert codec.decode(rec.to_json(), payload, base, count, 1).tobytes() == new.tobytes()
