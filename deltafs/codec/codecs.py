@@ -219,7 +219,8 @@ class Group:
     KEYS: ClassVar[tuple[str, ...]] = ("count", "rice", "unary", "big", "big_rice", "big_unary")
 
     def to_json(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.KEYS}
+        return {"count": self.count, "rice": self.rice, "unary": self.unary, "big": self.big, "big_rice": self.big_rice,
+                "big_unary": self.big_unary}  # KEYS, spelled out: a manifest holds thousands of these
 
     @classmethod
     def from_json(cls, raw: Any) -> Group:
@@ -273,10 +274,9 @@ def _group_streams(ranks: np.ndarray, diff: np.ndarray, space: int) -> tuple[Gro
         k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes = c.group(
             np.ascontiguousarray(ranks, np.int64), np.ascontiguousarray(diff), width, space)
         group = Group(int(ranks.size), k, len(unary), big, big_k, len(big_unary))
-        view = memoryview(planes)
-        views = [memoryview(unary), memoryview(remainder), memoryview(signs), memoryview(big_unary),
-                 memoryview(big_remainder), *(view[j * big:(j + 1) * big] for j in range(width))]
-        return group, views, _worth_trying(views, width)
+        view = memoryview(planes)  # slices of it share the bytes
+        found = [unary, remainder, signs, big_unary, big_remainder, *(view[j * big:(j + 1) * big] for j in range(width))]
+        return group, found, _worth_trying(found, width)
     count = ranks.size
     # Gaps >= 0 count the class's elements skipped since the previous change. A last gap up to the sentinel rank
     # `space` makes the stream say how big the class is, so a decoder given the wrong chunk size or base notices.
@@ -301,7 +301,9 @@ def _group_streams(ranks: np.ndarray, diff: np.ndarray, space: int) -> tuple[Gro
 def _worth_trying(parts: list[Any], width: int) -> list[bool]:
     """For each of a group's streams, whether zstd is tried on it (see UNIFORM_TRY_FROM). Bytewise chunks (safetensors
     headers, other files) are not numbers stepped by an optimizer: every stream is tried there."""
-    return [width == 1 or j == 0 or j >= 5 or p.nbytes >= UNIFORM_TRY_FROM for j, p in enumerate(parts)]
+    if width == 1:
+        return [True] * len(parts)
+    return [True, *(len(p) >= UNIFORM_TRY_FROM for p in parts[1:5]), *([True] * (len(parts) - 5))]
 
 
 def _signs_and_big(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -524,29 +526,28 @@ class Sparse:
         else:
             members = [(idx, diff, nw.size)]
         groups: list[Group] = []
-        parts: list[Any] = []  # numpy arrays or memoryviews: both have nbytes and tobytes()
+        parts: list[Any] = []  # 1-D byte arrays, bytes or memoryviews
         tries: list[bool] = []
         for r, d, space in members:
             g, p, t = _group_streams(r, d, space)
             groups.append(g)
             parts += p
             tries += t
-        # Raw streams are stored as they are (contiguous arrays or memoryviews; seal joins them without a copy each).
-        stored: list[Any] = list(parts)
-        sizes = [p.nbytes for p in parts]
-        total = streams.TRAILER + sum(n for n, t in zip(sizes, tries, strict=True) if not t)
-        order = [j for j, t in enumerate(tries) if t]
-        if limit is not None:
-            order.sort(key=lambda j: -sizes[j])
-        for j in order:
-            if limit is not None and total > limit:
+        # Raw streams are stored as they are (1-D byte arrays or memoryviews, so len() is their size; seal joins them
+        # without a copy each).
+        if limit is None:
+            stored = [streams.pack(p, level) if t else p for p, t in zip(parts, tries, strict=True)]
+        else:
+            stored = list(parts)
+            total = streams.TRAILER + sum(len(p) for p, t in zip(parts, tries, strict=True) if not t)
+            for j in sorted((j for j, t in enumerate(tries) if t), key=lambda j: -len(parts[j])):
+                if total > limit:
+                    return None
+                stored[j] = streams.pack(parts[j], level)
+                total += len(stored[j])
+            if total > limit:
                 return None
-            stored[j] = streams.pack(parts[j], level)
-            sizes[j] = len(stored[j])
-            total += sizes[j]
-        if limit is not None and total > limit:
-            return None
-        rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(sizes))
+        rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(map(len, stored)))
         return rec, streams.seal(stored)
 
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
