@@ -253,10 +253,11 @@ _GROUP_KEYS = frozenset(Group.KEYS)  # dict.keys() compares equal to a set of th
 
 
 # Streams 1-4 of a group (Rice remainders, signs, the large changes' gaps) of numeric elements are close to uniform
-# by construction: the low bits of geometric gaps and the signs of optimizer steps. zstd is tried on them only from this many bytes, where
-# clustered positions (an embedding's rows) can make them compressible. Over four steps of the trained data set and
-# three of the generator, zstd shrank 2 of 2,208 such streams (8,253 and 18,207 bytes, both an embedding's
-# remainders) and none below 8 KiB; each attempt on a small stream costs about as much as the rest of its encode.
+# by construction: the low bits of geometric gaps and the signs of optimizer steps. zstd is tried on them only from
+# this many bytes, where clustered positions (an embedding's rows) can make them compressible. Over four steps of the
+# trained data set and three of the generator, zstd shrank 2 of 2,208 such streams (8,253 and 18,207 bytes, both an
+# embedding's remainders) and none below 8 KiB; each attempt on a small stream costs about as much as the rest of its
+# encode (docs/profile.md, round 15).
 UNIFORM_TRY_FROM = 4096
 
 
@@ -274,8 +275,9 @@ def _group_streams(ranks: np.ndarray, diff: np.ndarray, space: int) -> tuple[Gro
         k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes = c.group(
             np.ascontiguousarray(ranks, np.int64), np.ascontiguousarray(diff), width, space)
         group = Group(int(ranks.size), k, len(unary), big, big_k, len(big_unary))
-        view = memoryview(planes)  # slices of it share the bytes
-        found = [unary, remainder, signs, big_unary, big_remainder, *(view[j * big:(j + 1) * big] for j in range(width))]
+        view = memoryview(planes)  # one plane per slice, sharing the bytes
+        found = [unary, remainder, signs, big_unary, big_remainder,
+                 *(view[j * big:(j + 1) * big] for j in range(width))]
         return group, found, _worth_trying(found, width)
     count = ranks.size
     # Gaps >= 0 count the class's elements skipped since the previous change. A last gap up to the sentinel rank

@@ -5,7 +5,6 @@ trailer, byte planes and Rice-coded gaps. Every function here is pure and vector
 from __future__ import annotations
 
 import math
-
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
