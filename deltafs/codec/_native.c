@@ -123,6 +123,9 @@ static PyObject *positions(PyObject *self, PyObject *args) {
 
 /* encode(gaps, k, unary_out, remainder_out) -> None
  *
+ * The codec reaches this loop through group(); the Python function exposes it to the tests alone, which hold it
+ * to numpy's streams.rice_encode at any k.
+ *
  * gaps: int64 values >= 0 (native order). Writes the unary stream (gap >> k zero bits, then a one bit, per gap)
  * into unary_out and the low k bits of each gap into remainder_out, both MSB first and zero-padded; each must
  * be exactly as long as the streams are (the caller knows: sum of quotients plus count bits, count * k bits).
@@ -189,37 +192,9 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* shifted_sum(gaps, k) -> the sum of gaps[i] >> k over the int64 gaps (all >= 0; ValueError otherwise): the
- * quotient total that prices Rice parameter k, without the temporary array numpy's (gaps >> k).sum() makes.
- */
-static PyObject *shifted_sum(PyObject *self, PyObject *args) {
-    Py_buffer gaps;
-    int k;
-    if (!PyArg_ParseTuple(args, "y*i", &gaps, &k))
-        return NULL;
-    int ok = k >= 0 && k <= 63 && gaps.len % 8 == 0;
-    uint64_t total = 0;
-    if (ok) {
-        const int64_t *g = (const int64_t *)gaps.buf;
-        const Py_ssize_t count = gaps.len / 8;
-        int64_t low = 0;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++) {
-            low |= g[i];
-            total += (uint64_t)g[i] >> k;
-        }
-        Py_END_ALLOW_THREADS
-        ok = low >= 0; /* the OR of all gaps is negative exactly when one of them is */
-    }
-    PyBuffer_Release(&gaps);
-    if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "shifted_sum: k out of range, gaps not int64, or a negative gap");
-        return NULL;
-    }
-    return PyLong_FromUnsignedLongLong(total);
-}
-
 /* signs(diff, width, signs_out, big_at_out, big_out) -> big
+ *
+ * As encode(): used by group(), exposed for the tests (against numpy's codecs._signs_and_big).
  *
  * The sign and magnitude streams of a sparse group, from its count = len(diff) / width wrapped differences
  * (width-byte little-endian integers): sign bit i (MSB first, zero padding) is the top bit of d_i; the magnitude
@@ -936,7 +911,6 @@ static PyMethodDef methods[] = {
     {"changes", changes, METH_VARARGS,
      "changes(new, base, width, idx_out, new_out, base_out, simd=2) -> count (simd: the most vector level to use)"},
     {"simd", simd, METH_NOARGS, "simd() -> the vector compare changes() uses here: 2 AVX-512, 1 AVX2, 0 none"},
-    {"shifted_sum", shifted_sum, METH_VARARGS, "shifted_sum(gaps, k) -> sum of gaps >> k"},
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
     {"group", group, METH_VARARGS,
      "group(ranks, diff, width, space) -> (k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes)"},

@@ -310,16 +310,9 @@ def _worth_trying(parts: list[Any], width: int) -> list[bool]:
 
 def _signs_and_big(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sign bits packed MSB first, indexes of the changes whose magnitude is not 1, those magnitudes less 2 as
-    little-endian integers) of wrapped differences; one compiled pass, or numpy's."""
+    little-endian integers) of wrapped differences: the numpy form of the compiled group encoder's pass."""
     width = diff.dtype.itemsize
     dtype = streams.UINT[width]
-    c = native.loops()
-    if c is not None:
-        count = diff.size
-        signs = np.empty((count + 7) // 8, np.uint8)
-        big_at, big = np.empty(count, np.int64), np.empty(count, dtype)
-        nbig = c.signs(np.ascontiguousarray(diff), width, signs, big_at, big)
-        return signs, big_at[:nbig], big[:nbig]
     # Sign and magnitude of the wrapped difference read as two's complement; unsigned math, so -2**(bits-1) works.
     negative = diff >= diff.dtype.type(1 << (width * 8 - 1))
     # |d| is the smaller of d and -d (wrapped); for -2**(bits-1) both are equal. A where= ufunc is ~30x slower.

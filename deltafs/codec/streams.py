@@ -239,22 +239,9 @@ def _walk_k(count: int, k: int, quotients: Callable[[int], tuple[int, T]]) -> tu
 
 def rice_streams(gaps: np.ndarray, total: int | None = None) -> tuple[int, np.ndarray, np.ndarray]:
     """(k, unary stream, remainder stream): the gaps Rice-coded with the k that codes them smallest (total: their
-    sum, when the caller knows it). Compiled: each k is priced in one pass, with no array of quotients."""
-    c = native.loops()
-    if c is None or not gaps.size:
-        k, q = best_rice_k_and_quotients(gaps, total)
-        return (k, *rice_encode(gaps, k, q))
-    g = np.ascontiguousarray(gaps, np.int64)
-    k, (qsum, _) = _walk_k(g.size, _first_k(g, total), lambda j: (c.shifted_sum(g, j), None))
-    return (k, *_compiled_rice(c, g, k, qsum))
-
-
-def _compiled_rice(c: Any, gaps: np.ndarray, k: int, qsum: int) -> tuple[np.ndarray, np.ndarray]:
-    """The two streams in one compiled pass; their sizes follow from the quotients' total qsum."""
-    unary = np.empty((qsum + gaps.size + 7) // 8, np.uint8)
-    remainder = np.empty((gaps.size * k + 7) // 8, np.uint8)
-    c.encode(np.ascontiguousarray(gaps, np.int64), k, unary, remainder)
-    return unary, remainder
+    sum, when the caller knows it). The numpy form of what the compiled group encoder does (native.group)."""
+    k, q = best_rice_k_and_quotients(gaps, total)
+    return (k, *rice_encode(gaps, k, q))
 
 
 def rice_encode(gaps: np.ndarray, k: int, q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -263,9 +250,6 @@ def rice_encode(gaps: np.ndarray, k: int, q: np.ndarray | None = None) -> tuple[
     q: gaps >> k, when the caller has it."""
     if q is None:
         q = gaps >> k
-    c = native.loops()
-    if c is not None and gaps.size:
-        return _compiled_rice(c, gaps, k, int(q.sum()))  # one pass in C instead of ~15 numpy calls
     ones = q.cumsum()  # bit index of each gap's terminating one bit: sum of (q + 1) so far, minus one
     ones += np.arange(ones.size)
     unary = np.zeros(int(ones[-1]) + 1 if ones.size else 0, dtype=np.uint8)

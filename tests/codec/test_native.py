@@ -37,6 +37,25 @@ def _both(fn: Callable[..., Any], *args: Any) -> list[Any]:
     return out
 
 
+def _compiled_rice(gaps: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The compiled Rice encoder (the loop native.group runs) on gaps at any k, with the streams' exact sizes."""
+    assert native.module is not None
+    unary = np.empty((int((gaps >> k).sum()) + gaps.size + 7) // 8, np.uint8)
+    remainder = np.empty((gaps.size * k + 7) // 8, np.uint8)
+    native.module.encode(gaps, k, unary, remainder)
+    return unary, remainder
+
+
+def _compiled_signs(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The compiled sign and magnitude pass (the loop native.group runs), shaped as codecs._signs_and_big's result."""
+    assert native.module is not None
+    count, width = diff.size, diff.dtype.itemsize
+    signs = np.empty((count + 7) // 8, np.uint8)
+    big_at, big = np.empty(count, np.int64), np.empty(count, diff.dtype)
+    nbig = native.module.signs(diff, width, signs, big_at, big)
+    return signs, big_at[:nbig], big[:nbig]
+
+
 def test_the_module_is_built_where_a_compiler_is() -> None:
     """CI has a compiler: if the build silently skipped the module there, the fast path would go untested."""
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
@@ -50,7 +69,7 @@ def test_the_module_is_built_where_a_compiler_is() -> None:
 @given(gaps=st.lists(st.integers(0, 2**20), min_size=1, max_size=300), k=st.integers(0, 32))
 def test_same_streams_and_positions(gaps: list[int], k: int) -> None:
     g = np.array(gaps, dtype=np.int64)
-    (u1, r1), (u0, r0) = _both(streams.rice_encode, g, k)
+    (u1, r1), (u0, r0) = _compiled_rice(g, k), streams.rice_encode(g, k)
     assert u1.tobytes() == u0.tobytes() and r1.tobytes() == r0.tobytes()
     positions = np.cumsum(g + 1) - 1
     end = int(positions[-1]) + 1
@@ -91,7 +110,7 @@ def test_same_answer_on_arbitrary_bytes(unary: bytes, remainder: bytes, count: i
 def test_long_zero_runs_and_the_widest_fields() -> None:
     """Quotients spanning many zero bytes, k = 32 remainders near 2**32, and the overflow bound of end."""
     g = np.array([(1 << 32) - 1, 5 << 32, 0, (1 << 33) + 7], dtype=np.int64)
-    (u1, r1), (u0, r0) = _both(streams.rice_encode, g, 32)
+    (u1, r1), (u0, r0) = _compiled_rice(g, 32), streams.rice_encode(g, 32)
     assert u1.tobytes() == u0.tobytes() and r1.tobytes() == r0.tobytes()
     positions = np.cumsum(g + 1) - 1
     a, b = _both(streams.rice_positions, u1, r1, g.size, 32, 1 << 40, "t")
@@ -359,21 +378,18 @@ def test_deltafs_simd_caps_the_compare_level() -> None:
 @given(gaps=st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**40)), min_size=1, max_size=400),
        total_known=st.booleans())
 def test_rice_streams_alike(gaps: list[int], total_known: bool) -> None:
-    """The encoder's Rice parameter search priced in one compiled pass per k (no quotient arrays) settles on the
-    same k and writes the same two streams as numpy's, from small gaps to ones that need k near its limit."""
+    """The compiled group encoder's Rice parameter search (each k priced in one pass, no quotient arrays) settles on
+    the same k and writes the same two streams as numpy's, from small gaps to ones that need k near its limit. The
+    gaps are a class's: the ranks they lead to, the last one up to the sentinel rank `space`."""
     g = np.array(gaps, dtype=np.int64)
     total = int(g.sum()) if total_known else None
-    (k1, u1, r1), (k0, u0, r0) = _both(streams.rice_streams, g, total)
-    assert (k1, u1.tobytes(), r1.tobytes()) == (k0, u0.tobytes(), r0.tobytes())
-    assert k1 == streams.best_rice_k(g, total)
-
-
-@built
-def test_shifted_sum_refuses_negative_gaps() -> None:
+    positions = np.cumsum(g + 1) - 1
+    ranks, space = positions[:-1], int(positions[-1])
     assert native.module is not None
-    assert native.module.shifted_sum(np.array([5, 9, 2**40], np.int64), 3) == (5 >> 3) + (9 >> 3) + (2**40 >> 3)
-    with pytest.raises(ValueError):
-        native.module.shifted_sum(np.array([5, -1, 3], np.int64), 0)
+    k1, u1, r1 = native.module.group(ranks, np.zeros(ranks.size, np.uint16), 2, space)[:3]
+    k0, u0, r0 = streams.rice_streams(g, total)
+    assert (k1, u1, r1) == (k0, u0.tobytes(), r0.tobytes())
+    assert k1 == streams.best_rice_k(g, total)
 
 
 @built
@@ -392,7 +408,7 @@ def test_signs_and_magnitudes_alike(width: int, count: int, seed: int) -> None:
     raw = np.where(pick == 0, 1, np.where(pick == 1, top, rng.integers(0, top, count, dtype=np.uint64, endpoint=True)))
     raw[rng.integers(0, count)] = 1 << (8 * width - 1)
     diff = raw.astype(dtype)
-    a, b = _both(_signs_and_big, diff)
+    a, b = _compiled_signs(diff), _signs_and_big(diff)
     assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True))
 
 
@@ -405,7 +421,7 @@ def test_positions_refuses_a_short_remainder_stream(gaps: list[int], k: int, sho
     the whole one, so a read beyond the cut would find the real bytes and succeed."""
     assert native.module is not None
     g = np.array(gaps, dtype=np.int64)
-    unary, remainder = streams.rice_encode(g, k)
+    unary, remainder = _compiled_rice(g, k)
     cut = max(0, remainder.size - short)
     out = np.empty(g.size, np.int64)
     end = int((np.cumsum(g + 1) - 1)[-1]) + 1
