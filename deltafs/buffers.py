@@ -9,11 +9,15 @@ large read went the slow way. See docs/profile.md, "Round 4".
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 
 import numpy as np
 
 PAGE = 4096
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.11's mmap lacks the name
+_mapping = {"ok": hasattr(mmap.mmap, "madvise")}  # cleared for the process when the kernel refuses the populate
 
 
 def aligned_empty(size: int) -> np.ndarray:
@@ -37,3 +41,34 @@ def pread_aligned(fd: int, size: int, offset: int, buf: np.ndarray | None = None
         got += n
     return out[:got]
 
+
+
+def mapped_range(fd: int, size: int, offset: int) -> memoryview | None:
+    """size bytes of a regular file at offset as a read-only view of its page cache (no copy), or None where the
+    file or the kernel cannot map it that way (the caller reads instead).
+
+    The range's page tables are filled in one call (MADV_POPULATE_READ) before the view is returned, so bytes the
+    file no longer has (it was cut short since it was opened) are an EOFError here rather than a SIGBUS on
+    access; only a file cut short in the microseconds between that call and the access can still raise SIGBUS.
+    The mapping lives as long as the view (and views of it): nothing to close.
+    """
+    if not _mapping["ok"] or size <= 0:
+        return None
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        m = mmap.mmap(fd, size + offset - start, access=mmap.ACCESS_READ, offset=start)
+    except ValueError:  # past the end of the file
+        raise EOFError(f"{size} bytes at {offset} lie past the end of the file") from None
+    except OSError:
+        return None  # a file that cannot be mapped (a pipe, some FUSE filesystems): read it
+    try:
+        m.madvise(MADV_POPULATE_READ)
+    except OSError as exc:
+        m.close()
+        if exc.errno == errno.EFAULT:
+            raise EOFError(f"{size} bytes at {offset} lie past the end of the file") from None
+        if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+            _mapping["ok"] = False  # a kernel before 5.14: without the populate a short file is a SIGBUS
+            return None
+        raise
+    return memoryview(m)[offset - start:]

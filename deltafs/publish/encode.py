@@ -38,13 +38,14 @@ import numpy as np
 import xxhash
 
 from deltafs import codec
-from deltafs.buffers import aligned_empty, pread_aligned
+from deltafs.buffers import aligned_empty, mapped_range, pread_aligned
 from deltafs.errors import DeltafsError, ObjectNotFoundError
 from deltafs.format import digests
 from deltafs.format.manifest import ChunkRef, FileEntry, Segment
 from deltafs.publish.source import DiskReader, FileReader, SourceFile, SourceSegment
 from deltafs.read.dest import LocalState
 from deltafs.read.rebuild import LocalBaseError, pwrite_all
+from deltafs.store.local import is_network_fs, mount_fstype
 from deltafs.store.repo import Repository
 
 MAX_PUT_QUEUE = 32  # runs of encoded payloads waiting for the store, at most
@@ -145,6 +146,7 @@ class Encoder:
         self._lock = threading.Lock()
         self._failed = threading.Event()
         self._free: list[np.ndarray] = []  # read buffers; at most 2 per chunk in flight exist (bounded by the windows)
+        self._mapped: set[int] = set()  # fds whose large chunks are read as views of the page cache (_mappable)
 
     def encode(self, files: list[SourceFile], advance: Callable[[int], None] = lambda n: None) -> list[FileEntry]:
         """Encode every file; returns once every chunk object it wrote is durable in the store."""
@@ -199,12 +201,20 @@ class Encoder:
         bases = {seg.key: self._base_of(seg) for seg in f.segments}
         base_fds: dict[str, int] = {}
         try:
+            if isinstance(reader, DiskReader) and _mappable(reader.fd, f.abspath):
+                self._mapped.add(reader.fd)
+            map_bases = may_map_bases(self.patch, [hit[1] for hit in bases.values() if hit is not None])
             for hit in bases.values():
                 if hit is not None and hit[0] not in base_fds:
-                    base_fds[hit[0]] = os.open(hit[0], os.O_RDONLY)
+                    fd = base_fds[hit[0]] = os.open(hit[0], os.O_RDONLY)
+                    if map_bases and _mappable(fd, hit[0]):
+                        self._mapped.add(fd)
             lane = _Lane(self, f, reader, bases, base_fds, stage_fd, ctx)
             return lane.run()
         finally:
+            # Forgotten before they are closed: a number reused by another lane's open is not taken for mappable.
+            self._mapped.discard(getattr(reader, "fd", -1))
+            self._mapped.difference_update(base_fds.values())
             reader.close()
             for fd in base_fds.values():
                 os.close(fd)
@@ -323,7 +333,7 @@ class Encoder:
         total = last[0] + last[1] - first[0]
         if total != sum(s[1] for s in spans):
             return None  # not one span (cannot happen for segments that tile a file; checked, not assumed)
-        new = memoryview(os.pread(reader.fd, total, first[0]))
+        new = self._read_span(reader.fd, total, first[0])
         if len(new) != total:
             raise DeltafsError("a source file shrank while it was being pushed")
         # The bases, when those that exist lie in one file at the same distance from their chunks (the layout
@@ -332,7 +342,7 @@ class Encoder:
         base: memoryview | None = None
         if based and all(s[2] == based[0][2] and s[3] - s[0] == based[0][3] - based[0][0] for s in based):
             lo, hi = based[0][3], based[-1][3] + based[-1][1]
-            base = memoryview(os.pread(based[0][2], hi - lo, lo))  # type: ignore[arg-type]
+            base = self._read_span(based[0][2], hi - lo, lo)  # type: ignore[arg-type]
             if len(base) != hi - lo:
                 raise LocalBaseError("push cache file is truncated")
         out = []
@@ -343,10 +353,32 @@ class Encoder:
         return out
 
     def _read(self, fd: int, size: int, offset: int, held: list[np.ndarray]) -> Any:
-        """A chunk's bytes: small ones as a plain read, others into a recycled chunk-sized buffer."""
+        """A chunk's bytes: small ones as a plain read, others as a view of the page cache where the file allows
+        (_view), else into a recycled chunk-sized buffer. Short where the file is."""
         if size <= SMALL_CHUNK:
             return os.pread(fd, size, offset)
-        return self._read_into(fd, size, offset, held)
+        view = self._view(fd, size, offset)
+        return view if view is not None else self._read_into(fd, size, offset, held)
+
+    def _read_span(self, fd: int, size: int, offset: int) -> memoryview:
+        """A run's bytes (small chunks read together): as _read, without a recycled buffer (a run's span varies)."""
+        view = self._view(fd, size, offset) if size > SMALL_CHUNK else None
+        return view if view is not None else memoryview(os.pread(fd, size, offset))
+
+    def _view(self, fd: int, size: int, offset: int) -> memoryview | None:
+        """size bytes of fd at offset through a mapping (deltafs.buffers.mapped_range), or None (read them instead).
+
+        A 4 MiB chunk costs the kernel ~0.2 ms to map against ~0.8 ms to copy into a buffer, and the compare then
+        reads the page cache once instead of a copy of it (docs/profile.md, round 16). Below SMALL_CHUNK a read
+        is cheaper than a mapping's set-up. An EOFError (the file is shorter now) is an empty view: the caller's
+        length check names the file.
+        """
+        if fd not in self._mapped:
+            return None
+        try:
+            return mapped_range(fd, size, offset)
+        except EOFError:
+            return memoryview(b"")
 
     def _read_into(self, fd: int, size: int, offset: int, held: list[np.ndarray]) -> memoryview:
         """pread into a recycled page-aligned buffer: a fresh 4 MiB bytes object per read costs page faults, more
@@ -505,6 +537,36 @@ class _Lane:
                        shape=seg.shape)
 
 
+def may_map_bases(patch: bool, base_segments: list[Segment]) -> bool:
+    """Whether a file's base may be read through mappings (views that show later writes to the file).
+
+    A patch writes each changed chunk into the base's own file after reading it; a v1 base segment (one xxh3
+    stream, deltafs 0.1) is hashed by its lane after that write: through a view the hash would see the new
+    bytes. So a patched base with any v1 segment is read into buffers. A v2 base's digests are taken in the
+    worker before the write, and an unpatched base is never written.
+    """
+    return not patch or all(digests.is_tree_digest(seg.digest) for seg in base_segments)
+
+
+_LOCAL_FS: dict[int, bool] = {}  # st_dev -> whether its files may be mapped (not a network filesystem)
+
+
+def _mappable(fd: int, path: str) -> bool:
+    """Whether to read fd's large chunks through mappings: a regular file on a local filesystem. A network
+    filesystem's file may be cut short by another host without this one's page cache knowing (a SIGBUS through
+    a mapping where a read would come back short), and its reads are bound by the network, not by a copy."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    local = _LOCAL_FS.get(st.st_dev)
+    if local is None:
+        local = _LOCAL_FS[st.st_dev] = not is_network_fs(mount_fstype(path))
+    return local
+
+
 def patchable(files: list[SourceFile], base: LocalState) -> bool:
     """Whether the push cache can take these files by patching the base's own files in place.
 
@@ -535,4 +597,4 @@ def discard(stage_dir: str | None) -> None:
         shutil.rmtree(stage_dir, ignore_errors=True)
 
 
-__all__ = ["EncodeStats", "Encoder", "MAX_PUT_QUEUE", "discard", "patchable", "place_file"]
+__all__ = ["EncodeStats", "Encoder", "MAX_PUT_QUEUE", "discard", "may_map_bases", "patchable", "place_file"]
