@@ -39,7 +39,7 @@ import xxhash
 
 from deltafs import codec
 from deltafs.buffers import aligned_empty, mapped_range, pread_aligned
-from deltafs.errors import DeltafsError, ObjectNotFoundError
+from deltafs.errors import DeltafsError, ObjectNotFoundError, SourceError
 from deltafs.format import digests
 from deltafs.format.manifest import ChunkRef, FileEntry, Segment
 from deltafs.publish.source import DiskReader, FileReader, SourceFile, SourceSegment
@@ -114,7 +114,7 @@ def _kernel_copy(fin: int, fout: int, size: int) -> None:
             os.write(fout, block)
         return
     if done != size:
-        raise DeltafsError(f"copy of {size} bytes stopped at {done}: the file shrank while it was being pushed")
+        raise SourceError(f"copy of {size} bytes stopped at {done}: the file shrank while it was being pushed")
 
 
 class Encoder:
@@ -267,7 +267,7 @@ class Encoder:
         else:
             new = reader.read(seg.offset + start, size)
         if len(new) != size:
-            raise DeltafsError("a source file shrank while it was being pushed")
+            raise _shrank(reader, seg)
         enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
                            seg.itemsize, level=self.level, known=known)
         # Digests per chunk, here in the workers: nothing hashes a whole file serially (format v2). The base's
@@ -335,7 +335,7 @@ class Encoder:
             return None  # not one span (cannot happen for segments that tile a file; checked, not assumed)
         new = self._read_span(reader.fd, total, first[0])
         if len(new) != total:
-            raise DeltafsError("a source file shrank while it was being pushed")
+            raise _shrank(reader, run[0][0])
         # The bases, when those that exist lie in one file at the same distance from their chunks (the layout
         # did not move): one read from the first to the last of them. Otherwise each chunk reads its own.
         based = [s for s in spans if s[2] is not None]
@@ -368,9 +368,9 @@ class Encoder:
     def _view(self, fd: int, size: int, offset: int) -> memoryview | None:
         """size bytes of fd at offset through a mapping (deltafs.buffers.mapped_range), or None (read them instead).
 
-        A 4 MiB chunk costs the kernel ~0.2 ms to map against ~0.8 ms to copy into a buffer, and the compare then
-        reads the page cache once instead of a copy of it (docs/profile.md, round 16). Below SMALL_CHUNK a read
-        is cheaper than a mapping's set-up. An EOFError (the file is shorter now) is an empty view: the caller's
+        A 4 MiB chunk costs the kernel ~0.2 ms to map against ~1 ms to copy into a buffer (the compare and the
+        digests then read slower memory, and still the push's worker time falls: docs/profile.md, round 16).
+        Below SMALL_CHUNK a read is cheaper than a mapping's set-up. An EOFError (the file is shorter now) is an empty view: the caller's
         length check names the file.
         """
         if fd not in self._mapped:
@@ -546,6 +546,12 @@ def may_map_bases(patch: bool, base_segments: list[Segment]) -> bool:
     worker before the write, and an unpatched base is never written.
     """
     return not patch or all(digests.is_tree_digest(seg.digest) for seg in base_segments)
+
+
+def _shrank(reader: FileReader, seg: SourceSegment) -> SourceError:
+    where = getattr(reader, "path", "a source file")
+    return SourceError(f"{where} shrank while it was being pushed (at {seg.key[2:]}): a checkpoint must not change "
+                       "until its push returns")
 
 
 _LOCAL_FS: dict[int, bool] = {}  # st_dev -> whether its files may be mapped (not a network filesystem)

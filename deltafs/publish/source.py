@@ -51,6 +51,7 @@ class DiskReader:
     """Positional reads of a file on disk (os.pread: no shared offset, safe from many threads)."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.fd = os.open(path, os.O_RDONLY)
 
     def read(self, offset: int, size: int) -> bytes | memoryview:

@@ -11,7 +11,7 @@ import pytest
 
 import deltafs.publish.encode as encode_mod
 from deltafs.buffers import mapped_range
-from deltafs.errors import DeltafsError
+from deltafs.errors import SourceError, exit_code
 from deltafs.format.manifest import Segment
 from deltafs.publish import push
 from deltafs.read.dest import LocalCheckpoint
@@ -117,8 +117,9 @@ def test_a_source_cut_short_while_it_is_pushed_fails_with_a_clear_error_and_comm
 
     monkeypatch.setattr(encode_mod.Encoder, "_encode_file", cut_then_encode)
     seen = _spy(monkeypatch)
-    with pytest.raises(DeltafsError, match="shrank while it was being pushed"):
+    with pytest.raises(SourceError, match="model.safetensors shrank while it was being pushed") as caught:
         push(store, src, cache_dir=cache)
+    assert exit_code(caught.value) == 2  # a bad source, as documented
     assert seen  # the chunks before the cut were read through mappings
     assert Repository.open(store).versions() == [1]
 
