@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -48,44 +49,31 @@ def main() -> None:
         return int(loops.changes(np.frombuffer(n, np.uint8), np.frombuffer(b, np.uint8), 2, idx, nv, bv,
                                  native.simd_level))
 
-    def pread_compare() -> int:
-        return sum(compare(pread_aligned(fn, cb, o, bufs[0]), pread_aligned(fb, cb, o, bufs[1])) for o in offsets)
+    def pair(mapped: bool, o: int) -> tuple[Any, Any]:
+        if not mapped:
+            return pread_aligned(fn, cb, o, bufs[0]), pread_aligned(fb, cb, o, bufs[1])
+        n, b = mapped_range(fn, cb, o), mapped_range(fb, cb, o)
+        if n is None or b is None:
+            raise SystemExit("these files cannot be mapped here")
+        return n, b
 
-    def mapped_compare() -> int:
+    def run(mapped: bool, with_digests: bool) -> int:
         total = 0
         for o in offsets:
-            n, b = mapped_range(fn, cb, o), mapped_range(fb, cb, o)
-            if n is None or b is None:
-                raise SystemExit("these files cannot be mapped here")
+            n, b = pair(mapped, o)
             total += compare(n, b)
+            if with_digests:
+                chunk_digest(n), chunk_digest(b)
         return total
 
     def pread_only() -> int:
         for o in offsets:
-            pread_aligned(fn, cb, o, bufs[0])
-            pread_aligned(fb, cb, o, bufs[1])
+            pair(False, o)
         return 0
 
-    def pread_compare_digests() -> int:
-        total = 0
-        for o in offsets:
-            n, b = pread_aligned(fn, cb, o, bufs[0]), pread_aligned(fb, cb, o, bufs[1])
-            total += compare(n, b)
-            chunk_digest(n), chunk_digest(b)
-        return total
-
-    def mapped_compare_digests() -> int:
-        total = 0
-        for o in offsets:
-            n, b = mapped_range(fn, cb, o), mapped_range(fb, cb, o)
-            if n is None or b is None:
-                raise SystemExit("these files cannot be mapped here")
-            total += compare(n, b)
-            chunk_digest(n), chunk_digest(b)
-        return total
-
-    ways = {"pread + compare": pread_compare, "mapped + compare": mapped_compare, "pread alone": pread_only,
-            "pread + compare + digests": pread_compare_digests, "mapped + compare + digests": mapped_compare_digests}
+    ways = {"pread + compare": lambda: run(False, False), "mapped + compare": lambda: run(True, False),
+            "pread alone": pread_only, "pread + compare + digests": lambda: run(False, True),
+            "mapped + compare + digests": lambda: run(True, True)}
     pread_only()  # both files into the page cache
     times: dict[str, list[float]] = {k: [] for k in ways}
     results: dict[str, int] = {}

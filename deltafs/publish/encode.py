@@ -368,7 +368,7 @@ class Encoder:
     def _view(self, fd: int, size: int, offset: int) -> memoryview | None:
         """size bytes of fd at offset through a mapping (deltafs.buffers.mapped_range), or None (read them instead).
 
-        A 4 MiB chunk costs the kernel ~0.2 ms to map against ~1 ms to copy into a buffer (the compare and the
+        A 4 MiB chunk costs the kernel ~0.2 ms to map against ~0.8 ms to copy into a buffer (the compare and the
         digests then read slower memory, and still the push's worker time falls: docs/profile.md, round 16).
         Below SMALL_CHUNK a read is cheaper than a mapping's set-up. An EOFError (the file is shorter now) is an empty view: the caller's
         length check names the file.
