@@ -1,10 +1,11 @@
-"""Page-aligned buffers for positional reads (pread/preadv/readinto).
+"""Page-aligned buffers for positional reads (pread/preadv/readinto), and read-only views of a file's page cache.
 
 Where the kernel copies a file's bytes into a buffer matters: on AMD EPYC hosts (measured on a KVM guest with
 FSRM: `rep movsb` copy_to_user) a pread of 4 MiB into a buffer at a 16-byte offset from a page runs at ~1.7 GB/s,
 and into a page-aligned (or 32-byte-aligned) one at ~7 GB/s. malloc, bytearray and numpy put large buffers
 16 bytes past a page boundary, and `os.pread` returns a bytes object whose data is 48 bytes past one, so every
-large read went the slow way. See docs/profile.md, "Round 4".
+large read went the slow way. See docs/profile.md, "Round 4". A push reads its large chunks without any copy,
+through mappings (mapped_range; docs/profile.md, "Round 16").
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ def pread_aligned(fd: int, size: int, offset: int, buf: np.ndarray | None = None
     return out[:got]
 
 
-
 def mapped_range(fd: int, size: int, offset: int) -> memoryview | None:
     """size bytes of a regular file at offset as a read-only view of its page cache (no copy), or None where the
     file or the kernel cannot map it that way (the caller reads instead).
@@ -69,6 +69,7 @@ def mapped_range(fd: int, size: int, offset: int) -> memoryview | None:
             raise EOFError(f"{size} bytes at {offset} lie past the end of the file") from None
         if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
             _mapping["ok"] = False  # a kernel before 5.14: without the populate a short file is a SIGBUS
-            return None
-        raise
+        # Otherwise (a signal, memory pressure, an I/O error) the caller reads the range: a read retries what can
+        # be retried and reports a real I/O error as one.
+        return None
     return memoryview(m)[offset - start:]

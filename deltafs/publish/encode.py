@@ -370,8 +370,8 @@ class Encoder:
 
         A 4 MiB chunk costs the kernel ~0.2 ms to map against ~0.8 ms to copy into a buffer (the compare and the
         digests then read slower memory, and still the push's worker time falls: docs/profile.md, round 16).
-        Below SMALL_CHUNK a read is cheaper than a mapping's set-up. An EOFError (the file is shorter now) is an empty view: the caller's
-        length check names the file.
+        Below SMALL_CHUNK a read is cheaper than a mapping's set-up. An EOFError (the file is shorter now) is an
+        empty view: the caller's length check names the file.
         """
         if fd not in self._mapped:
             return None

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+import deltafs.buffers as buffers
 import deltafs.publish.encode as encode_mod
 from deltafs.buffers import mapped_range
 from deltafs.errors import SourceError, exit_code
@@ -55,6 +56,23 @@ def test_what_cannot_be_mapped_is_left_to_a_read():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_kernel_that_refuses_the_populate_turns_mapping_off_for_the_process(tmp_path, monkeypatch):
+    """Without MADV_POPULATE_READ (Linux < 5.14) a short file would be a SIGBUS: such a kernel answers EINVAL, and
+    every later range is read instead (None), never mapped unpopulated. Simulated with an advice no kernel knows."""
+    path = tmp_path / "f"
+    path.write_bytes(b"y" * 65536)
+    monkeypatch.setattr(buffers, "MADV_POPULATE_READ", 0x7FFF)
+    monkeypatch.setitem(buffers._mapping, "ok", True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert mapped_range(fd, 4096, 0) is None
+        assert buffers._mapping["ok"] is False
+        monkeypatch.setattr(buffers, "MADV_POPULATE_READ", 22)
+        assert mapped_range(fd, 4096, 0) is None  # off for the process from then on
+    finally:
+        os.close(fd)
 
 
 def _ckpt(path, tensors: dict[str, np.ndarray]) -> str:
