@@ -251,3 +251,91 @@ def test_a_tensor_segment_whose_size_disagrees_with_dtype_and_shape_is_refused(t
     _forget_checked()
     with pytest.raises(FormatError, match="size disagrees with dtype and shape"):
         Manifest.from_parsed(raw)
+
+
+def _state_record(tmp_path, man: Manifest) -> str:
+    """A DEST state record embedding man, as an install writes it; the version directory's path."""
+    from deltafs.format.records import dest_state_bytes, dest_state_record
+
+    vdir = tmp_path / "v0000000001-00000000"
+    record = dest_state_record(store_id=man.store_id, store_url="file:///s", version=man.version, digest=man.digest,
+                               files={"model.safetensors": [1, 2]})
+    (tmp_path / (vdir.name + ".json")).write_bytes(dest_state_bytes(record, man.to_bytes()))
+    return str(vdir)
+
+
+def _forget_states() -> None:
+    from deltafs.read import dest
+
+    dest._STATE_MEMO.clear()
+
+
+def test_a_state_record_embedding_a_known_manifest_is_read_without_parsing_the_manifest(tmp_path, monkeypatch):
+    """A push reads its cache's state record after decoding the same version from the store: the record's members
+    are parsed around the manifest's text (10.5 MB of JSON at 70B), and the result is the full parse's."""
+    from deltafs.format import records
+    from deltafs.read import dest
+
+    data = _stored_manifest(tmp_path)
+    man = Manifest.from_bytes(data)
+    vdir = _state_record(tmp_path, man)
+    _forget_states()
+    parsed: list[int] = []
+    real = records.load_json
+    monkeypatch.setattr(records, "load_json", lambda d, *a, **k: parsed.append(len(d)) or real(d, *a, **k))
+    got, members = dest.read_version_state(vdir)
+    assert got is man and parsed and max(parsed) < len(data)  # the record's own members only
+    _forget_states()
+    _forget_checked()  # a process that has not seen the manifest parses the whole record: the same answer
+    parsed.clear()
+    full, full_members = dest.read_version_state(vdir)
+    assert max(parsed) > len(data) and full.to_bytes() == man.to_bytes() and full_members == members
+
+
+@pytest.mark.parametrize("edit", ["a second manifest member", "spacing", "the record's version", "the manifest"])
+def test_a_state_record_that_is_not_exactly_ours_is_parsed_whole(tmp_path, edit):
+    from deltafs.read import dest
+
+    data = _stored_manifest(tmp_path)
+    man = Manifest.from_bytes(data)
+    vdir = _state_record(tmp_path, man)
+    path = vdir + ".json"
+    record = open(path, "rb").read()
+    if edit == "a second manifest member":  # JSON keeps the last: another manifest than the known one's text
+        edited = record[:-1] + b',"manifest":{"format":"x"}}'
+    elif edit == "spacing":
+        edited = record.replace(b'"version":', b'"version": ')
+    elif edit == "the record's version":
+        edited = record[:-2] + (b"7}" if record[-2:-1] != b"7" else b"8}")
+    else:
+        edited = record.replace(b'"size":8192', b'"size":8190', 1)
+    assert edited != record
+    open(path, "wb").write(edited)
+    _forget_states()
+    if edit == "spacing":  # still a valid record: read in full, the same manifest and members
+        got, members = dest.read_version_state(vdir)
+        assert got.to_bytes() == man.to_bytes() and members["version"] == man.version
+    elif edit == "the record's version":  # the members as written; the known manifest was not used for them
+        got, members = dest.read_version_state(vdir)
+        assert members["version"] != man.version
+    else:
+        with pytest.raises(FormatError):
+            dest.read_version_state(vdir)
+
+
+def test_a_push_reads_its_caches_state_record_around_the_manifest_it_decoded_from_the_store(tmp_path, monkeypatch):
+    from deltafs.read import dest
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_safetensors(str(src / "model.safetensors"), {"w": ("BF16", (4096,), bytes(range(256)) * 32)})
+    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
+    push(store, str(src), cache_dir=cache)
+    write_safetensors(str(src / "model.safetensors"), {"w": ("BF16", (4096,), bytes(range(255, -1, -1)) * 32)})
+    _forget_states()
+    _forget_checked()  # a new process: only what this push decodes is known
+    seen: list[bool] = []
+    real = dest._known_embedded
+    monkeypatch.setattr(dest, "_known_embedded", lambda data: (lambda r: seen.append(r is not None) or r)(real(data)))
+    assert push(store, str(src), cache_dir=cache).kind == "delta"
+    assert seen and seen[0]  # the cache's record, read after HEAD's manifest was decoded
