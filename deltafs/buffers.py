@@ -13,12 +13,14 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import sys
 
 import numpy as np
 
 PAGE = 4096
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.11's mmap lacks the name
-_mapping = {"ok": hasattr(mmap.mmap, "madvise")}  # cleared for the process when the kernel refuses the populate
+# Linux only (22 is another advice, or none, elsewhere); cleared for the process when the kernel refuses the populate.
+_mapping = {"ok": sys.platform.startswith("linux") and hasattr(mmap.mmap, "madvise")}
 
 
 def aligned_empty(size: int) -> np.ndarray:
