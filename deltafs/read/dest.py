@@ -517,16 +517,9 @@ def _is_state(path: str) -> bool:
     """
     try:
         _key, hit, data = _read_state_file(path)
-        if hit is None:
-            span = embedded_manifest_span(data) if len(data) <= DEST_STATE_MAX_BYTES else None
-            if span is not None:
-                # The record's own members, the manifest's text set aside: parsing it is most of the cost (a 70B
-                # model's is 10 MB of JSON). A record this guess does not fit is parsed whole, as before.
-                try:
-                    parse_dest_state(data[:span[0]] + b"{}" + data[span[1]:])
-                    return True
-                except FormatError:
-                    pass
+        # The record's own members, the manifest's text set aside: parsing it is most of the cost (a 70B model's is
+        # 10 MB of JSON). A record this guess does not fit is parsed whole, as before.
+        if hit is None and _members_beside_manifest(data) is None:
             parse_dest_state(data)
     except FormatError:
         return False
@@ -663,17 +656,27 @@ def _known_embedded(data: bytes) -> tuple[Manifest, dict[str, Any]] | None:
     wrote (one "manifest" member, canonical), and json.loads of it would have given these members and this manifest.
     """
     span = embedded_manifest_span(data) if len(data) <= DEST_STATE_MAX_BYTES else None
+    manifest = Manifest.known(data[span[0]:span[1]]) if span is not None else None
+    beside = _members_beside_manifest(data, span) if manifest is not None else None
+    if manifest is None or beside is None:
+        return None
+    return (manifest, beside) if dest_state_bytes(beside, manifest.to_bytes()) == data else None
+
+
+def _members_beside_manifest(data: bytes, span: tuple[int, int] | None = None) -> dict[str, Any] | None:
+    """A state record's members other than "manifest", parsed with a placeholder where embedded_manifest_span
+    (given, or found here) guesses the manifest's text lies; None if there is no such guess or the rest is not a
+    state record. A guess to check, as embedded_manifest_text's: the callers decide what it may stand for."""
     if span is None:
-        return None
-    manifest = Manifest.known(data[span[0]:span[1]])
-    if manifest is None:
-        return None
+        span = embedded_manifest_span(data) if len(data) <= DEST_STATE_MAX_BYTES else None
+        if span is None:
+            return None
     try:
         raw = parse_dest_state(data[:span[0]] + b"{}" + data[span[1]:])
     except FormatError:
         return None
     raw.pop("manifest")
-    return (manifest, raw) if dest_state_bytes(raw, manifest.to_bytes()) == data else None
+    return raw
 
 
 def weight_version(version: int) -> str:
