@@ -20,20 +20,25 @@ import functools
 import importlib
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
 ACC: collections.defaultdict[str, float] = collections.defaultdict(float)
+_ACC_LOCK = threading.Lock()  # workers add to one label at once
 
 
 def _timed(label: str, fn: Any) -> Any:
+    """fn, its wall-clock time added to ACC[label] on every call, in any thread (push_phases.py uses it too)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            ACC[label] += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            with _ACC_LOCK:
+                ACC[label] += spent
     return wrapper
 
 

@@ -4,7 +4,7 @@
         /tmp/sync-bench/gen-llama-1b-L4-lr9e-07-s0/new --rounds 5 --threads 1 [--json OUT]
     PYTHONPATH=/tmp/v0 python benchmarks/push_phases.py ...   # another checkout's deltafs, same timers
 
-pull_phases.py's counterpart. TEMPLATE is a sync_bench push template (`store/` and `cache/` with the base pushed
+pull_phases.py's counterpart, with its timers. TEMPLATE is a sync_bench push template (`store/` and `cache/` with the base pushed
 as HEAD); NEW the checkpoint to push. Each round copies the store to --scratch and the cache beside NEW (not
 timed; page cache warm), then runs `deltafs.push(store, NEW, cache_dir=..., threads=T)` in this process: the push
 cache is hard-linked, as sync_bench's "cache beside the checkpoint" row. --cache-root on another filesystem
@@ -19,17 +19,16 @@ them in their own threads. Each timer costs ~1 us per call. Never a test.
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
+
+from pull_phases import ACC, _timed  # the same timers (benchmarks/ is on sys.path when a script there runs)
 
 
 def main() -> None:
@@ -48,23 +47,9 @@ def main() -> None:
     from deltafs.publish import encode, pipeline
 
     push_mod = sys.modules["deltafs.publish.push"]
-    now: dict[str, float] = collections.defaultdict(float)
-    lock = threading.Lock()
 
     def timed(owner: Any, name: str, label: str) -> None:
-        real = getattr(owner, name)
-
-        @functools.wraps(real)
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return real(*a, **k)
-            finally:
-                spent = time.perf_counter() - t
-                with lock:
-                    now[label] += spent
-
-        setattr(owner, name, wrapper)
+        setattr(owner, name, _timed(label, getattr(owner, name)))
 
     timed(push_mod, "scan_source", "scan the source")
     timed(pipeline, "decide", "read the store (decide)")
@@ -91,11 +76,10 @@ def main() -> None:
         subprocess.run(["cp", "-a", os.path.join(args.template, "store"), os.path.join(args.scratch, "store")],
                        check=True)
         subprocess.run(["cp", "-a", os.path.join(args.template, "cache"), cache], check=True)
-        now.clear()
+        ACC.clear()
         t0 = time.perf_counter()
         deltafs.push(os.path.join(args.scratch, "store"), args.new, cache_dir=cache, threads=args.threads)
-        now["push (wall)"] = time.perf_counter() - t0
-        rounds.append(dict(now))
+        rounds.append({**ACC, "push (wall)": time.perf_counter() - t0})
     for d in (args.scratch, cache):
         shutil.rmtree(d, ignore_errors=True)
     labels = list(rounds[0])

@@ -4,7 +4,7 @@
 
 Times, over every whole chunk of the two files (both in the page cache: each is read once first), what the
 encoder does around its codec: read the new chunk and its base, compare them (the compiled compare,
-`_native.changes`, as codec.compare calls it), and, in the "+ digests" ways, take both chunk digests (xxh3-128)
+`deltafs.codec.compare.changes`, as the codec calls it), and, in the "+ digests" ways, take both chunk digests (xxh3-128)
 after the compare as the encoder does. Two ways to read: `pread` into two recycled aligned buffers (deltafs before
 round 16) and a mapping per chunk populated in one call (`deltafs.buffers.mapped_range`, round 16); and the pread
 alone. Prints the least and the median per way; GB/s counts both files. Never a test.
@@ -23,6 +23,7 @@ import numpy as np
 
 from deltafs.buffers import aligned_empty, mapped_range, pread_aligned
 from deltafs.codec import native
+from deltafs.codec.compare import changes
 from deltafs.format.digests import chunk_digest
 
 
@@ -34,20 +35,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args()
-    loops = native.loops()
-    if loops is None:
+    if native.loops() is None:
         raise SystemExit("the compiled codec loops are not built here")
     cb = int(args.chunk_mib * (1 << 20))
     size = min(os.path.getsize(args.new), os.path.getsize(args.base))
     offsets = list(range(0, size - cb + 1, cb))
     fn, fb = os.open(args.new, os.O_RDONLY), os.open(args.base, os.O_RDONLY)
     bufs = aligned_empty(cb), aligned_empty(cb)
-    room = cb // 2
-    idx, nv, bv = np.empty(room, np.int64), np.empty(room, np.uint16), np.empty(room, np.uint16)
 
     def compare(n: object, b: object) -> int:
-        return int(loops.changes(np.frombuffer(n, np.uint8), np.frombuffer(b, np.uint8), 2, idx, nv, bv,
-                                 native.simd_level))
+        return int(changes(np.frombuffer(n, np.uint8), np.frombuffer(b, np.uint8), 2)[0].size)
 
     def pair(mapped: bool, o: int) -> tuple[Any, Any]:
         if not mapped:
