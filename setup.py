@@ -1,9 +1,14 @@
-"""The one compiled part of deltafs: an optional C module for the sparse codec's loops (deltafs/codec/_native.c).
+"""The compiled parts of deltafs, both optional: the sparse codec's loops (deltafs/codec/_native.c) and read-only
+views of a file's page cache guarded against SIGBUS (deltafs/_mapped.c, Linux).
 
-Everything else is in pyproject.toml. Where no C compiler is available the build skips the module and deltafs
-uses its numpy code for the same streams (same bytes, slower on small chunks).
+Everything else is in pyproject.toml. Where no C compiler is available the build skips them: deltafs then uses its
+numpy code for the same streams (same bytes, slower on small chunks), and reads large chunks with pread instead of
+mapping them.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("deltafs.codec._native", ["deltafs/codec/_native.c"], libraries=["m"], optional=True)])
+setup(ext_modules=[
+    Extension("deltafs.codec._native", ["deltafs/codec/_native.c"], libraries=["m"], optional=True),
+    Extension("deltafs._mapped", ["deltafs/_mapped.c"], optional=True),
+])

@@ -5,22 +5,25 @@ FSRM: `rep movsb` copy_to_user) a pread of 4 MiB into a buffer at a 16-byte offs
 and into a page-aligned (or 32-byte-aligned) one at ~7 GB/s. malloc, bytearray and numpy put large buffers
 16 bytes past a page boundary, and `os.pread` returns a bytes object whose data is 48 bytes past one, so every
 large read went the slow way. See docs/profile.md, "Round 4". A push reads its large chunks without any copy,
-through mappings (mapped_range; docs/profile.md, "Round 16").
+through mappings (mapped_range; docs/profile.md, "Round 16"), made by deltafs/_mapped.c so that a file cut short
+while a view of it is read is a mark on the view, not a SIGBUS (docs/profile.md, "Round 17").
 """
 
 from __future__ import annotations
 
 import errno
-import mmap
 import os
-import sys
 
 import numpy as np
 
 PAGE = 4096
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.11's mmap lacks the name
-# Linux only (22 is another advice, or none, elsewhere); cleared for the process when the kernel refuses the populate.
-_mapping = {"ok": sys.platform.startswith("linux") and hasattr(mmap.mmap, "madvise")}
+MADV_POPULATE_READ = 22  # Linux 5.14; Python 3.11's mmap lacks the name
+try:  # the guarded mappings (deltafs/_mapped.c, Linux; optional): without them large chunks are read, not mapped
+    from deltafs import _mapped
+except ImportError:  # pragma: no cover - depends on the build
+    _mapped = None  # type: ignore[assignment]
+# Cleared for the process when the kernel refuses the populate (Linux before 5.14).
+_mapping = {"ok": _mapped is not None}
 
 
 def aligned_empty(size: int) -> np.ndarray:
@@ -47,31 +50,36 @@ def pread_aligned(fd: int, size: int, offset: int, buf: np.ndarray | None = None
 
 def mapped_range(fd: int, size: int, offset: int) -> memoryview | None:
     """size bytes of a regular file at offset as a read-only view of its page cache (no copy), or None where the
-    file or the kernel cannot map it that way (the caller reads instead).
+    file, the kernel or the build cannot map it that way (the caller reads instead).
 
     The range's page tables are filled in one call (MADV_POPULATE_READ) before the view is returned, so bytes the
-    file no longer has (it was cut short since it was opened) are an EOFError here rather than a SIGBUS on
-    access; only a file cut short in the microseconds between that call and the access can still raise SIGBUS.
-    The mapping lives as long as the view (and views of it): nothing to close.
+    file no longer has (it was cut short since it was opened) are an EOFError here. A file cut short later, while
+    the view is read, does not kill the process with SIGBUS: deltafs/_mapped.c maps zeros over what is gone and
+    marks the view (`faulted`), and the caller, having used the bytes, must ask `faulted(view)` before it trusts
+    what it computed from them. The mapping lives as long as the view (and views of it): nothing to close.
     """
     if not _mapping["ok"] or size <= 0:
         return None
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
     try:
-        m = mmap.mmap(fd, size + offset - start, access=mmap.ACCESS_READ, offset=start)
-    except ValueError:  # past the end of the file
-        raise EOFError(f"{size} bytes at {offset} lie past the end of the file") from None
-    except OSError:
-        return None  # a file that cannot be mapped (a pipe, some FUSE filesystems): read it
-    try:
-        m.madvise(MADV_POPULATE_READ)
+        rng = _mapped.map(fd, size, offset, MADV_POPULATE_READ)
     except OSError as exc:
-        m.close()
         if exc.errno == errno.EFAULT:
             raise EOFError(f"{size} bytes at {offset} lie past the end of the file") from None
-        if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
-            _mapping["ok"] = False  # a kernel before 5.14: without the populate a short file is a SIGBUS
-        # Otherwise (a signal, memory pressure, an I/O error) the caller reads the range: a read retries what can
-        # be retried and reports a real I/O error as one.
+        if exc.filename == "MADV_POPULATE_READ" and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+            _mapping["ok"] = False  # a kernel before 5.14: without the populate a short file is not seen up front
+        # Otherwise (a file that cannot be mapped, such as a pipe or some FUSE files; a signal, memory pressure or
+        # an I/O error during the populate) the caller reads the range: a read retries what can be retried and
+        # reports a real I/O error as one.
         return None
-    return memoryview(m)[offset - start:]
+    return None if rng is None else memoryview(rng)
+
+
+def is_mapped(view: object) -> bool:
+    """Whether view comes from mapped_range (or is a slice of such a view)."""
+    return isinstance(view, memoryview) and _mapped is not None and isinstance(view.obj, _mapped.Range)
+
+
+def faulted(view: object) -> bool:
+    """Whether view (from mapped_range, or a slice of one) met bytes its file no longer had: they read as zeros, so
+    nothing computed from it may be used. False for anything that is not such a view (a read cannot fault)."""
+    return is_mapped(view) and view.obj.faulted  # type: ignore[attr-defined]

@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 
 from deltafs import codec
-from deltafs.buffers import aligned_empty, mapped_range, pread_aligned
+from deltafs.buffers import aligned_empty, faulted, is_mapped, mapped_range, pread_aligned
 from deltafs.errors import DeltafsError, ObjectNotFoundError, SourceError
 from deltafs.format import digests
 from deltafs.format.manifest import ChunkRef, FileEntry, Segment
@@ -273,8 +273,14 @@ class Encoder:
         # Digests per chunk, here in the workers: nothing hashes a whole file serially (format v2). The base's
         # digest is taken before a patch overwrites it.
         digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None
+        _check_views(reader, seg, new, old)  # nothing above is used if a mapped file was cut short meanwhile
         if stage_fd is not None and not (self.patch and old is not None and enc.changed == 0):
-            pwrite_all(stage_fd, memoryview(new), seg.offset + start)
+            try:
+                pwrite_all(stage_fd, memoryview(new), seg.offset + start)
+            except OSError as exc:  # the kernel's copy from a mapping cut short since: EFAULT, not SIGBUS
+                if exc.errno == errno.EFAULT and is_mapped(new):
+                    raise _shrank(reader, seg) from None
+                raise
         return _Chunk(new, old, enc, held, digest, base_digest)
 
     def _chunks(self, reader: FileReader, run: list[tuple[SourceSegment, int, int | None, int]], stage_fd: int | None,
@@ -514,6 +520,8 @@ class _Lane:
                 base_digests.append(got.base_digest)
             if bhash is not None:
                 bhash.update(old)
+                if faulted(old):
+                    raise LocalBaseError("push cache file was cut short while it was read")
             size = len(new)
             del new, old
             self.enc.recycle(held)  # the bytes are hashed: the buffers can take the next reads
@@ -546,6 +554,15 @@ def may_map_bases(patch: bool, base_segments: list[Segment]) -> bool:
     worker before the write, and an unpatched base is never written.
     """
     return not patch or all(digests.is_tree_digest(seg.digest) for seg in base_segments)
+
+
+def _check_views(reader: FileReader, seg: SourceSegment, new: Any, old: Any) -> None:
+    """Raise if a chunk's mapped bytes met a file cut short while they were read (deltafs.buffers.faulted: what
+    is gone read as zeros, so the encoding and digests computed from them are wrong)."""
+    if faulted(new):
+        raise _shrank(reader, seg)
+    if faulted(old):
+        raise LocalBaseError("push cache file was cut short while it was read")
 
 
 def _shrank(reader: FileReader, seg: SourceSegment) -> SourceError:

@@ -38,6 +38,10 @@ def test_console_script_help_version_and_bare_call():
     from deltafs.codec import native
 
     assert ("codec loops: compiled" if native.BUILT else "codec loops: numpy (not built") in env, env
+    from deltafs import buffers
+
+    assert ("large chunks: read through guarded mappings" if buffers._mapped is not None
+            else "large chunks: read with pread") in env, env
     off = subprocess.run([exe, "env"], capture_output=True, text=True, check=True,
                          env={**os.environ, "DELTAFS_NATIVE": "0"}).stdout
     assert "codec loops: numpy (" in off and "DELTAFS_NATIVE: 0" in off, off

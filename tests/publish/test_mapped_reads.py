@@ -1,10 +1,14 @@
 """A push reads large chunks of local files as views of the page cache (deltafs.buffers.mapped_range): the same
-bytes as a read, a file cut short is a clear error (never a SIGBUS), and a patched push cache is read before it is
-written."""
+bytes as a read, a file cut short is a clear error (never a SIGBUS, also while a view of it is being read:
+deltafs/_mapped.c), and a patched push cache is read before it is written."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -142,8 +146,137 @@ def test_a_source_cut_short_while_it_is_pushed_fails_with_a_clear_error_and_comm
     assert Repository.open(store).versions() == [1]
 
 
+def test_without_the_guarded_mappings_every_chunk_is_read(tmp_path, monkeypatch):
+    """A build without deltafs._mapped (no C compiler, not Linux) maps nothing: the same versions, through reads."""
+    monkeypatch.setitem(buffers._mapping, "ok", False)
+    seen = _spy(monkeypatch)
+    rng = np.random.default_rng(11)
+    v = {"big": rng.integers(0, 1 << 16, 3 << 19, dtype=np.uint16)}
+    store, cache, dest = str(tmp_path / "store"), str(tmp_path / "cache"), str(tmp_path / "dest")
+    push(store, _ckpt(tmp_path / "v1", v), cache_dir=cache)
+    src = _ckpt(tmp_path / "v2", {"big": np.frombuffer(perturb(v["big"].tobytes(), 2, 0.02, rng), np.uint16)})
+    assert push(store, src, cache_dir=cache).kind == "delta"
+    pull(store, dest)
+    assert files_of(dest) == files_of(src) and not seen
+
+
 def test_a_patched_v1_base_is_never_mapped():
     tree = Segment(key="t:w", kind="tensor", offset=8, size=4, digest="xxh3-tree:" + "0" * 32, chunks=())
     v1 = Segment(key="t:v", kind="tensor", offset=12, size=4, digest="xxh3-128:" + "0" * 32, chunks=())
     assert encode_mod.may_map_bases(True, [tree]) and encode_mod.may_map_bases(False, [tree, v1])
     assert not encode_mod.may_map_bases(True, [tree, v1])
+
+
+# --- a file cut short while its view is read (deltafs/_mapped.c) ----------------------------------------------
+# Each case runs in its own process: a SIGBUS that the guard failed to catch ends that process, not the test run.
+
+def _run(code: str, tmp_path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_guarded_mappings_are_built_where_the_codec_loops_are():
+    """CI has a compiler: if the build silently skipped deltafs._mapped there, pushes would read every chunk and
+    the guard below would go untested."""
+    from deltafs.codec import native
+
+    if not native.BUILT:
+        pytest.skip("no C compiler here")
+    assert buffers._mapped is not None and buffers._mapping["ok"]
+
+
+def test_a_file_cut_short_while_its_view_is_read_reads_zeros_and_is_marked(tmp_path):
+    out = _run("""
+        import os, sys
+        from deltafs.buffers import faulted, mapped_range
+        path = os.path.join(sys.argv[1], "f")
+        with open(path, "wb") as fh:
+            fh.write(b"a" * (3 << 20))
+        fd = os.open(path, os.O_RDONLY)
+        view = mapped_range(fd, 2 << 20, 4096 + 5)
+        part = view[1 << 20:]  # a slice shares the mapping and its mark
+        assert bytes(view[:4]) == b"aaaa" and not faulted(view) and not faulted(part)
+        os.truncate(path, 1 << 20)  # the trainer rewrites the file in place
+        data = bytes(view)  # without the guard: SIGBUS here
+        cut = (1 << 20) - 4096 - 5
+        assert data[:cut] == b"a" * cut and data[cut:] == bytes(len(data) - cut), "zeros where the file is gone"
+        assert faulted(view) and faulted(part) and not faulted(b"a") and not faulted(memoryview(b"a"))
+        print("survived")
+    """, tmp_path)
+    assert out.returncode == 0 and "survived" in out.stdout, out.stderr
+
+
+def test_a_sigbus_outside_deltafs_mappings_still_ends_the_process(tmp_path):
+    """The guard handles only addresses of its own mappings; any other SIGBUS goes where it went before: here to
+    faulthandler (enabled first, as pytest and PYTHONFAULTHANDLER do), which reports it, and the process dies."""
+    out = _run("""
+        import faulthandler, mmap, os, sys
+        faulthandler.enable()
+        from deltafs.buffers import mapped_range
+        path = os.path.join(sys.argv[1], "f")
+        with open(path, "wb") as fh:
+            fh.write(b"b" * (1 << 20))
+        fd = os.open(path, os.O_RDONLY)
+        assert mapped_range(fd, 1 << 20, 0) is not None  # the guard is installed
+        other = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # a mapping deltafs did not make
+        os.truncate(path, 4096)
+        print("before", flush=True)
+        other[500_000]
+        print("not reached", flush=True)
+    """, tmp_path)
+    assert out.returncode == -signal.SIGBUS and "before" in out.stdout and "not reached" not in out.stdout
+    assert "Bus error" in out.stderr  # faulthandler's report
+
+
+@pytest.mark.parametrize("which", ["source", "base"])
+def test_a_file_cut_short_between_its_mapping_and_its_compare_fails_the_push_cleanly(tmp_path, which):
+    """The trainer truncates the checkpoint (or something truncates the push cache) just after a large chunk of it
+    was mapped: the compare reads zeros, not SIGBUS. A source cut short is exit 2 naming the file, nothing
+    committed; a cache cut short is a cache the push does not trust (the base is rebuilt from the store)."""
+    out = _run(f"""
+        import os, sys
+        import numpy as np
+        import deltafs.publish.encode as encode_mod
+        from deltafs.errors import SourceError, exit_code
+        from deltafs.publish import push
+        from deltafs.store.repo import Repository
+        from deltafs.testing.checkpoints import files_of, perturb, write_safetensors
+        root = sys.argv[1]
+        store, cache = os.path.join(root, "store"), os.path.join(root, "cache")
+
+        def ckpt(name, a):
+            os.makedirs(os.path.join(root, name))
+            write_safetensors(os.path.join(root, name, "model.safetensors"), {{"big": ("BF16", a.shape, a.tobytes())}})
+            return os.path.join(root, name)
+
+        rng = np.random.default_rng(7)
+        a = rng.integers(0, 1 << 16, 3 << 20, dtype=np.uint16)
+        push(store, ckpt("v1", a), cache_dir=cache, link="copy")
+        src = ckpt("v2", np.frombuffer(perturb(a.tobytes(), 2, 0.02, rng), np.uint16))
+        real, cut = encode_mod.mapped_range, []
+
+        def map_then_cut(fd, size, offset):
+            view = real(fd, size, offset)
+            path = os.readlink(f"/proc/self/fd/{{fd}}")
+            # The source's last chunk (no later read would see the file shorter), or the cache's first.
+            wanted = path.startswith(src) and offset > (4 << 20) if "{which}" == "source" else path.startswith(cache)
+            if view is not None and wanted and not cut:
+                os.truncate(path, 0)
+                cut.append(path)
+            return view
+
+        encode_mod.mapped_range = map_then_cut
+        try:
+            res = push(store, src, cache_dir=cache, link="copy")
+        except SourceError as exc:
+            print("error", exit_code(exc), exc)
+        else:
+            print("pushed", res.version, res.base_rederived, files_of(src) == files_of(os.path.join(cache, "base")))
+        print("cut", bool(cut), "versions", Repository.open(store).versions())
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    if which == "source":
+        assert "error 2 " in out.stdout and "model.safetensors shrank while it was being pushed" in out.stdout
+        assert "cut True versions [1]" in out.stdout
+    else:
+        assert "pushed 2 True" in out.stdout and "cut True versions [1, 2]" in out.stdout, out.stdout
