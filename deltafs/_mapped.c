@@ -6,7 +6,8 @@
  * installed with the first mapping, looks the faulting address up: inside a registered mapping, it maps zero
  * pages over the rest of that mapping (so the access and every later one read zeros instead of faulting again)
  * and marks the mapping faulted; the caller checks `faulted` after it has used the bytes and reports the file as
- * cut short. Any other SIGBUS goes to the handler that was installed before (Python's faulthandler, say) or to
+ * cut short. A cut inside the range's last page faults nothing (the rest of that page reads as zeros): the caller
+ * also compares the file's size with `end`. Any other SIGBUS goes to the handler that was installed before (Python's faulthandler, say) or to
  * the default action, exactly as without this module.
  *
  * Optional, like deltafs/codec/_native.c: where it was not built, deltafs reads those chunks with pread instead.
@@ -122,6 +123,7 @@ typedef struct {
     size_t length;    /* its length */
     Py_ssize_t skip;  /* where the range starts in it */
     Py_ssize_t size;  /* the range's bytes */
+    long long end;    /* the file offset where the range ends */
     int slot;
 } Range;
 
@@ -143,11 +145,19 @@ static PyObject *Range_faulted(Range *self, void *closure) {
     return PyBool_FromLong(atomic_load_explicit(&slots[self->slot].faulted, memory_order_acquire));
 }
 
+static PyObject *Range_end(Range *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(self->end);
+}
+
 static PyBufferProcs Range_as_buffer = {(getbufferproc)Range_getbuffer, NULL};
 
 static PyGetSetDef Range_getset[] = {
     {"faulted", (getter)Range_faulted, NULL,
      "Whether an access found bytes the file no longer has (they read as zeros).", NULL},
+    {"end", (getter)Range_end, NULL,
+     "The file offset where the range ends: a file now shorter lost bytes of it, faulted or not (the part of its "
+     "last page past a cut reads as zeros without a fault).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -233,6 +243,7 @@ static PyObject *map_range(PyObject *module, PyObject *args) {
     r->length = length;
     r->skip = (Py_ssize_t)(offset - start);
     r->size = size;
+    r->end = offset + (long long)size;
     r->slot = slot;
     return (PyObject *)r;
 }

@@ -55,8 +55,8 @@ def mapped_range(fd: int, size: int, offset: int) -> memoryview | None:
     The range's page tables are filled in one call (MADV_POPULATE_READ) before the view is returned, so bytes the
     file no longer has (it was cut short since it was opened) are an EOFError here. A file cut short later, while
     the view is read, does not kill the process with SIGBUS: deltafs/_mapped.c maps zeros over what is gone and
-    marks the view (`faulted`), and the caller, having used the bytes, must ask `faulted(view)` before it trusts
-    what it computed from them. The mapping lives as long as the view (and views of it): nothing to close.
+    marks the view (`faulted`), and the caller, having used the bytes, must ask `cut_short(view, fd)` before it
+    trusts what it computed from them. The mapping lives as long as the view (and views of it): nothing to close.
     """
     if not _mapping["ok"] or size <= 0:
         return None
@@ -83,3 +83,13 @@ def faulted(view: object) -> bool:
     """Whether view (from mapped_range, or a slice of one) met bytes its file no longer had: they read as zeros, so
     nothing computed from it may be used. False for anything that is not such a view (a read cannot fault)."""
     return is_mapped(view) and view.obj.faulted  # type: ignore[attr-defined]
+
+
+def cut_short(view: object, fd: int) -> bool:
+    """Whether the file fd was cut short into view's range while the view was used (faulted, or the file now ends
+    before the range does: a cut inside the range's last page reads as zeros there without a fault). Ask after the
+    last use of the bytes. False for a view that is not a mapping's (a read comes back short instead)."""
+    if not is_mapped(view):
+        return False
+    rng = view.obj  # type: ignore[attr-defined]
+    return bool(rng.faulted) or os.fstat(fd).st_size < rng.end

@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 
 from deltafs import codec
-from deltafs.buffers import aligned_empty, faulted, is_mapped, mapped_range, pread_aligned
+from deltafs.buffers import aligned_empty, cut_short, faulted, is_mapped, mapped_range, pread_aligned
 from deltafs.errors import DeltafsError, ObjectNotFoundError, SourceError
 from deltafs.format import digests
 from deltafs.format.manifest import ChunkRef, FileEntry, Segment
@@ -557,9 +557,11 @@ def may_map_bases(patch: bool, base_segments: list[Segment]) -> bool:
 
 
 def _check_views(reader: FileReader, seg: SourceSegment, new: Any, old: Any) -> None:
-    """Raise if a chunk's mapped bytes met a file cut short while they were read (deltafs.buffers.faulted: what
-    is gone read as zeros, so the encoding and digests computed from them are wrong)."""
-    if faulted(new):
+    """Raise if a chunk's mapped bytes met a file cut short while they were read (deltafs.buffers.cut_short: what
+    is gone read as zeros, so the encoding and digests computed from them are wrong). The source is checked against
+    its size too (nothing else would see zeros in the part of a last page past a cut); a base's bytes are checked
+    against the digest its manifest records (_Lane._segment), which zeros do not match."""
+    if cut_short(new, getattr(reader, "fd", -1)):
         raise _shrank(reader, seg)
     if faulted(old):
         raise LocalBaseError("push cache file was cut short while it was read")
