@@ -85,6 +85,11 @@ def faulted(view: object) -> bool:
     return is_mapped(view) and view.obj.faulted  # type: ignore[attr-defined]
 
 
+def mapped_end(view: object) -> int | None:
+    """The file offset where the mapping behind view ends (for a slice, its whole mapping's), or None."""
+    return view.obj.end if is_mapped(view) else None  # type: ignore[attr-defined]
+
+
 def cut_short(view: object, fd: int) -> bool:
     """Whether the file fd was cut short into view's range while the view was used (faulted, or the file now ends
     before the range does: a cut inside the range's last page reads as zeros there without a fault). Ask after the

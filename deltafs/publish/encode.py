@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 
 from deltafs import codec
-from deltafs.buffers import aligned_empty, cut_short, faulted, is_mapped, mapped_range, pread_aligned
+from deltafs.buffers import aligned_empty, cut_short, faulted, is_mapped, mapped_end, mapped_range, pread_aligned
 from deltafs.errors import DeltafsError, ObjectNotFoundError, SourceError
 from deltafs.format import digests
 from deltafs.format.manifest import ChunkRef, FileEntry, Segment
@@ -561,7 +561,11 @@ def _check_views(reader: FileReader, seg: SourceSegment, new: Any, old: Any) -> 
     is gone read as zeros, so the encoding and digests computed from them are wrong). The source is checked against
     its size too (nothing else would see zeros in the part of a last page past a cut); a base's bytes are checked
     against the digest its manifest records (_Lane._segment), which zeros do not match."""
-    if cut_short(new, getattr(reader, "fd", -1)):
+    fd = getattr(reader, "fd", -1)
+    if cut_short(new, fd):
+        if os.fstat(fd).st_size >= (mapped_end(new) or 0):  # every byte is there: the fault was an I/O error
+            raise SourceError(f"{getattr(reader, 'path', 'a source file')} could not be read while it was being "
+                              f"pushed (at {seg.key[2:]}): an I/O error under a mapping")
         raise _shrank(reader, seg)
     if faulted(old):
         raise LocalBaseError("push cache file was cut short while it was read")

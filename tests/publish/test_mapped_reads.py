@@ -160,6 +160,20 @@ def test_without_the_guarded_mappings_every_chunk_is_read(tmp_path, monkeypatch)
     assert files_of(dest) == files_of(src) and not seen
 
 
+def test_a_fault_over_bytes_the_file_still_has_is_called_an_io_error(tmp_path, monkeypatch):
+    """A SIGBUS in a mapping of a file as long as ever is an I/O error (a page that could not be read back), not a
+    cut: the same exit 2, with words that send the operator to the disk. Simulated: the guard's mark, set."""
+    rng = np.random.default_rng(13)
+    v = {"big": rng.integers(0, 1 << 16, 1 << 20, dtype=np.uint16)}
+    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
+    push(store, _ckpt(tmp_path / "v1", v), cache_dir=cache)
+    src = _ckpt(tmp_path / "v2", {"big": np.frombuffer(perturb(v["big"].tobytes(), 2, 0.02, rng), np.uint16)})
+    monkeypatch.setattr(encode_mod, "cut_short", lambda view, fd: buffers.is_mapped(view))
+    with pytest.raises(SourceError, match="could not be read while it was being pushed .*an I/O error") as caught:
+        push(store, src, cache_dir=cache)
+    assert exit_code(caught.value) == 2 and Repository.open(store).versions() == [1]
+
+
 def test_a_patched_v1_base_is_never_mapped():
     tree = Segment(key="t:w", kind="tensor", offset=8, size=4, digest="xxh3-tree:" + "0" * 32, chunks=())
     v1 = Segment(key="t:v", kind="tensor", offset=12, size=4, digest="xxh3-128:" + "0" * 32, chunks=())
