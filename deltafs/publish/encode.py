@@ -210,7 +210,13 @@ class Encoder:
                     if map_bases and _mappable(fd, hit[0]):
                         self._mapped.add(fd)
             lane = _Lane(self, f, reader, bases, base_fds, stage_fd, ctx)
-            return lane.run()
+            entry = lane.run()
+            if isinstance(reader, DiskReader) and (reader.stamp[0] != f.size or reader.written_since_open()):
+                # Every chunk is read: a file written meanwhile (in place, at the same size, so no read came back
+                # short) may have given some chunks of each version, which no digest would show.
+                raise SourceError(f"{f.abspath} was written while it was being pushed: a checkpoint must not change "
+                                  "until its push returns")
+            return entry
         finally:
             # Forgotten before they are closed: a number reused by another lane's open is not taken for mappable.
             self._mapped.discard(getattr(reader, "fd", -1))

@@ -53,9 +53,20 @@ class DiskReader:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
+        self.stamp = self._stamp()
 
     def read(self, offset: int, size: int) -> bytes | memoryview:
         return os.pread(self.fd, size, offset)
+
+    def _stamp(self) -> tuple[int, int]:
+        st = os.fstat(self.fd)
+        return st.st_size, st.st_mtime_ns
+
+    def written_since_open(self) -> bool:
+        """Whether the file was written or resized since it was opened (its size or modification time moved): the
+        bytes read from it may mix two versions. Not its change time, which a hard link to it (the push cache's)
+        moves too."""
+        return self._stamp() != self.stamp
 
     def close(self) -> None:
         os.close(self.fd)
