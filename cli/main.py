@@ -85,8 +85,8 @@ def env_cmd() -> None:
     lines.append(f"codec loops: {native.describe()}")
     from deltafs import buffers
 
-    lines.append("large chunks: " + ("read through guarded mappings (deltafs._mapped)" if buffers._mapping["ok"]
-                                     else "read with pread (deltafs._mapped not built)"))
+    lines.append("large chunks: " + ("read through guarded mappings (deltafs._mapped)" if buffers.mapping_on()
+                                     else "read with pread (deltafs._mapped not built, or the kernel cannot populate)"))
     for var in ("DELTAFS_CACHE", "DELTAFS_STORAGE_OPTIONS", "DELTAFS_METRICS_DIR", "DELTAFS_LOG_LEVEL", "DELTAFS_NATIVE",
                 "DELTAFS_SIMD"):
         value = os.environ.get(var)

@@ -248,18 +248,8 @@ static PyObject *map_range(PyObject *module, PyObject *args) {
     return (PyObject *)r;
 }
 
-static PyObject *guarding(PyObject *module, PyObject *unused) {
-    (void)module;
-    (void)unused;
-    pthread_mutex_lock(&lock);
-    int on = installed;
-    pthread_mutex_unlock(&lock);
-    return PyBool_FromLong(on);
-}
-
 static PyMethodDef methods[] = {
     {"map", map_range, METH_VARARGS, "map(fd, size, offset, advice) -> Range | None: a populated, guarded read-only view."},
-    {"guarding", guarding, METH_NOARGS, "Whether the SIGBUS handler is installed (it is from the first map())."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -74,6 +74,11 @@ def mapped_range(fd: int, size: int, offset: int) -> memoryview | None:
     return None if rng is None else memoryview(rng)
 
 
+def mapping_on() -> bool:
+    """Whether mapped_range maps (the module is built and the kernel populates), or every caller reads."""
+    return _mapping["ok"]
+
+
 def is_mapped(view: object) -> bool:
     """Whether view comes from mapped_range (or is a slice of such a view)."""
     return isinstance(view, memoryview) and _mapped is not None and isinstance(view.obj, _mapped.Range)
