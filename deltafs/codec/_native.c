@@ -900,6 +900,316 @@ static PyObject *changes(PyObject *self, PyObject *args) {
         return NULL;
     return PyLong_FromSsize_t(count);
 }
+
+/* The gamma codec (manifests/FORMAT.md, "gamma"): every element's zigzag difference z as its bit length L
+ * (0 for z = 0), Rice-coded as the zigzag of L - center, and the L - 1 bits of z below its leading one.
+ * Widths 1, 2 and 4 only (z < 2**32: its bit length and low bits fit the 64-bit accumulators below).
+ */
+static inline uint32_t zz_at(const uint8_t *nb, const uint8_t *bb, Py_ssize_t i, int width) {
+    switch (width) {
+    case 1: { uint8_t d = (uint8_t)(nb[i] - bb[i]); return (uint8_t)((uint8_t)(d << 1) ^ (uint8_t)(0 - (d >> 7))); }
+    case 2: {
+        uint16_t x, y;
+        memcpy(&x, nb + 2 * i, 2);
+        memcpy(&y, bb + 2 * i, 2);
+        uint16_t d = (uint16_t)(x - y);
+        return (uint16_t)((uint16_t)(d << 1) ^ (uint16_t)(0 - (d >> 15)));
+    }
+    default: {
+        uint32_t x, y;
+        memcpy(&x, nb + 4 * i, 4);
+        memcpy(&y, bb + 4 * i, 4);
+        uint32_t d = x - y;
+        return (d << 1) ^ (0u - (d >> 31));
+    }
+    }
+}
+
+static inline int bit_length(uint32_t z) { return z ? 32 - __builtin_clz(z) : 0; }
+
+/* lengths(new, base, width, hist_out) -> changed
+ *
+ * hist_out (int64, 8 * width + 1 entries): how many elements have each bit length of their zigzag difference.
+ */
+static PyObject *lengths(PyObject *self, PyObject *args) {
+    Py_buffer nbuf, bbuf, hist;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*y*iw*", &nbuf, &bbuf, &width, &hist))
+        return NULL;
+    Py_ssize_t changed = -1;
+    if ((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
+        hist.len == (8 * width + 1) * 8) {
+        int64_t *h = (int64_t *)hist.buf;
+        const uint8_t *nb = (const uint8_t *)nbuf.buf, *bb = (const uint8_t *)bbuf.buf;
+        const Py_ssize_t n = nbuf.len / width;
+        Py_BEGIN_ALLOW_THREADS
+        memset(h, 0, hist.len);
+        for (Py_ssize_t i = 0; i < n; i++)
+            h[bit_length(zz_at(nb, bb, i, width))]++;
+        changed = n - (Py_ssize_t)h[0];
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "lengths: width must be 1, 2 or 4 and the buffers sized alike");
+    PyBuffer_Release(&nbuf);
+    PyBuffer_Release(&bbuf);
+    PyBuffer_Release(&hist);
+    if (changed < 0)
+        return NULL;
+    return PyLong_FromSsize_t(changed);
+}
+
+/* plan(hist) -> (center, k, unary_bytes, mantissa_bytes)
+ *
+ * The center (0 .. len(hist) - 1) and Rice parameter (0 .. 8) that code the lengths counted in hist (int64) in the
+ * fewest bytes of unary plus remainder stream, ties to the smallest center, then the smallest k; and the size of
+ * the stream of low bits. The same answer as deltafs.codec.gamma.layout's numpy code (the tests hold it to it).
+ */
+static PyObject *gamma_plan(PyObject *self, PyObject *args) {
+    Py_buffer hist;
+    if (!PyArg_ParseTuple(args, "y*", &hist))
+        return NULL;
+    const Py_ssize_t m = hist.len / 8;
+    if (hist.len % 8 || m < 1 || m > 65) {
+        PyBuffer_Release(&hist);
+        PyErr_SetString(PyExc_ValueError, "plan: hist must be 1 to 65 int64 counts");
+        return NULL;
+    }
+    const int64_t *h = hist.buf;
+    int64_t n = 0, low = 0, count[65];
+    int len[65], used = 0;
+    for (Py_ssize_t L = 0; L < m; L++) {
+        n += h[L];
+        low += L > 1 ? (L - 1) * h[L] : 0;
+        if (h[L]) { /* only the lengths that occur */
+            len[used] = (int)L;
+            count[used++] = h[L];
+        }
+    }
+    int64_t best = -1, best_unary = 0;
+    int best_c = 0, best_k = 0;
+    for (int c = 0; c < m; c++) {
+        for (int k = 0; k <= 8; k++) {
+            int64_t bits = 0;
+            for (int j = 0; j < used; j++) {
+                const int64_t s = len[j] - c, g = s >= 0 ? 2 * s : -2 * s - 1;
+                bits += ((g >> k) + 1) * count[j];
+            }
+            const int64_t cost = (bits + 7) / 8 + (n * k + 7) / 8;
+            if (best < 0 || cost < best) {
+                best = cost;
+                best_c = c;
+                best_k = k;
+                best_unary = (bits + 7) / 8;
+            }
+        }
+    }
+    PyBuffer_Release(&hist);
+    return Py_BuildValue("iiLL", best_c, best_k, (long long)best_unary, (long long)((low + 7) / 8));
+}
+
+/* An MSB-first bit writer into a buffer of known size (bits past its end are counted, not written). */
+typedef struct {
+    uint8_t *buf;
+    Py_ssize_t len, pos;
+    uint64_t acc;
+    int nacc;
+} bitwriter;
+
+static inline void put_bits(bitwriter *w, uint64_t v, int nbits) { /* nbits <= 32 */
+    w->acc = (w->acc << nbits) | v;
+    w->nacc += nbits;
+    while (w->nacc >= 8) {
+        w->nacc -= 8;
+        if (w->pos < w->len)
+            w->buf[w->pos] = (uint8_t)(w->acc >> w->nacc);
+        w->pos++;
+    }
+}
+
+static inline void put_zeros(bitwriter *w, uint64_t count) {
+    while (count > 32) {
+        put_bits(w, 0, 32);
+        count -= 32;
+    }
+    put_bits(w, 0, (int)count);
+}
+
+static inline void flush_bits(bitwriter *w) {
+    if (w->nacc) {
+        if (w->pos < w->len)
+            w->buf[w->pos] = (uint8_t)(w->acc << (8 - w->nacc));
+        w->pos++;
+        w->nacc = 0;
+    }
+}
+
+/* gamma(new, base, width, center, k, unary_out, remainder_out, mantissa_out) -> None
+ *
+ * The gamma codec's three streams, each of exactly the size its buffer has (the caller computed them from the
+ * histogram of lengths(); ValueError if they differ). 0 <= center <= 8 * width, 0 <= k <= 8.
+ */
+static PyObject *gamma_encode(PyObject *self, PyObject *args) {
+    Py_buffer nbuf, bbuf, un, rem, man;
+    int width, center, k;
+    if (!PyArg_ParseTuple(args, "y*y*iiiw*w*w*", &nbuf, &bbuf, &width, &center, &k, &un, &rem, &man))
+        return NULL;
+    int ok = (width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
+             center >= 0 && center <= 8 * width && k >= 0 && k <= 8;
+    if (ok) {
+        const uint8_t *nb = (const uint8_t *)nbuf.buf, *bb = (const uint8_t *)bbuf.buf;
+        const Py_ssize_t n = nbuf.len / width;
+        bitwriter u = {(uint8_t *)un.buf, un.len, 0, 0, 0}, r = {(uint8_t *)rem.buf, rem.len, 0, 0, 0},
+                  m = {(uint8_t *)man.buf, man.len, 0, 0, 0};
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint32_t z = zz_at(nb, bb, i, width);
+            const int L = bit_length(z), s = L - center;
+            const uint32_t g = s >= 0 ? 2u * (uint32_t)s : 2u * (uint32_t)(-s) - 1u;
+            put_zeros(&u, g >> k);
+            put_bits(&u, 1, 1);
+            if (k)
+                put_bits(&r, g & ((1u << k) - 1), k);
+            if (L > 1)
+                put_bits(&m, z & ((1u << (L - 1)) - 1), L - 1);
+        }
+        flush_bits(&u);
+        flush_bits(&r);
+        flush_bits(&m);
+        Py_END_ALLOW_THREADS
+        ok = u.pos == un.len && r.pos == rem.len && m.pos == man.len;
+        if (!ok)
+            PyErr_SetString(PyExc_ValueError, "gamma: output buffers of the wrong size");
+    } else
+        PyErr_SetString(PyExc_ValueError, "gamma: width must be 1, 2 or 4, center and k in range, buffers alike");
+    PyBuffer_Release(&nbuf);
+    PyBuffer_Release(&bbuf);
+    PyBuffer_Release(&un);
+    PyBuffer_Release(&rem);
+    PyBuffer_Release(&man);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* An MSB-first bit reader that fails (ok = 0) instead of reading past its buffer. */
+typedef struct {
+    const uint8_t *buf;
+    Py_ssize_t len, pos;
+    uint64_t acc;
+    int nacc, ok;
+} bitreader;
+
+static inline uint32_t get_bits(bitreader *r, int nbits) { /* nbits <= 32 */
+    while (r->nacc < nbits) {
+        if (r->pos >= r->len) {
+            r->ok = 0;
+            return 0;
+        }
+        r->acc = (r->acc << 8) | r->buf[r->pos++];
+        r->nacc += 8;
+    }
+    r->nacc -= nbits;
+    return nbits ? (uint32_t)((r->acc >> r->nacc) & ((1ULL << nbits) - 1)) : 0;
+}
+
+/* The stream ends exactly here: no whole byte left, and the padding bits of the last one are zero. */
+static inline int at_end(const bitreader *r) {
+    return r->ok && r->pos == r->len && r->nacc < 8 && (r->acc & ((1ULL << r->nacc) - 1)) == 0;
+}
+
+/* The n differences the three streams hold, into diff, checking them whole. Status as in decode_positions. */
+static int gamma_pass(const uint8_t *un, Py_ssize_t un_len, const uint8_t *rem, Py_ssize_t rem_len,
+                      const uint8_t *man, Py_ssize_t man_len, int width, int center, int k, Py_ssize_t n,
+                      uint32_t *diff) {
+    bitreader u = {un, un_len, 0, 0, 0, 1}, r = {rem, rem_len, 0, 0, 0, 1}, m = {man, man_len, 0, 0, 0, 1};
+    const uint32_t gmax = 2u * (uint32_t)(8 * width) + 1u; /* the largest zigzag of L - center that can be valid */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t q = 0;
+        for (;;) { /* the zeros before the next one bit, a byte at a time */
+            if (!u.nacc) {
+                if (u.pos >= u.len)
+                    return WRONG_COUNT;
+                u.acc = u.buf[u.pos++];
+                u.nacc = 8;
+            }
+            const uint32_t bits = (uint32_t)(u.acc & ((1u << u.nacc) - 1)); /* the unread bits */
+            if (bits) {
+                const int top = 31 - __builtin_clz(bits);
+                q += (uint32_t)(u.nacc - 1 - top);
+                u.nacc = top;
+                break;
+            }
+            q += (uint32_t)u.nacc;
+            u.nacc = 0;
+            if (q > gmax)
+                return OUT_OF_RANGE;
+        }
+        if (q > gmax)
+            return OUT_OF_RANGE;
+        const uint32_t g = (q << k) | get_bits(&r, k);
+        if (!r.ok)
+            return SHORT_REMAINDER;
+        const int L = center + ((g & 1) ? -(int)((g + 1) >> 1) : (int)(g >> 1));
+        if (L < 0 || L > 8 * width)
+            return OUT_OF_RANGE;
+        uint32_t z = L ? (uint32_t)(1ULL << (L - 1)) : 0;
+        if (L > 1)
+            z |= get_bits(&m, L - 1);
+        if (!m.ok)
+            return SHORT_REMAINDER;
+        diff[i] = (z >> 1) ^ (0u - (z & 1));
+    }
+    if (!at_end(&u) || !at_end(&r) || !at_end(&m))
+        return TRAILING_BYTES;
+    return OK;
+}
+
+/* ungamma(unary, remainder, mantissa, width, center, k, base, out) -> status
+ *
+ * Checks the three streams whole (every code in range, no byte missing or left over, zero padding), then writes
+ * base + the decoded differences into out, which may be base itself: nothing is written unless all is well.
+ */
+static PyObject *gamma_decode(PyObject *self, PyObject *args) {
+    Py_buffer un, rem, man, base, out;
+    int width, center, k;
+    if (!PyArg_ParseTuple(args, "y*y*y*iiiy*w*", &un, &rem, &man, &width, &center, &k, &base, &out))
+        return NULL;
+    int status = -1;
+    if ((width == 1 || width == 2 || width == 4) && base.len == out.len && out.len % width == 0 && center >= 0 &&
+        center <= 8 * width && k >= 0 && k <= 8) {
+        const Py_ssize_t n = out.len / width;
+        uint32_t *diff = PyMem_RawMalloc(n ? (size_t)n * 4 : 1);
+        const uint8_t *b = base.buf;
+        uint8_t *o = out.buf;
+        if (!diff)
+            PyErr_NoMemory();
+        else {
+        Py_BEGIN_ALLOW_THREADS
+        status = gamma_pass(un.buf, un.len, rem.buf, rem.len, man.buf, man.len, width, center, k, n, diff);
+        if (status == OK) { /* only now is out written: it may be the base */
+            for (Py_ssize_t i = 0; i < n; i++) {
+                switch (width) {
+                case 1: o[i] = (uint8_t)(b[i] + diff[i]); break;
+                case 2: { uint16_t x; memcpy(&x, b + 2 * i, 2); x = (uint16_t)(x + diff[i]); memcpy(o + 2 * i, &x, 2); break; }
+                default: { uint32_t x; memcpy(&x, b + 4 * i, 4); x += diff[i]; memcpy(o + 4 * i, &x, 4); break; }
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(diff);
+        }
+    } else
+        PyErr_SetString(PyExc_ValueError, "ungamma: width must be 1, 2 or 4, center and k in range, buffers alike");
+    PyBuffer_Release(&un);
+    PyBuffer_Release(&rem);
+    PyBuffer_Release(&man);
+    PyBuffer_Release(&base);
+    PyBuffer_Release(&out);
+    if (status < 0)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
 static PyObject *simd(PyObject *self, PyObject *unused) { return PyLong_FromLong(simd_ok); }
 
 static PyMethodDef methods[] = {
@@ -912,6 +1222,10 @@ static PyMethodDef methods[] = {
      "changes(new, base, width, idx_out, new_out, base_out, simd=2) -> count (simd: the most vector level to use)"},
     {"simd", simd, METH_NOARGS, "simd() -> the vector compare changes() uses here: 2 AVX-512, 1 AVX2, 0 none"},
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
+    {"lengths", lengths, METH_VARARGS, "lengths(new, base, width, hist_out) -> changed"},
+    {"plan", gamma_plan, METH_VARARGS, "plan(hist) -> (center, k, unary_bytes, mantissa_bytes)"},
+    {"gamma", gamma_encode, METH_VARARGS, "gamma(new, base, width, center, k, unary_out, remainder_out, mantissa_out)"},
+    {"ungamma", gamma_decode, METH_VARARGS, "ungamma(unary, remainder, mantissa, width, center, k, base, out) -> status"},
     {"group", group, METH_VARARGS,
      "group(ranks, diff, width, space) -> (k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes)"},
     {NULL, NULL, 0, NULL},

@@ -1,4 +1,4 @@
-"""The chunk encodings: same, raw, xor, sparse, dense. Byte layouts are specified in manifests/FORMAT.md.
+"""The chunk encodings: same, raw, xor, sparse, dense (gamma has its own module). Byte layouts: manifests/FORMAT.md.
 
 Each record is a frozen dataclass holding exactly the parameters its decoder needs. Encoders take the chunk as
 width-byte little-endian unsigned integers (`nw`, `bw`: new and base); decoders return the chunk as uint8.

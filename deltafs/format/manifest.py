@@ -618,7 +618,7 @@ OBJECT_SLACK = 1 << 20
 
 # Codec names that need the base version's bytes to decode: the codecs whose `needs_base` is true
 # (format/ imports nothing of codec/; tests/format checks the two agree).
-DELTA_CODECS = frozenset({"same", "xor", "sparse", "dense"})
+DELTA_CODECS = frozenset({"same", "xor", "sparse", "dense", "gamma"})
 
 
 def _require(cond: bool, message: str) -> None:

@@ -43,12 +43,19 @@ def encoded(kind: str) -> tuple[codec.Encoded, np.ndarray, np.ndarray | None]:
         enc = codec.encode(moved, base, 2)
         assert enc.codec["name"] == "dense"
         return enc, moved, base
+    if kind == "gamma":
+        # Every element moved by steps spread over several bits (a bias after an optimizer step).
+        steps = np.random.default_rng(3).integers(-300, 301, base.size // 2).astype(np.uint16)
+        moved = (base.view("<u2") + steps).view(np.uint8)
+        enc = codec.encode(moved, base, 2)
+        assert enc.codec["name"] == "gamma"
+        return enc, moved, base
     enc = codec.encode(new, base, 2)
     assert enc.codec["name"] == "sparse"
     return enc, new, base
 
 
-KINDS = ["raw", "xor", "sparse", "dense"]
+KINDS = ["raw", "xor", "sparse", "dense", "gamma"]
 
 
 def decode_or_raise(record: dict[str, Any], payload: bytes | None, base: np.ndarray | None, size: int) -> np.ndarray:
@@ -220,7 +227,7 @@ def test_codec_records_roundtrip_through_json(kind: str) -> None:
     assert parsed.to_json() == rec
     assert json.dumps(parsed.to_json(), sort_keys=True, separators=(",", ":")) == text
     assert type(parsed).name == kind
-    assert set(codec.registered()) == {"same", "raw", "xor", "sparse", "dense"}
+    assert set(codec.registered()) == {"same", "raw", "xor", "sparse", "dense", "gamma"}
 
 
 @settings(max_examples=300, deadline=None)

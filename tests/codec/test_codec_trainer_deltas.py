@@ -100,7 +100,7 @@ def test_sparse_apply_is_the_same_with_either_scatter_add(monkeypatch: pytest.Mo
        scale=st.sampled_from([1e-3, 1e-5, 1e-7]))
 def test_small_f32_step_takes_the_smaller_difference_codec(seed: int, n: int, p: float, scale: float) -> None:
     """A small F32 tensor (a LayerNorm weight) of which 50-90% moved by an optimizer-sized step is stored as the
-    smaller of dense and sparse: on 256-element tensors dense is often far smaller, where sparse's per-stream costs
+    smallest of dense, gamma and sparse: on 256-element tensors dense is often far smaller, where sparse's per-stream costs
     dominate; either way no larger than sparse alone, the previous choice, and it decodes to the new bytes."""
     from deltafs.codec.codecs import Dense
 
@@ -117,6 +117,7 @@ def test_small_f32_step_takes_the_smaller_difference_codec(seed: int, n: int, p:
         return  # the step left too many elements as they were (tiny scale): another policy's case
     sparse = Sparse.encode(nw, bw, idx, codec.DEFAULT_LEVEL)[1]
     dense = Dense.encode(nw, bw, codec.DEFAULT_LEVEL)[1]
-    assert got.codec["name"] in ("sparse", "dense")
-    assert got.payload is not None and len(got.payload) == min(len(sparse), len(dense))
+    gamma = codec.Gamma.encode(nw, bw)[1]
+    assert got.codec["name"] in ("sparse", "dense", "gamma")
+    assert got.payload is not None and len(got.payload) == min(len(sparse), len(dense), len(gamma))
     assert codec.decode(got.codec, got.payload, bb, nb.size, 4).tobytes() == nb.tobytes()

@@ -1,0 +1,172 @@
+"""The gamma codec: exact round trips, the same bytes from the compiled loops and numpy, hostile input refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltafs import codec
+from deltafs.codec import gamma, native, streams
+from deltafs.codec.streams import seal
+from deltafs.errors import FormatError, IntegrityError
+
+built = pytest.mark.skipif(not native.BUILT, reason="deltafs.codec._native was not built (no C compiler)")
+
+
+@contextmanager
+def loops(use: bool) -> Iterator[None]:
+    native.enabled = use and native.BUILT
+    try:
+        yield
+    finally:
+        native.enabled = native.BUILT
+
+
+def each_path(fn: Callable[[], Any]) -> list[Any]:
+    """fn() with the compiled loops (where built) and with numpy: each a result or the refusal's class."""
+    out: list[Any] = []
+    for use in ((True, False) if native.BUILT else (False,)):
+        with loops(use):
+            try:
+                out.append(fn())
+            except (FormatError, IntegrityError) as exc:
+                out.append(type(exc))
+    return out
+
+
+@st.composite
+def pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """(new, base) as width-byte unsigned ints: steps of a few bits or many, some elements unchanged, any base."""
+    width = draw(st.sampled_from(gamma.WIDTHS))
+    n = draw(st.integers(1, 600))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    dtype = streams.UINT[width]
+    base = rng.integers(0, 1 << (8 * width), n, dtype=np.uint64).astype(dtype)
+    spread = draw(st.integers(0, 8 * width))
+    steps = rng.integers(-(1 << spread), (1 << spread) + 1, n)
+    steps[rng.random(n) < draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))] = 0
+    if draw(st.booleans()):  # the extremes of the wrapped difference
+        steps[0] = -(1 << (8 * width - 1))
+    new = (base.astype(np.int64) + steps).astype(np.uint64).astype(dtype)
+    return new, base
+
+
+@settings(max_examples=200, deadline=None)
+@given(pair=pairs())
+def test_round_trip_and_same_bytes_on_both_paths(pair: tuple[np.ndarray, np.ndarray]) -> None:
+    new, base = pair
+    written = each_path(lambda: gamma.Gamma.encode(new, base))
+    assert all(w == written[0] for w in written)
+    rec, payload = written[0]
+    assert len(payload) == gamma.layout(gamma.lengths(new, base)).payload
+    b8 = base.view(np.uint8)
+    decoded = each_path(lambda: codec.decode(rec.to_json(), payload, b8, b8.size, new.dtype.itemsize).tobytes())
+    assert decoded == [new.tobytes()] * len(decoded)
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(counts=st.lists(st.integers(0, 5000), min_size=1, max_size=33))
+def test_compiled_plan_matches_numpy(counts: list[int]) -> None:
+    hist = np.array(counts, np.int64)
+    assert each_path(lambda: gamma.layout(hist)) == [gamma.layout(hist)] * 2
+    with loops(False):
+        assert gamma.layout(hist) == each_path(lambda: gamma.layout(hist))[1]
+
+
+def test_writer_picks_gamma_for_an_optimizer_step_on_f32_and_it_is_smaller() -> None:
+    rng = np.random.default_rng(7)
+    for n in (256, 768, 3072, 300_000):  # small chunks take the shortcut, large ones the general path
+        base = (0.02 * rng.standard_normal(n)).astype(np.float32)  # a bias
+        new = (base + 1e-6 * rng.standard_normal(n)).astype(np.float32)
+        enc = codec.encode(new.view(np.uint8), base.view(np.uint8), 4)
+        assert enc.codec["name"] == "gamma"
+        dense = codec.Dense.encode(new.view("<u4"), base.view("<u4"), codec.DEFAULT_LEVEL)[1]
+        # Small chunks save dense's zstd tables too; on large ones only the coding is left (~3% here).
+        assert enc.payload is not None and len(enc.payload) < (0.95 if n <= 3072 else 1.0) * len(dense)
+        assert codec.decode(enc.codec, enc.payload, base.view(np.uint8), base.nbytes, 4).tobytes() == new.tobytes()
+
+
+def test_writer_keeps_sparse_and_dense_where_they_are_smaller() -> None:
+    rng = np.random.default_rng(8)
+    base = rng.integers(0, 1 << 16, 1 << 16, dtype=np.uint16)
+    new = base.copy()
+    new[rng.choice(base.size, 300, replace=False)] += 1  # a sparse step
+    assert codec.encode(new.view(np.uint8), base.view(np.uint8), 2).codec["name"] == "sparse"
+    # Every element one step up: the differences are all equal, which zstd on dense's planes codes in a few bytes.
+    base4 = rng.integers(0, 1 << 30, 4096, dtype=np.uint32)
+    enc = codec.encode((base4 + 1).view(np.uint8), base4.view(np.uint8), 4)
+    assert enc.codec["name"] == "dense"
+
+
+def test_in_place_decode_of_a_damaged_payload_leaves_the_base_alone() -> None:
+    rng = np.random.default_rng(9)
+    base = rng.integers(0, 1 << 32, 500, dtype=np.uint64).astype(np.uint32)
+    new = (base.astype(np.int64) + rng.integers(-999, 1000, base.size)).astype(np.uint32)
+    rec, payload = gamma.Gamma.encode(new, base)
+    body = bytearray(payload[:-streams.TRAILER])
+    for i in range(len(body)):  # every byte changed in turn, resealed: a writer bug, not the wire
+        damaged = bytearray(body)
+        damaged[i] ^= 0x40
+        for use in ((True, False) if native.BUILT else (False,)):
+            target = base.view(np.uint8).copy()
+            kept = target.copy()
+            with loops(use):
+                try:
+                    codec.decode(rec.to_json(), seal([bytes(damaged)]), target, target.size, 4, out=target)
+                except (FormatError, IntegrityError):
+                    assert np.array_equal(target, kept), (i, use)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_hostile_records_and_streams_fail_cleanly_and_alike(data: st.DataObject) -> None:
+    """Any record that parses, with any sealed payload, decodes or raises FormatError/IntegrityError, the same
+    on both paths; never another exception, a hang or an oversized allocation."""
+    width = data.draw(st.sampled_from(gamma.WIDTHS))
+    n = data.draw(st.integers(0, 200))
+    record = {"name": "gamma", "width": width, "center": data.draw(st.integers(0, 8 * width)),
+              "rice": data.draw(st.integers(0, gamma.MAX_RICE)), "unary": data.draw(st.integers(0, 60))}
+    payload = seal([data.draw(st.binary(max_size=120))])
+    base = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)), np.uint8)
+    results = each_path(lambda: codec.decode(record, payload, base, n * width, width).tobytes())
+    assert all(r == results[0] for r in results)
+    assert results[0] in (FormatError, IntegrityError) or len(results[0]) == n * width
+
+
+@pytest.mark.parametrize("record", [
+    {"name": "gamma", "width": 8, "center": 0, "rice": 0, "unary": 1},
+    {"name": "gamma", "width": 4, "center": 33, "rice": 0, "unary": 1},
+    {"name": "gamma", "width": 4, "center": 0, "rice": 9, "unary": 1},
+    {"name": "gamma", "width": 4, "center": 0, "rice": 0, "unary": -1},
+    {"name": "gamma", "width": 4, "center": True, "rice": 0, "unary": 1},
+    {"name": "gamma", "width": 4, "center": 0, "rice": 0},
+    {"name": "gamma", "width": 4, "center": 0, "rice": 0, "unary": 1, "extra": 0},
+])
+def test_malformed_records_are_format_errors(record: dict[str, Any]) -> None:
+    with pytest.raises(FormatError):
+        codec.decode(record, seal([b"\x80"]), np.zeros(4, np.uint8), 4, 4)
+
+
+def test_streams_of_the_wrong_size_or_padding_are_refused() -> None:
+    base = np.arange(8, dtype=np.uint32) * 1000
+    new = base + np.array([3, 1, 7, 2, 9, 4, 1, 5], np.uint32)
+    rec, payload = gamma.Gamma.encode(new, base)
+    body = payload[:-streams.TRAILER]
+    b8 = base.view(np.uint8)
+    hist = gamma.lengths(new, base)
+    assert int((np.maximum(np.arange(hist.size) - 1, 0) * hist).sum()) % 8  # the last byte has padding bits
+    for bad in (body + b"\x00", body[:-1], body[:-1] + bytes([body[-1] | 1])):
+        refused = each_path(lambda bad=bad: codec.decode(rec.to_json(), seal([bad]), b8, b8.size, 4))
+        assert refused == [IntegrityError] * len(refused)
+
+
+def test_encode_refuses_eight_byte_elements() -> None:
+    with pytest.raises(ValueError):
+        gamma.Gamma.encode(np.zeros(4, np.uint64), np.ones(4, np.uint64))
