@@ -3,7 +3,8 @@
     python benchmarks/codec_ab.py --base BASE.safetensors --new NEW.safetensors --other /tmp/old-tree --rounds 15
     python benchmarks/codec_ab.py --full --new NEW.safetensors --other /tmp/old-tree --rounds 5
 
-For a codec change that keeps the format: the other tree's `deltafs.codec` (with the two leaf modules it
+For a codec change that keeps the format (or, with --other-bytes, one that stores other payloads, whose bytes per
+class are then printed and whose classes are this tree's codecs): the other tree's `deltafs.codec` (with the two leaf modules it
 imports, `deltafs.errors` and `deltafs.defaults`) is copied under another package name and imported beside this
 tree's, so both run on the same arrays in the same process, interleaved round by round. Separate processes of
 the same code differ by up to 40% on this VM (heap layout, page faults), more than most codec changes.
@@ -89,6 +90,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--full", action="store_true", help="full-version chunks (no base): the raw codec vs zstd-1")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--other-bytes", action="store_true",
+                    help="a format change: the trees may store different payloads (each decodes its own; bytes shown)")
     args = ap.parse_args()
     if (args.base is None) != args.full:
         ap.error("give --base, or --full without it")
@@ -102,9 +105,11 @@ def main() -> None:
         impls: dict[str, Any] = {"this": this_codec, "other": other}
         encoded = {name: [c.encode(n, bases[k], w) for k, (_, n, w) in enumerate(items)] for name, c in impls.items()}
         for a, b in zip(encoded["this"], encoded["other"], strict=True):
-            if a.codec != b.codec or a.payload != b.payload:
-                raise SystemExit("the two trees encode a chunk differently: not a format-preserving change")
-        classes = [e.codec["name"] if e.codec["name"] in ("sparse", "dense") else "other" for e in encoded["this"]]
+            if (a.codec != b.codec or a.payload != b.payload) and not args.other_bytes:
+                raise SystemExit("the two trees encode a chunk differently: not a format-preserving change "
+                                 "(--other-bytes compares them anyway)")
+        classes = [e.codec["name"] if e.codec["name"] in ("sparse", "dense", "gamma") else "other"
+                   for e in encoded["this"]]
         cctx, dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
         frames = [cctx.compress(n if args.full else np.bitwise_xor(n, b)) for b, n, _ in items]
         buf = np.empty(CHUNK, np.uint8)
@@ -138,7 +143,7 @@ def main() -> None:
                     raise SystemExit(f"{impl} decoded chunk {k} wrongly")
             return spent
 
-        groups = {cls: [k for k, c in enumerate(classes) if c == cls] for cls in ("sparse", "dense", "other")}
+        groups = {cls: [k for k, c in enumerate(classes) if c == cls] for cls in ("sparse", "dense", "gamma", "other")}
         groups = {cls: sel for cls, sel in groups.items() if sel}
         groups["all"] = list(range(len(items)))
         names = ["this", "other", "xor"]
@@ -162,11 +167,16 @@ def main() -> None:
                                   "other": args.other, "rounds": args.rounds,
                                   "loadavg": os.getloadavg(), "classes": {}}
         print(f"{len(items)} pieces; CPU ms of one thread, least / median of {args.rounds} rounds")
+        for g, sel in groups.items():
+            stored = {i: sum(len(encoded[i][k].payload or b"") for k in sel) for i in ("this", "other")}
+            result["classes"].setdefault(g, {})["bytes"] = stored
+            print(f"{g}: payload bytes, this tree {stored['this']:,}, other tree {stored['other']:,} "
+                  f"({stored['this'] / max(stored['other'], 1):.3f}x)")
         anchor = "zstd-1" if args.full else "XOR+zstd-1"
         print(f"| chunks | step | this tree | other tree | this / other (least) | {anchor} | {anchor} / this (least) |")
         print("|---|---|---|---|---|---|---|")
         for g, sel in groups.items():
-            result["classes"][g] = {"chunks": len(sel)}
+            result["classes"][g]["chunks"] = len(sel)
             for what in ("encode", "decode"):
                 row = {i: (min(v) * 1e3, statistics.median(v) * 1e3) for i, v in times[g][what].items()}
                 result["classes"][g][what] = {i: {"least_ms": a, "median_ms": m} for i, (a, m) in row.items()}

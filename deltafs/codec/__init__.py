@@ -17,7 +17,7 @@ import numpy as np
 
 from deltafs.codec import compare, native, streams
 from deltafs.codec.codecs import Dense, Raw, Same, Sparse, Xor, choose_split, dense_planes
-from deltafs.codec.gamma import WIDTHS as GAMMA_WIDTHS, Gamma, layout, lengths
+from deltafs.codec.gamma import WIDTHS as GAMMA_WIDTHS, Counts, Gamma, count
 from deltafs.defaults import DEFAULT_LEVEL
 from deltafs.codec.registry import Codec, from_json, register, registered
 from deltafs.errors import FormatError, IntegrityError
@@ -64,6 +64,9 @@ SPLIT_LEVEL = 5
 # chunk: (width - 1) / width, the size test that matches looks_like_update's "well below the element width".
 DENSE_TRUSTED = {2: 0.5, 4: 0.75, 8: 0.875}
 _SAME = {"name": "same"}
+# The share of elements repeating the previous element's difference from which dense is tried beside gamma
+# (trainer steps on F32 norms and biases: under 5%; a few distinct steps such as ±1 ulp: 30% and more).
+REPEATS_TRY_DENSE = 0.125
 
 
 @dataclass(frozen=True)
@@ -114,10 +117,14 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     dtype = streams.UINT[width]
     nw, bw = n.view(dtype), b.view(dtype)
     if n.size <= SMALL_CHUNK and width > 1:
-        # Small chunks (biases, norms) are dominated by per-call costs: one subtraction answers "what changed"
-        # and, when most elements moved (an optimizer step on F32), is already the dense codec's input.
+        # Small chunks (biases, norms) are dominated by per-call costs: one pass over the differences answers
+        # "what changed" and, when most elements moved (an optimizer step on F32), sizes the gamma codec.
         d = planes = None
-        if native.loops() is not None:  # one compiled pass counts the changes and makes the dense stream
+        counts: Counts | None = None
+        if width in GAMMA_WIDTHS:
+            counts = count(nw, bw)
+            changed = counts.changed
+        elif native.loops() is not None:  # one compiled pass counts the changes and makes the dense stream
             changed, planes = dense_planes(nw, bw)
         else:
             d = np.subtract(nw, bw)
@@ -125,16 +132,18 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         if changed == 0:
             return Encoded(dict(_SAME), None, 0)
         if changed >= SMALL_DENSE_TRY * nw.size:
-            # Encoding dense outright is cheaper than the sampled statistic (looks_like_update costs as much as
-            # the encode here). Its size answers the same question: small arithmetic steps leave at least one
-            # byte plane per element near zero, so a payload within DENSE_TRUSTED of the chunk is a trainer step;
-            # a larger one (unrelated values, bit flips) goes on to the general path, which tries every codec.
-            dense, dense_payload = Dense.encode(nw, bw, level, diff=d, planes=planes)
-            if len(dense_payload) <= DENSE_TRUSTED[width] * n.size:
-                best = _or_gamma(nw, bw, (dense, dense_payload))
+            # Encoding outright is cheaper than the sampled statistic (looks_like_update costs as much as the
+            # encode here). The size answers the same question: small arithmetic steps leave at least one byte
+            # per element near zero, so a payload within DENSE_TRUSTED of the chunk is a trainer step; a larger
+            # one (unrelated values, bit flips) goes on to the general path, which tries every codec.
+            if counts is not None:
+                step = _difference(nw, bw, level, counts)
+            else:
+                step = Dense.encode(nw, bw, level, diff=d, planes=planes)
+            if len(step[1]) <= DENSE_TRUSTED[width] * n.size:
                 if changed >= DENSE_FROM * nw.size:
-                    return Encoded(best[0].to_json(), best[1], changed)
-                small_dense = best  # a trainer step: below, the smaller of it and sparse
+                    return Encoded(step[0].to_json(), step[1], changed)
+                small_dense = step  # a trainer step: below, the smaller of it and sparse
     if (known is not None and known[0].size <= nw.size and known[1].size == known[0].size
             and known[1].dtype.itemsize == width):
         idx, nv = known
@@ -163,7 +172,10 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     elif compare.looks_like_update(nv, bv):
         # Small arithmetic steps (a trainer's): a difference codec wins, which one is set by the density.
         if fraction >= DENSE_FROM:
-            rec, payload = _or_gamma(nw, bw, Dense.encode(nw, bw, level))
+            if width in GAMMA_WIDTHS:
+                rec, payload = _difference(nw, bw, level, count(nw, bw))
+            else:
+                rec, payload = Dense.encode(nw, bw, level)
         else:
             rec, payload = Sparse.encode(nw, bw, idx, level, split, values=(nv, bv))
     else:
@@ -177,15 +189,20 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     return Encoded(rec.to_json(), payload, changed)
 
 
-def _or_gamma(nw: np.ndarray, bw: np.ndarray, dense: tuple[Codec, bytes]) -> tuple[Codec, bytes]:
-    """The dense encoding, or gamma's where that is smaller: its size is known exactly from one pass that counts
-    the differences' bit lengths, before anything is encoded (F32 biases and norms: gamma 0.84x dense's bytes)."""
-    if nw.dtype.itemsize not in GAMMA_WIDTHS:
-        return dense
-    plan = layout(lengths(nw, bw))
-    if plan.payload >= len(dense[1]):
-        return dense
-    return Gamma.encode(nw, bw, plan)
+def _difference(nw: np.ndarray, bw: np.ndarray, level: int, counts: Counts) -> tuple[Codec, bytes]:
+    """The chunk as gamma, or as dense where that may be smaller and is.
+
+    Gamma's size is known exactly from the counts; dense's only by running zstd, which beats the bit lengths on
+    differences that repeat (a constant shift; a first step from zeros, where Adam moves every element by the same
+    ±lr) and, by up to ~3%, on chunks with 10-50% of elements unchanged (zero runs). So dense is tried only where
+    at least REPEATS_TRY_DENSE of the elements repeat the previous element's difference or fewer than DENSE_FROM
+    changed. On the trained data set's small F32 tensors that is none of them, and gamma is 0.84x dense's bytes.
+    """
+    plan = counts.plan
+    if counts.repeats < REPEATS_TRY_DENSE * nw.size and counts.changed >= DENSE_FROM * nw.size:
+        return Gamma.encode(nw, bw, plan)
+    dense = Dense.encode(nw, bw, level)
+    return Gamma.encode(nw, bw, plan) if plan.payload < len(dense[1]) else dense
 
 
 def decode(codec: dict[str, Any], payload: bytes | None, base: Any | None, size: int, itemsize: int, *,

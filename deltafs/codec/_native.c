@@ -927,16 +927,21 @@ static inline uint32_t zz_at(const uint8_t *nb, const uint8_t *bb, Py_ssize_t i,
 
 static inline int bit_length(uint32_t z) { return z ? 32 - __builtin_clz(z) : 0; }
 
-/* lengths(new, base, width, hist_out) -> changed
+static void plan_lengths(const int64_t *h, Py_ssize_t m, int64_t out[5]);
+
+/* lengths(new, base, width, hist_out) -> (changed, repeats, center, k, unary_bytes, remainder_bytes, mantissa_bytes)
  *
  * hist_out (int64, 8 * width + 1 entries): how many elements have each bit length of their zigzag difference.
+ * repeats: how many elements have the same difference as the one before (a constant shift, or a few distinct
+ * steps, which zstd on dense's byte planes codes far below their bit lengths); then plan_lengths of hist.
  */
 static PyObject *lengths(PyObject *self, PyObject *args) {
     Py_buffer nbuf, bbuf, hist;
     int width;
     if (!PyArg_ParseTuple(args, "y*y*iw*", &nbuf, &bbuf, &width, &hist))
         return NULL;
-    Py_ssize_t changed = -1;
+    Py_ssize_t changed = -1, repeats = 0;
+    int64_t o[5];
     if ((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
         hist.len == (8 * width + 1) * 8) {
         int64_t *h = (int64_t *)hist.buf;
@@ -944,9 +949,15 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
         const Py_ssize_t n = nbuf.len / width;
         Py_BEGIN_ALLOW_THREADS
         memset(h, 0, hist.len);
-        for (Py_ssize_t i = 0; i < n; i++)
-            h[bit_length(zz_at(nb, bb, i, width))]++;
+        uint32_t prev = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint32_t z = zz_at(nb, bb, i, width);
+            h[bit_length(z)]++;
+            repeats += i > 0 && z == prev;
+            prev = z;
+        }
         changed = n - (Py_ssize_t)h[0];
+        plan_lengths(h, 8 * width + 1, o);
         Py_END_ALLOW_THREADS
     } else
         PyErr_SetString(PyExc_ValueError, "lengths: width must be 1, 2 or 4 and the buffers sized alike");
@@ -955,26 +966,18 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
     PyBuffer_Release(&hist);
     if (changed < 0)
         return NULL;
-    return PyLong_FromSsize_t(changed);
+    return Py_BuildValue("nnLLLLL", changed, repeats, (long long)o[0], (long long)o[1], (long long)o[2],
+                         (long long)o[3], (long long)o[4]);
 }
 
-/* plan(hist) -> (center, k, unary_bytes, mantissa_bytes)
- *
- * The center (0 .. len(hist) - 1) and Rice parameter (0 .. 8) that code the lengths counted in hist (int64) in the
- * fewest bytes of unary plus remainder stream, ties to the smallest center, then the smallest k; and the size of
- * the stream of low bits. The same answer as deltafs.codec.gamma.layout's numpy code (the tests hold it to it).
+/* The gamma layout of the lengths counted in h[0 .. m - 1]: out = (center, k, unary bytes, remainder bytes, low-bits
+ * bytes). The center (between the shortest and the longest length that occur: one outside codes no smaller than
+ * that end) and Rice parameter (0 .. 8) code the lengths in the fewest bytes of unary plus remainder stream, ties to
+ * the smallest center, then the smallest k. Parameters above the bit length of a center's largest code are not
+ * tried: from there every code is a lone one bit and a larger k only adds remainder bits. The same answer as
+ * deltafs.codec.gamma.layout's numpy search over every pair (the tests hold the two to it).
  */
-static PyObject *gamma_plan(PyObject *self, PyObject *args) {
-    Py_buffer hist;
-    if (!PyArg_ParseTuple(args, "y*", &hist))
-        return NULL;
-    const Py_ssize_t m = hist.len / 8;
-    if (hist.len % 8 || m < 1 || m > 65) {
-        PyBuffer_Release(&hist);
-        PyErr_SetString(PyExc_ValueError, "plan: hist must be 1 to 65 int64 counts");
-        return NULL;
-    }
-    const int64_t *h = hist.buf;
+static void plan_lengths(const int64_t *h, Py_ssize_t m, int64_t out[5]) {
     int64_t n = 0, low = 0, count[65];
     int len[65], used = 0;
     for (Py_ssize_t L = 0; L < m; L++) {
@@ -987,8 +990,13 @@ static PyObject *gamma_plan(PyObject *self, PyObject *args) {
     }
     int64_t best = -1, best_unary = 0;
     int best_c = 0, best_k = 0;
-    for (int c = 0; c < m; c++) {
-        for (int k = 0; k <= 8; k++) {
+    const int lo = used ? len[0] : 0, hi = used ? len[used - 1] : 0;
+    for (int c = lo; c <= hi; c++) {
+        const int64_t gmax = 2 * (int64_t)(hi - c) > 2 * (int64_t)(c - lo) - 1 ? 2 * (int64_t)(hi - c)
+                                                                                : 2 * (int64_t)(c - lo) - 1;
+        const int kmax = gmax > 0 ? (64 - __builtin_clzll((uint64_t)gmax) < 8 ? 64 - __builtin_clzll((uint64_t)gmax) : 8)
+                                  : 0;
+        for (int k = 0; k <= kmax; k++) {
             int64_t bits = 0;
             for (int j = 0; j < used; j++) {
                 const int64_t s = len[j] - c, g = s >= 0 ? 2 * s : -2 * s - 1;
@@ -1003,8 +1011,29 @@ static PyObject *gamma_plan(PyObject *self, PyObject *args) {
             }
         }
     }
+    out[0] = best_c;
+    out[1] = best_k;
+    out[2] = best_unary;
+    out[3] = (n * best_k + 7) / 8;
+    out[4] = (low + 7) / 8;
+}
+
+/* plan(hist) -> (center, k, unary_bytes, remainder_bytes, mantissa_bytes): plan_lengths of hist (int64). */
+static PyObject *gamma_plan(PyObject *self, PyObject *args) {
+    Py_buffer hist;
+    if (!PyArg_ParseTuple(args, "y*", &hist))
+        return NULL;
+    const Py_ssize_t m = hist.len / 8;
+    if (hist.len % 8 || m < 1 || m > 65) {
+        PyBuffer_Release(&hist);
+        PyErr_SetString(PyExc_ValueError, "plan: hist must be 1 to 65 int64 counts");
+        return NULL;
+    }
+    int64_t o[5];
+    plan_lengths(hist.buf, m, o);
     PyBuffer_Release(&hist);
-    return Py_BuildValue("iiLL", best_c, best_k, (long long)best_unary, (long long)((low + 7) / 8));
+    return Py_BuildValue("LLLLL", (long long)o[0], (long long)o[1], (long long)o[2], (long long)o[3],
+                         (long long)o[4]);
 }
 
 /* An MSB-first bit writer into a buffer of known size (bits past its end are counted, not written). */
@@ -1015,15 +1044,20 @@ typedef struct {
     int nacc;
 } bitwriter;
 
-static inline void put_bits(bitwriter *w, uint64_t v, int nbits) { /* nbits <= 32 */
-    w->acc = (w->acc << nbits) | v;
-    w->nacc += nbits;
+static inline void drain(bitwriter *w) { /* whole bytes out of the accumulator: fewer than 8 bits stay */
     while (w->nacc >= 8) {
         w->nacc -= 8;
         if (w->pos < w->len)
             w->buf[w->pos] = (uint8_t)(w->acc >> w->nacc);
         w->pos++;
     }
+}
+
+static inline void put_bits(bitwriter *w, uint64_t v, int nbits) { /* nbits <= 32; drains only when it must */
+    if (w->nacc + nbits > 64)
+        drain(w);
+    w->acc = (w->acc << nbits) | v;
+    w->nacc += nbits;
 }
 
 static inline void put_zeros(bitwriter *w, uint64_t count) {
@@ -1035,6 +1069,7 @@ static inline void put_zeros(bitwriter *w, uint64_t count) {
 }
 
 static inline void flush_bits(bitwriter *w) {
+    drain(w);
     if (w->nacc) {
         if (w->pos < w->len)
             w->buf[w->pos] = (uint8_t)(w->acc << (8 - w->nacc));
@@ -1043,23 +1078,28 @@ static inline void flush_bits(bitwriter *w) {
     }
 }
 
-/* gamma(new, base, width, center, k, unary_out, remainder_out, mantissa_out) -> None
+/* gamma(new, base, width, center, k, unary_len, remainder_len, payload_out) -> None
  *
- * The gamma codec's three streams, each of exactly the size its buffer has (the caller computed them from the
- * histogram of lengths(); ValueError if they differ). 0 <= center <= 8 * width, 0 <= k <= 8.
+ * The gamma codec's three streams, one after the other, into payload_out, whose last 8 bytes are left for the
+ * trailer: the unary stream of unary_len bytes, the remainder stream of remainder_len, the low bits in the rest
+ * (the caller computed the sizes with plan(); ValueError if the streams come out another size).
+ * 0 <= center <= 8 * width, 0 <= k <= 8.
  */
 static PyObject *gamma_encode(PyObject *self, PyObject *args) {
-    Py_buffer nbuf, bbuf, un, rem, man;
+    Py_buffer nbuf, bbuf, out;
+    Py_ssize_t un_len, rem_len;
     int width, center, k;
-    if (!PyArg_ParseTuple(args, "y*y*iiiw*w*w*", &nbuf, &bbuf, &width, &center, &k, &un, &rem, &man))
+    if (!PyArg_ParseTuple(args, "y*y*iiinnw*", &nbuf, &bbuf, &width, &center, &k, &un_len, &rem_len, &out))
         return NULL;
     int ok = (width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
-             center >= 0 && center <= 8 * width && k >= 0 && k <= 8;
+             center >= 0 && center <= 8 * width && k >= 0 && k <= 8 && un_len >= 0 && rem_len >= 0 &&
+             out.len >= 8 && un_len + rem_len <= out.len - 8;
     if (ok) {
         const uint8_t *nb = (const uint8_t *)nbuf.buf, *bb = (const uint8_t *)bbuf.buf;
-        const Py_ssize_t n = nbuf.len / width;
-        bitwriter u = {(uint8_t *)un.buf, un.len, 0, 0, 0}, r = {(uint8_t *)rem.buf, rem.len, 0, 0, 0},
-                  m = {(uint8_t *)man.buf, man.len, 0, 0, 0};
+        uint8_t *o = (uint8_t *)out.buf;
+        const Py_ssize_t n = nbuf.len / width, man_len = out.len - 8 - un_len - rem_len;
+        bitwriter u = {o, un_len, 0, 0, 0}, r = {o + un_len, rem_len, 0, 0, 0},
+                  m = {o + un_len + rem_len, man_len, 0, 0, 0};
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint32_t z = zz_at(nb, bb, i, width);
@@ -1076,16 +1116,14 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
         flush_bits(&r);
         flush_bits(&m);
         Py_END_ALLOW_THREADS
-        ok = u.pos == un.len && r.pos == rem.len && m.pos == man.len;
+        ok = u.pos == un_len && r.pos == rem_len && m.pos == man_len;
         if (!ok)
-            PyErr_SetString(PyExc_ValueError, "gamma: output buffers of the wrong size");
+            PyErr_SetString(PyExc_ValueError, "gamma: the streams do not have the sizes given");
     } else
         PyErr_SetString(PyExc_ValueError, "gamma: width must be 1, 2 or 4, center and k in range, buffers alike");
     PyBuffer_Release(&nbuf);
     PyBuffer_Release(&bbuf);
-    PyBuffer_Release(&un);
-    PyBuffer_Release(&rem);
-    PyBuffer_Release(&man);
+    PyBuffer_Release(&out);
     if (!ok)
         return NULL;
     Py_RETURN_NONE;
@@ -1099,14 +1137,33 @@ typedef struct {
     int nacc, ok;
 } bitreader;
 
+/* Loads whole bytes into the accumulator while at least 8 bits of room are left (at most 63 bits held). */
+static inline void refill(bitreader *r) {
+    if (r->pos + 8 <= r->len) {
+        const int take = (63 - r->nacc) >> 3;
+        if (take) {
+            uint64_t w;
+            memcpy(&w, r->buf + r->pos, 8);
+            w = __builtin_bswap64(w); /* little-endian hosts only (the caller checks) */
+            r->acc = (r->acc << (8 * take)) | (w >> (64 - 8 * take));
+            r->pos += take;
+            r->nacc += 8 * take;
+        }
+    } else {
+        while (r->nacc <= 55 && r->pos < r->len) {
+            r->acc = (r->acc << 8) | r->buf[r->pos++];
+            r->nacc += 8;
+        }
+    }
+}
+
 static inline uint32_t get_bits(bitreader *r, int nbits) { /* nbits <= 32 */
-    while (r->nacc < nbits) {
-        if (r->pos >= r->len) {
+    if (r->nacc < nbits) {
+        refill(r);
+        if (r->nacc < nbits) {
             r->ok = 0;
             return 0;
         }
-        r->acc = (r->acc << 8) | r->buf[r->pos++];
-        r->nacc += 8;
     }
     r->nacc -= nbits;
     return nbits ? (uint32_t)((r->acc >> r->nacc) & ((1ULL << nbits) - 1)) : 0;
@@ -1125,16 +1182,15 @@ static int gamma_pass(const uint8_t *un, Py_ssize_t un_len, const uint8_t *rem, 
     const uint32_t gmax = 2u * (uint32_t)(8 * width) + 1u; /* the largest zigzag of L - center that can be valid */
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t q = 0;
-        for (;;) { /* the zeros before the next one bit, a byte at a time */
+        for (;;) { /* the zeros before the next one bit, up to 63 bits at a time */
             if (!u.nacc) {
-                if (u.pos >= u.len)
+                refill(&u);
+                if (!u.nacc)
                     return WRONG_COUNT;
-                u.acc = u.buf[u.pos++];
-                u.nacc = 8;
             }
-            const uint32_t bits = (uint32_t)(u.acc & ((1u << u.nacc) - 1)); /* the unread bits */
+            const uint64_t bits = u.acc & ((1ULL << u.nacc) - 1); /* the unread bits (nacc <= 63) */
             if (bits) {
-                const int top = 31 - __builtin_clz(bits);
+                const int top = 63 - __builtin_clzll(bits);
                 q += (uint32_t)(u.nacc - 1 - top);
                 u.nacc = top;
                 break;
@@ -1164,20 +1220,30 @@ static int gamma_pass(const uint8_t *un, Py_ssize_t un_len, const uint8_t *rem, 
     return OK;
 }
 
-/* ungamma(unary, remainder, mantissa, width, center, k, base, out) -> status
+/* ungamma(body, unary_len, width, center, k, base, out) -> status
  *
- * Checks the three streams whole (every code in range, no byte missing or left over, zero padding), then writes
- * base + the decoded differences into out, which may be base itself: nothing is written unless all is well.
+ * body: the payload without its trailer, the three streams one after the other (the unary stream's length is
+ * the record's; the remainder stream's follows from the element count). Checks them whole (every code in range,
+ * no byte missing or left over, zero padding), then writes base + the decoded differences into out, which may
+ * be base itself: nothing is written unless all is well. A nonzero status leaves the message to numpy's decode.
  */
 static PyObject *gamma_decode(PyObject *self, PyObject *args) {
-    Py_buffer un, rem, man, base, out;
+    Py_buffer body, base, out;
+    Py_ssize_t unary_len;
     int width, center, k;
-    if (!PyArg_ParseTuple(args, "y*y*y*iiiy*w*", &un, &rem, &man, &width, &center, &k, &base, &out))
+    if (!PyArg_ParseTuple(args, "y*niiiy*w*", &body, &unary_len, &width, &center, &k, &base, &out))
         return NULL;
     int status = -1;
     if ((width == 1 || width == 2 || width == 4) && base.len == out.len && out.len % width == 0 && center >= 0 &&
-        center <= 8 * width && k >= 0 && k <= 8) {
+        center <= 8 * width && k >= 0 && k <= 8 && unary_len >= 0) {
         const Py_ssize_t n = out.len / width;
+        const Py_ssize_t rem_len = (Py_ssize_t)(((uint64_t)n * (uint64_t)k + 7) / 8);
+        if (unary_len > body.len || rem_len > body.len - unary_len) {
+            status = SHORT_REMAINDER;
+            goto done;
+        }
+        const uint8_t *un = body.buf, *rem = un + unary_len, *man = rem + rem_len;
+        const Py_ssize_t man_len = body.len - unary_len - rem_len;
         uint32_t *diff = PyMem_RawMalloc(n ? (size_t)n * 4 : 1);
         const uint8_t *b = base.buf;
         uint8_t *o = out.buf;
@@ -1185,7 +1251,7 @@ static PyObject *gamma_decode(PyObject *self, PyObject *args) {
             PyErr_NoMemory();
         else {
         Py_BEGIN_ALLOW_THREADS
-        status = gamma_pass(un.buf, un.len, rem.buf, rem.len, man.buf, man.len, width, center, k, n, diff);
+        status = gamma_pass(un, unary_len, rem, rem_len, man, man_len, width, center, k, n, diff);
         if (status == OK) { /* only now is out written: it may be the base */
             for (Py_ssize_t i = 0; i < n; i++) {
                 switch (width) {
@@ -1200,9 +1266,8 @@ static PyObject *gamma_decode(PyObject *self, PyObject *args) {
         }
     } else
         PyErr_SetString(PyExc_ValueError, "ungamma: width must be 1, 2 or 4, center and k in range, buffers alike");
-    PyBuffer_Release(&un);
-    PyBuffer_Release(&rem);
-    PyBuffer_Release(&man);
+done:
+    PyBuffer_Release(&body);
     PyBuffer_Release(&base);
     PyBuffer_Release(&out);
     if (status < 0)
@@ -1222,10 +1287,10 @@ static PyMethodDef methods[] = {
      "changes(new, base, width, idx_out, new_out, base_out, simd=2) -> count (simd: the most vector level to use)"},
     {"simd", simd, METH_NOARGS, "simd() -> the vector compare changes() uses here: 2 AVX-512, 1 AVX2, 0 none"},
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
-    {"lengths", lengths, METH_VARARGS, "lengths(new, base, width, hist_out) -> changed"},
-    {"plan", gamma_plan, METH_VARARGS, "plan(hist) -> (center, k, unary_bytes, mantissa_bytes)"},
-    {"gamma", gamma_encode, METH_VARARGS, "gamma(new, base, width, center, k, unary_out, remainder_out, mantissa_out)"},
-    {"ungamma", gamma_decode, METH_VARARGS, "ungamma(unary, remainder, mantissa, width, center, k, base, out) -> status"},
+    {"lengths", lengths, METH_VARARGS, "lengths(new, base, width, hist_out) -> (changed, repeats, *plan(hist_out))"},
+    {"plan", gamma_plan, METH_VARARGS, "plan(hist) -> (center, k, unary_bytes, remainder_bytes, mantissa_bytes)"},
+    {"gamma", gamma_encode, METH_VARARGS, "gamma(new, base, width, center, k, unary_len, remainder_len, payload_out)"},
+    {"ungamma", gamma_decode, METH_VARARGS, "ungamma(body, unary_len, width, center, k, base, out) -> status"},
     {"group", group, METH_VARARGS,
      "group(ranks, diff, width, space) -> (k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes)"},
     {NULL, NULL, 0, NULL},

@@ -14,7 +14,7 @@ reads exactly the same bytes (tests/codec/test_gamma.py runs both).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -25,27 +25,11 @@ from deltafs.errors import FormatError, IntegrityError
 
 WIDTHS = (1, 2, 4)  # a difference's bits below its leading one must fit 31 bits (and the decoder's 40-bit window)
 MAX_RICE = 8  # lengths are at most 33 apart, so larger Rice parameters never pay
+_KEYS = frozenset(("name", "width", "center", "rice", "unary"))
 
 
-def lengths(nw: np.ndarray, bw: np.ndarray) -> np.ndarray:
-    """How many elements have each bit length (0 .. 8w) of their zigzag difference (int64, 8w + 1 entries)."""
-    width = nw.dtype.itemsize
-    hist = np.zeros(8 * width + 1, np.int64)
-    c = native.loops()
-    if c is not None:
-        c.lengths(nw, bw, width, hist)
-        return hist
-    return np.bincount(_bit_lengths(zigzag(nw - bw)), minlength=8 * width + 1).astype(np.int64)
-
-
-def _bit_lengths(z: np.ndarray) -> np.ndarray:
-    # frexp's exponent is the bit length of a positive integer (exact: z < 2**32 fits a float64) and 0 for 0.
-    return np.frexp(z.astype(np.float64))[1].astype(np.int64)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The parameters and stream sizes a chunk's length histogram leads to."""
+class Layout(NamedTuple):
+    """The parameters and stream sizes a chunk's length histogram leads to (layout())."""
 
     center: int
     rice: int
@@ -58,26 +42,65 @@ class Layout:
         return self.unary + self.remainder + self.mantissa + streams.TRAILER
 
 
+class Counts(NamedTuple):
+    """One pass over a chunk's differences: what the gamma coder and the writer's choice need."""
+
+    hist: np.ndarray  # elements per bit length 0 .. 8w of the zigzag difference (int64)
+    changed: int  # elements that differ from the base
+    repeats: int  # elements whose difference equals the previous element's
+    plan: Layout  # layout(hist)
+
+
+def count(nw: np.ndarray, bw: np.ndarray) -> Counts:
+    """Counts of new against base (width-byte unsigned ints, width 1, 2 or 4), in one compiled call where built.
+
+    (Named tuples, not dataclasses: one is made per small chunk, and a frozen dataclass costs ~1.5 us to build.)
+    """
+    width = nw.dtype.itemsize
+    hist = np.zeros(8 * width + 1, np.int64)
+    c = native.loops()
+    if c is not None:
+        changed, repeats, *plan = c.lengths(nw, bw, width, hist)
+        return Counts(hist, changed, repeats, Layout(*plan))
+    z = zigzag(nw - bw)
+    hist[:] = np.bincount(_bit_lengths(z), minlength=8 * width + 1)
+    return Counts(hist, int(nw.size - hist[0]), int(np.count_nonzero(z[1:] == z[:-1])), layout(hist))
+
+
+def lengths(nw: np.ndarray, bw: np.ndarray) -> np.ndarray:
+    """How many elements have each bit length (0 .. 8w) of their zigzag difference (int64, 8w + 1 entries)."""
+    return count(nw, bw).hist
+
+
+def _bit_lengths(z: np.ndarray) -> np.ndarray:
+    # frexp's exponent is the bit length of a positive integer (exact: z < 2**32 fits a float64) and 0 for 0.
+    return np.frexp(z.astype(np.float64))[1].astype(np.int64)
+
+
 def layout(hist: np.ndarray) -> Layout:
     """The (center, Rice parameter) that code these lengths in the fewest bytes, and the streams' sizes.
 
-    Every pair is costed exactly from the histogram (at most 33 centers by 9 parameters); ties go to the smallest
-    center, then the smallest parameter. Compiled (plan) when built, else one numpy expression: the same answer.
+    Every pair is costed exactly from the histogram: centers between the shortest and the longest length that
+    occur (one outside codes no smaller than that end), parameters 0 .. 8; ties go to the smallest center, then the
+    smallest parameter. Compiled (plan; it skips parameters that cannot win) when built, else one numpy expression
+    over every pair: the same answer.
     """
     c = native.loops()
     if c is not None:
-        center, k, unary, mantissa = c.plan(hist)
-        return Layout(center, k, unary, (int(hist.sum()) * k + 7) // 8, mantissa)
+        return Layout(*c.plan(hist))
     n = int(hist.sum())
     lens = np.arange(hist.size)
     mantissa = (int((np.maximum(lens - 1, 0) * hist).sum()) + 7) // 8
-    s = lens[None, :] - lens[:, None]  # [center, length]
+    occur = np.flatnonzero(hist)
+    centers = np.arange(occur[0], occur[-1] + 1) if occur.size else np.zeros(1, np.int64)
+    s = lens[None, :] - centers[:, None]  # [center, length]
     g = np.where(s >= 0, 2 * s, -2 * s - 1)
     ks = np.arange(MAX_RICE + 1)
     unary_bits = ((g[:, None, :] >> ks[None, :, None]) + 1) * hist  # [center, k, length]
     cost = (unary_bits.sum(axis=2) + 7) // 8 + (n * ks[None, :] + 7) // 8
-    center, k = np.unravel_index(int(np.argmin(cost)), cost.shape)  # first minimum in row-major order
-    return Layout(int(center), int(k), int((unary_bits[center, k].sum() + 7) // 8), (n * int(k) + 7) // 8, mantissa)
+    row, k = np.unravel_index(int(np.argmin(cost)), cost.shape)  # first minimum in row-major order
+    return Layout(int(centers[row]), int(k), int((unary_bits[row, k].sum() + 7) // 8), (n * int(k) + 7) // 8,
+                  mantissa)
 
 
 @register
@@ -98,6 +121,13 @@ class Gamma:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Gamma:
+        if raw.keys() == _KEYS:
+            # The usual, valid record in a few C-level checks (one per small chunk a pull decodes); anything else
+            # takes the field-by-field path below, which says what is wrong.
+            width, center, rice, unary = raw["width"], raw["center"], raw["rice"], raw["unary"]
+            if (type(width) is int and type(center) is int and type(rice) is int and type(unary) is int
+                    and width in WIDTHS and 0 <= center <= 8 * width and 0 <= rice <= MAX_RICE and unary >= 0):
+                return cls(width, center, rice, unary)
         f = fields(raw, ("width", "center", "rice", "unary"))
         width = width_field(f["width"])
         if width not in WIDTHS:
@@ -113,17 +143,19 @@ class Gamma:
         if width not in WIDTHS:
             raise ValueError(f"gamma: width {width} is not one of {WIDTHS}")
         if plan is None:
-            plan = layout(lengths(nw, bw))
-        body = np.zeros(plan.payload - streams.TRAILER, np.uint8)
-        un = body[:plan.unary]
-        rem = body[plan.unary:plan.unary + plan.remainder]
-        man = body[plan.unary + plan.remainder:]
+            plan = count(nw, bw).plan
+        # The payload in one buffer: the streams are written in place, then the trailer after them.
+        payload = bytearray(plan.payload)
         c = native.loops()
         if c is not None:
-            c.gamma(nw, bw, width, plan.center, plan.rice, un, rem, man)
+            c.gamma(nw, bw, width, plan.center, plan.rice, plan.unary, plan.remainder, payload)
         else:
-            _encode_numpy(nw, bw, plan, un, rem, man)
-        return Gamma(width, plan.center, plan.rice, plan.unary), streams.seal([body])
+            body = np.frombuffer(payload, np.uint8)
+            un = body[:plan.unary]
+            rem = body[plan.unary:plan.unary + plan.remainder]
+            _encode_numpy(nw, bw, plan, un, rem, body[plan.unary + plan.remainder:plan.payload - streams.TRAILER])
+        streams.trail(payload)
+        return Gamma(width, plan.center, plan.rice, plan.unary), bytes(payload)
 
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
                out: np.ndarray | None = None) -> np.ndarray:
@@ -136,18 +168,19 @@ class Gamma:
             raise FormatError("chunk codec 'gamma' needs a base chunk")
         if base.size != size:
             raise IntegrityError("gamma: base chunk has the wrong size", expected=size, actual=base.size)
-        body = np.frombuffer(streams.unseal(payload, "gamma chunk"), np.uint8)
+        body = streams.unseal(payload, "gamma chunk")
         n = size // width
-        rem_end = self.unary + (n * self.rice + 7) // 8
-        if rem_end > body.size:
-            raise IntegrityError("gamma chunk: payload shorter than its unary and remainder streams",
-                                 expected=rem_end, actual=body.size)
-        un, rem, man = body[:self.unary], body[self.unary:rem_end], body[rem_end:]
         target = np.empty(size, np.uint8) if out is None else out
         c = native.loops()
-        if c is not None and c.ungamma(un, rem, man, width, self.center, self.rice, base, target) == 0:
+        if c is not None and c.ungamma(body, self.unary, width, self.center, self.rice, base, target) == 0:
             return target
         # The numpy decode: also where the compiled one refused, so both refuse with the same message.
+        rem_end = self.unary + (n * self.rice + 7) // 8
+        if rem_end > len(body):
+            raise IntegrityError("gamma chunk: payload shorter than its unary and remainder streams",
+                                 expected=rem_end, actual=len(body))
+        data = np.frombuffer(body, np.uint8)
+        un, rem, man = data[:self.unary], data[self.unary:rem_end], data[rem_end:]
         d = self._differences(un, rem, man, n)
         dtype = streams.UINT[width]
         np.add(base.view(dtype), d, out=target.view(dtype))  # wraps, inverting the encoder's subtraction

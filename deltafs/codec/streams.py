@@ -136,6 +136,12 @@ def seal(parts: list[Any]) -> bytes:
     return body + xxhash.xxh3_64_intdigest(body).to_bytes(TRAILER, "little")
 
 
+def trail(payload: bytearray) -> None:
+    """seal() in place: payload's last TRAILER bytes become the checksum of the bytes before them."""
+    body = memoryview(payload)[: len(payload) - TRAILER]
+    payload[len(payload) - TRAILER:] = xxhash.xxh3_64_intdigest(body).to_bytes(TRAILER, "little")
+
+
 def unseal(payload: bytes | memoryview, what: str) -> memoryview:
     """The payload without its trailer, after checking it."""
     view = memoryview(payload)
@@ -356,7 +362,9 @@ def pack_fields(values: np.ndarray, k: int) -> np.ndarray:
         for j in range(1, 8):
             words |= v[:, j] << _FIELD_SHIFTS[k][j]
     out: np.ndarray = words.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - k:].reshape(-1)
-    return out[: (count * k + 7) // 8]
+    # Contiguous: for k = 1 the reshape above is a strided view, which the compiled loops (buffer protocol)
+    # refuse with a ValueError; rice_positions on an encoder's own streams hit that (a test found it).
+    return np.ascontiguousarray(out[: (count * k + 7) // 8])
 
 
 def unpack_fields(buf: np.ndarray, count: int, k: int) -> np.ndarray:

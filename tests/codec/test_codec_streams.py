@@ -116,3 +116,13 @@ def test_byte_planes_invert_with_and_without_a_target(width: int, elements: int)
     into = np.full(data.size, 0xA5, np.uint8)
     assert streams.from_planes(planes, width, out=into) is into
     assert np.array_equal(into, data)
+
+
+def test_fields_come_back_contiguous_for_every_width() -> None:
+    """pack_fields' output goes straight to the compiled loops, which take only contiguous buffers (k = 1 used to
+    come back as a strided view, and rice_positions on it raised ValueError)."""
+    gaps = np.zeros(9, np.int64)
+    for k in range(0, 9):
+        unary, remainder = streams.rice_encode(gaps, k)
+        assert remainder.flags.c_contiguous and unary.flags.c_contiguous
+        assert streams.rice_positions(unary, remainder, gaps.size, k, gaps.size + 1, "t").tolist() == list(range(9))
