@@ -48,15 +48,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--scratch", default="/dev/shm/pull-ab")
     ap.add_argument("--json")
+    ap.add_argument("--template-of", nargs=2, action="append", default=[], metavar=("TREE", "TEMPLATE"),
+                    help="this tree pulls from its own template (a format change: each tree's store written by it); "
+                         "every pull must still produce the same files")
     a = ap.parse_args()
     trees = [os.path.abspath(t) for t in a.tree]
+    templates = {t: a.template for t in trees} | {os.path.abspath(t): tp for t, tp in a.template_of}
     for tree in trees:  # bytecode first, as an install writes it (these VMs set PYTHONDONTWRITEBYTECODE)
         subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(tree, "deltafs")], check=True)
     times: dict[str, list[float]] = {t: [] for t in trees}
     expect: dict[str, str] | None = None
     for r in range(a.rounds):
         for tree in trees if r % 2 == 0 else trees[::-1]:
-            out = subprocess.run([sys.executable, "-c", WORKER, a.template, a.scratch, str(a.threads)],
+            out = subprocess.run([sys.executable, "-c", WORKER, templates[tree], a.scratch, str(a.threads)],
                                  env=dict(os.environ, PYTHONPATH=tree), cwd="/", capture_output=True, text=True,
                                  check=True)
             got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -72,7 +76,7 @@ def main() -> None:
         print(f"{t}: least {row['least_s'] * 1e3:.1f} ms, median {row['median_s'] * 1e3:.1f} ms ({a.rounds} pulls)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"template": a.template, "threads": a.threads, "rounds": a.rounds, "loadavg": os.getloadavg(),
+            json.dump({"template": a.template, "templates": templates, "threads": a.threads, "rounds": a.rounds, "loadavg": os.getloadavg(),
                        "trees": rows}, f, indent=1)
 
 
