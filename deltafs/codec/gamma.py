@@ -233,15 +233,23 @@ def _encode_numpy(nw: np.ndarray, bw: np.ndarray, plan: Layout, un: np.ndarray, 
     man[:] = np.packbits(bits)
 
 
+# Fields read per block by _read_fields: its temporaries take ~100 bytes per field, so a 4 MiB chunk of 1-byte
+# elements (4 Mi fields) would need ~400 MB at once.
+_FIELDS_PER_BLOCK = 1 << 16
+
+
 def _read_fields(buf: np.ndarray, nbits: np.ndarray) -> np.ndarray:
     """The consecutive MSB-first fields of nbits[i] <= 31 bits each from buf, as uint64 (vectorized: a 40-bit
-    big-endian window at each field's first byte holds it whole)."""
+    big-endian window at each field's first byte holds it whole), a block of fields at a time."""
     start = np.cumsum(nbits) - nbits
     padded = np.zeros(buf.size + 5, np.uint8)
     padded[:buf.size] = buf
-    idx = (start >> 3)[:, None] + np.arange(5)
-    window = (padded[idx].astype(np.uint64) << np.array([32, 24, 16, 8, 0], np.uint64)).sum(axis=1, dtype=np.uint64)
-    shift = (40 - (start & 7) - nbits).astype(np.uint64)
-    mask = (np.uint64(1) << nbits.astype(np.uint64)) - np.uint64(1)
-    result: np.ndarray = (window >> shift) & mask
+    weights = np.array([32, 24, 16, 8, 0], np.uint64)
+    result = np.empty(nbits.size, np.uint64)
+    for lo in range(0, nbits.size, _FIELDS_PER_BLOCK):
+        s, b = start[lo:lo + _FIELDS_PER_BLOCK], nbits[lo:lo + _FIELDS_PER_BLOCK]
+        idx = (s >> 3)[:, None] + np.arange(5)
+        window = (padded[idx].astype(np.uint64) << weights).sum(axis=1, dtype=np.uint64)
+        shift = (40 - (s & 7) - b).astype(np.uint64)
+        result[lo:lo + b.size] = (window >> shift) & ((np.uint64(1) << b.astype(np.uint64)) - np.uint64(1))
     return result
