@@ -108,6 +108,7 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     n = _as_u8(new)
     width = _width(n.size, itemsize)
     small_dense: tuple[Codec, bytes] | None = None
+    counts: Counts | None = None  # gamma's counts, once made (a small chunk that goes on to the general path)
     if base is None:
         raw, raw_payload = Raw.encode(n, width, level)
         return Encoded(raw.to_json(), raw_payload, n.size // width)
@@ -120,7 +121,6 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         # Small chunks (biases, norms) are dominated by per-call costs: one pass over the differences answers
         # "what changed" and, when most elements moved (an optimizer step on F32), sizes the gamma codec.
         d = planes = None
-        counts: Counts | None = None
         if width in GAMMA_WIDTHS:
             counts = count(nw, bw)
             changed = counts.changed
@@ -173,7 +173,7 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         # Small arithmetic steps (a trainer's): a difference codec wins, which one is set by the density.
         if fraction >= DENSE_FROM:
             if width in GAMMA_WIDTHS:
-                rec, payload = _difference(nw, bw, level, count(nw, bw))
+                rec, payload = _difference(nw, bw, level, counts if counts is not None else count(nw, bw))
             else:
                 rec, payload = Dense.encode(nw, bw, level)
         else:
