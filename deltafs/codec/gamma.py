@@ -19,6 +19,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from deltafs.codec import native, streams
+from deltafs.codec.codecs import _check_width, _need_base, _need_payload
 from deltafs.codec.compare import zigzag
 from deltafs.codec.registry import fields, int_field, register, width_field
 from deltafs.errors import FormatError, IntegrityError
@@ -65,11 +66,6 @@ def count(nw: np.ndarray, bw: np.ndarray) -> Counts:
     z = zigzag(nw - bw)
     hist[:] = np.bincount(_bit_lengths(z), minlength=8 * width + 1)
     return Counts(hist, int(nw.size - hist[0]), int(np.count_nonzero(z[1:] == z[:-1])), layout(hist))
-
-
-def lengths(nw: np.ndarray, bw: np.ndarray) -> np.ndarray:
-    """How many elements have each bit length (0 .. 8w) of their zigzag difference (int64, 8w + 1 entries)."""
-    return count(nw, bw).hist
 
 
 def _bit_lengths(z: np.ndarray) -> np.ndarray:
@@ -137,7 +133,7 @@ class Gamma:
 
     @staticmethod
     def encode(nw: np.ndarray, bw: np.ndarray, plan: Layout | None = None) -> tuple[Gamma, bytes]:
-        """nw, bw: new and base as width-byte unsigned ints (width 1, 2 or 4); plan: layout(lengths(nw, bw)) if
+        """nw, bw: new and base as width-byte unsigned ints (width 1, 2 or 4); plan: count(nw, bw).plan if
         the caller has it."""
         width = nw.dtype.itemsize
         if width not in WIDTHS:
@@ -160,15 +156,9 @@ class Gamma:
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
                out: np.ndarray | None = None) -> np.ndarray:
         width = self.width
-        if size % width:
-            raise FormatError(f"gamma: chunk of {size} bytes is not a whole number of {width}-byte elements")
-        if payload is None:
-            raise FormatError("chunk codec 'gamma' needs a stored payload")
-        if base is None:
-            raise FormatError("chunk codec 'gamma' needs a base chunk")
-        if base.size != size:
-            raise IntegrityError("gamma: base chunk has the wrong size", expected=size, actual=base.size)
-        body = streams.unseal(payload, "gamma chunk")
+        _check_width(self.name, width, size)
+        base = _need_base(self.name, base, size)
+        body = streams.unseal(_need_payload(self.name, payload), "gamma chunk")
         n = size // width
         target = np.empty(size, np.uint8) if out is None else out
         c = native.loops()

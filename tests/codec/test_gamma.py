@@ -64,7 +64,7 @@ def test_round_trip_and_same_bytes_on_both_paths(pair: tuple[np.ndarray, np.ndar
     written = each_path(lambda: gamma.Gamma.encode(new, base))
     assert all(w == written[0] for w in written)
     rec, payload = written[0]
-    assert len(payload) == gamma.layout(gamma.lengths(new, base)).payload
+    assert len(payload) == gamma.count(new, base).plan.payload
     b8 = base.view(np.uint8)
     decoded = each_path(lambda: codec.decode(rec.to_json(), payload, b8, b8.size, new.dtype.itemsize).tobytes())
     assert decoded == [new.tobytes()] * len(decoded)
@@ -160,7 +160,7 @@ def test_streams_of_the_wrong_size_or_padding_are_refused() -> None:
     rec, payload = gamma.Gamma.encode(new, base)
     body = payload[:-streams.TRAILER]
     b8 = base.view(np.uint8)
-    hist = gamma.lengths(new, base)
+    hist = gamma.count(new, base).hist
     assert int((np.maximum(np.arange(hist.size) - 1, 0) * hist).sum()) % 8  # the last byte has padding bits
     for bad in (body + b"\x00", body[:-1], body[:-1] + bytes([body[-1] | 1])):
         refused = each_path(lambda bad=bad: codec.decode(rec.to_json(), seal([bad]), b8, b8.size, 4))
