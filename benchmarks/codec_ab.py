@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--other", required=True, help="root of the other tree (a git worktree)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--full", action="store_true", help="full-version chunks (no base): the raw codec vs zstd-1")
+    ap.add_argument("--level", type=int, default=this_codec.DEFAULT_LEVEL, help="the codecs' zstd level (both trees)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--other-bytes", action="store_true",
                     help="a format change: the trees may store different payloads (each decodes its own; bytes shown)")
@@ -103,7 +104,8 @@ def main() -> None:
         # Full: every piece against no base; what the pieces are decoded over is then junk, not a base.
         bases = [None if args.full else b for b, _, _ in items]
         impls: dict[str, Any] = {"this": this_codec, "other": other}
-        encoded = {name: [c.encode(n, bases[k], w) for k, (_, n, w) in enumerate(items)] for name, c in impls.items()}
+        encoded = {name: [c.encode(n, bases[k], w, level=args.level) for k, (_, n, w) in enumerate(items)]
+                   for name, c in impls.items()}
         for a, b in zip(encoded["this"], encoded["other"], strict=True):
             if (a.codec != b.codec or a.payload != b.payload) and not args.other_bytes:
                 raise SystemExit("the two trees encode a chunk differently: not a format-preserving change "
@@ -133,7 +135,7 @@ def main() -> None:
                     else:
                         np.bitwise_xor(np.frombuffer(dctx.decompress(frames[k]), np.uint8), out, out=out)
                 elif what == "encode":
-                    impls[impl].encode(n, bases[k], w)
+                    impls[impl].encode(n, bases[k], w, level=args.level)
                 else:
                     e = encoded[impl][k]
                     # In place over the base, as a pull decodes; a full version's chunk has none.
@@ -164,7 +166,7 @@ def main() -> None:
             pool.submit(rounds).result()
 
         result: dict[str, Any] = {"base": None if args.full else args.base, "new": args.new, "full": args.full,
-                                  "other": args.other, "rounds": args.rounds,
+                                  "other": args.other, "rounds": args.rounds, "level": args.level,
                                   "loadavg": os.getloadavg(), "classes": {}}
         print(f"{len(items)} pieces; CPU ms of one thread, least / median of {args.rounds} rounds")
         for g, sel in groups.items():

@@ -1,6 +1,7 @@
 """Two or more deltafs trees' delta pushes of one checkpoint, alternating, each push in a fresh process.
 
     python benchmarks/push_ab.py TEMPLATE NEW --tree . --tree /tmp/v1 --rounds 10 [--threads 1] [--json OUT]
+    python benchmarks/push_ab.py TEMPLATE NEW --tree . --level 3 --level 5 ...   # levels, alternating the same way
 
 TEMPLATE holds `store/` and `cache/` with the base pushed as the store's HEAD, as `benchmarks/sync_bench.py run`
 leaves its push templates (`.../tmpl-push`); NEW is the checkpoint to push (`.../new`). pull_ab.py's counterpart,
@@ -10,7 +11,8 @@ does when both are on one filesystem. Each push imports deltafs from its tree on
 `deltafs.push(store, NEW, cache_dir=..., threads=T)` alone, imports excluded, with the CPU seconds of its process
 over the same span (every thread's). Every push must store the same chunk objects (their names, which are their
 content's digests, are compared across trees; with --other-bytes, each tree's pushes only with each other). The trees alternate in order round by round. Prints the least and
-the median per tree. Never a test.
+the median per tree. With --level (repeatable) every tree pushes at each level given, as `tree@level` rows, each
+(tree, level) held to its own objects. Never a test.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 WORKER = r'''
 import json, os, resource, shutil, subprocess, sys, time
 template, new, scratch, cache, threads = sys.argv[1:5] + [int(sys.argv[5])]
+level = {} if sys.argv[6] == "-" else {"level": int(sys.argv[6])}
 import deltafs
 from deltafs import push
 for d in (scratch, cache):
@@ -34,7 +37,7 @@ subprocess.run(["cp", "-a", os.path.join(template, "store"), os.path.join(scratc
 subprocess.run(["cp", "-a", os.path.join(template, "cache"), cache], check=True)
 os.sync()
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-res = push(os.path.join(scratch, "store"), new, cache_dir=cache, threads=threads)
+res = push(os.path.join(scratch, "store"), new, cache_dir=cache, threads=threads, **level)
 seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
 cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
 out = res.to_json()
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--scratch", default="/dev/shm/push-ab")
     ap.add_argument("--cache-root", help="where the cache copy goes (default: beside NEW, on its filesystem)")
     ap.add_argument("--json")
+    ap.add_argument("--level", type=int, action="append", help="the zstd level of the push (repeatable; default: push's)")
     ap.add_argument("--other-bytes", action="store_true",
                     help="a format change: the trees may store different objects (each must repeat its own)")
     a = ap.parse_args()
@@ -66,24 +70,30 @@ def main() -> None:
     cache = a.cache_root or os.path.join(os.path.dirname(new), "push-ab-cache")
     for tree in trees:  # bytecode first, as an install writes it (these VMs set PYTHONDONTWRITEBYTECODE)
         subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(tree, "deltafs")], check=True)
-    runs: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
+    levels: list[int | None] = list(a.level) if a.level else [None]
+    combos = [(t, lv) for t in trees for lv in levels]
+    key = {c: c[0] if c[1] is None else f"{c[0]}@{c[1]}" for c in combos}
+    runs: dict[str, list[dict[str, float]]] = {key[c]: [] for c in combos}
     expect: dict[str, str] = {}
     try:
         for r in range(a.rounds):
-            for tree in trees if r % 2 == 0 else trees[::-1]:
+            for tree, lv in combos if r % 2 == 0 else combos[::-1]:
                 out = subprocess.run([sys.executable, "-c", WORKER, os.path.abspath(a.template), new, a.scratch, cache,
-                                      str(a.threads)], env=dict(os.environ, PYTHONPATH=tree), cwd="/",
+                                      str(a.threads), "-" if lv is None else str(lv)],
+                                     env=dict(os.environ, PYTHONPATH=tree), cwd="/",
                                      capture_output=True, text=True, check=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 if not got["deltafs"].startswith(tree + os.sep):
                     raise SystemExit(f"imported {got['deltafs']}, not the tree {tree}")
                 if got["rederived"]:
                     raise SystemExit(f"{tree}: the push rebuilt its base from the store (the template's cache is stale)")
-                # With --other-bytes (a format change) each tree is held to its own first push instead.
-                first = expect.setdefault(tree if a.other_bytes else "", got["digest"])
+                # With --other-bytes (a format change) each tree is held to its own first push instead; levels
+                # always differ in bytes.
+                first = expect.setdefault(f"{tree if a.other_bytes else ''}@{lv}", got["digest"])
                 if got["digest"] != first:
-                    raise SystemExit(f"{tree} stored other chunk objects than the first push")
-                runs[tree].append({"seconds": got["seconds"], "cpu_s": got["cpu_s"]})
+                    raise SystemExit(f"{key[tree, lv]} stored other chunk objects than the first push")
+                runs[key[tree, lv]].append({"seconds": got["seconds"], "cpu_s": got["cpu_s"],
+                                            "bytes_written": got["bytes_written"]})
     finally:
         subprocess.run(["rm", "-rf", a.scratch, cache], check=False)
     rows = {}
@@ -92,10 +102,11 @@ def main() -> None:
         rows[t] = {"least_s": min(wall), "median_s": statistics.median(wall), "least_cpu_s": min(cpu),
                    "median_cpu_s": statistics.median(cpu), "runs": v}
         print(f"{t}: wall least {min(wall) * 1e3:.1f} ms, median {statistics.median(wall) * 1e3:.1f} ms; "
-              f"CPU least {min(cpu) * 1e3:.1f} ms, median {statistics.median(cpu) * 1e3:.1f} ms ({a.rounds} pushes)")
+              f"CPU least {min(cpu) * 1e3:.1f} ms, median {statistics.median(cpu) * 1e3:.1f} ms ({a.rounds} pushes, "
+              f"{v[0]['bytes_written']:,} bytes)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"template": a.template, "new": new, "threads": a.threads, "rounds": a.rounds,
+            json.dump({"template": a.template, "new": new, "threads": a.threads, "rounds": a.rounds, "levels": levels,
                        "loadavg": os.getloadavg(), "trees": rows}, f, indent=1)
 
 

@@ -1,7 +1,7 @@
 """Where a delta push's time goes, by phase: wall-clock timers wrapped around the push's own functions.
 
     python benchmarks/push_phases.py /tmp/sync-bench/gen-llama-1b-L4-lr9e-07-s0/tmpl-push \
-        /tmp/sync-bench/gen-llama-1b-L4-lr9e-07-s0/new --rounds 5 --threads 1 [--json OUT]
+        /tmp/sync-bench/gen-llama-1b-L4-lr9e-07-s0/new --rounds 5 --threads 1 [--level L] [--json OUT]
     PYTHONPATH=/tmp/v0 python benchmarks/push_phases.py ...   # another checkout's deltafs, same timers
 
 pull_phases.py's counterpart, with its timers. TEMPLATE is a sync_bench push template (`store/` and `cache/` with the base pushed
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--scratch", default="/dev/shm/push-phases")
     ap.add_argument("--cache-root", help="where the cache copy goes (default: beside NEW, on its filesystem)")
+    ap.add_argument("--level", type=int, help="the push's zstd level (default: push's)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -78,7 +79,8 @@ def main() -> None:
         subprocess.run(["cp", "-a", os.path.join(args.template, "cache"), cache], check=True)
         ACC.clear()
         t0 = time.perf_counter()
-        deltafs.push(os.path.join(args.scratch, "store"), args.new, cache_dir=cache, threads=args.threads)
+        deltafs.push(os.path.join(args.scratch, "store"), args.new, cache_dir=cache, threads=args.threads,
+                     **({} if args.level is None else {"level": args.level}))
         rounds.append({**ACC, "push (wall)": time.perf_counter() - t0})
     for d in (args.scratch, cache):
         shutil.rmtree(d, ignore_errors=True)

@@ -13,7 +13,11 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 enum { OK = 0, WRONG_COUNT = 1, TRAILING_BYTES = 2, OUT_OF_RANGE = 3, SHORT_REMAINDER = 4 };
 
@@ -1275,6 +1279,370 @@ done:
     return PyLong_FromLong(status);
 }
 
+/* The sparse codec's class split (manifests/FORMAT.md, "sparse" with split > 0): element i of a chunk is in the
+ * low class when its base value's magnitude (all bits but the top one, the sign of a float) is below split. The
+ * classes are kept as bits, 64 elements to a word (bit j of word i: element 64 i + j), with the count of low
+ * elements before each word; deltafs/codec/bitmap.py is the numpy form of the same words and counts.
+ */
+/* Set bits of x. Builds for the baseline x86-64 have no popcount instruction, and __builtin_popcountll then calls a
+ * table lookup in libgcc; this is a dozen register operations. */
+static inline int popcount64(uint64_t x) {
+    x = x - ((x >> 1) & 0x5555555555555555ull);
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+    return (int)((x * 0x0101010101010101ull) >> 56);
+}
+
+static inline uint64_t magnitude_at(const uint8_t *b, Py_ssize_t i, int width) {
+    switch (width) {
+    case 1: return b[i] & 0x7Fu;
+    case 2: { uint16_t v; memcpy(&v, b + 2 * i, 2); return v & 0x7FFFu; }
+    case 4: { uint32_t v; memcpy(&v, b + 4 * i, 4); return v & 0x7FFFFFFFu; }
+    default: { uint64_t v; memcpy(&v, b + 8 * i, 8); return v & 0x7FFFFFFFFFFFFFFFull; }
+    }
+}
+
+/* The class bits of the m <= 64 elements from first. split must be at most the largest magnitude of the width. */
+static uint64_t class_word(const uint8_t *b, Py_ssize_t first, int m, int width, uint64_t split) {
+#if defined(__SSE2__)
+    if (m == 64 && width <= 4) {
+        /* Magnitudes and split fit the signed lanes, so a signed compare is exact; packing saturates -1 and 0. */
+        const uint8_t *p = b + first * width;
+        uint64_t w = 0;
+        if (width == 1) {
+            const __m128i mk = _mm_set1_epi8(0x7F), sp = _mm_set1_epi8((char)split);
+            for (int q = 0; q < 4; q++) {
+                const __m128i v = _mm_and_si128(_mm_loadu_si128((const __m128i *)(p + 16 * q)), mk);
+                w |= (uint64_t)(uint32_t)_mm_movemask_epi8(_mm_cmplt_epi8(v, sp)) << (16 * q);
+            }
+        } else if (width == 2) {
+            const __m128i mk = _mm_set1_epi16(0x7FFF), sp = _mm_set1_epi16((short)split);
+            for (int q = 0; q < 4; q++) {
+                const __m128i a = _mm_cmplt_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)(p + 32 * q)), mk), sp);
+                const __m128i c = _mm_cmplt_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)(p + 32 * q + 16)), mk), sp);
+                w |= (uint64_t)(uint32_t)_mm_movemask_epi8(_mm_packs_epi16(a, c)) << (16 * q);
+            }
+        } else {
+            const __m128i mk = _mm_set1_epi32(0x7FFFFFFF), sp = _mm_set1_epi32((int)split);
+            for (int q = 0; q < 4; q++) {
+                __m128i v[4];
+                for (int r = 0; r < 4; r++)
+                    v[r] = _mm_cmplt_epi32(_mm_and_si128(_mm_loadu_si128((const __m128i *)(p + 64 * q + 16 * r)), mk), sp);
+                const __m128i lanes = _mm_packs_epi16(_mm_packs_epi32(v[0], v[1]), _mm_packs_epi32(v[2], v[3]));
+                w |= (uint64_t)(uint32_t)_mm_movemask_epi8(lanes) << (16 * q);
+            }
+        }
+        return w;
+    }
+#endif
+    uint64_t w = 0;
+    for (int j = 0; j < m; j++)
+        w |= (uint64_t)(magnitude_at(b, first + j, width) < split) << j;
+    return w;
+}
+
+static int split_fits(int width, unsigned long long split) {
+    return (width == 1 || width == 2 || width == 4 || width == 8) && split <= (1ULL << (8 * width - 1)) - 1;
+}
+
+/* classes(base, width, split, words_out, before_out) -> low elements
+ *
+ * words_out: ceil(n / 64) uint64 class words of the base's n elements (padding bits past n clear); before_out: one
+ * int64 more, before_out[i] = low elements in words 0..i-1.
+ */
+static PyObject *classes(PyObject *self, PyObject *args) {
+    Py_buffer b, words, before;
+    int width;
+    unsigned long long split;
+    if (!PyArg_ParseTuple(args, "y*iKw*w*", &b, &width, &split, &words, &before))
+        return NULL;
+    int64_t ones = -1;
+    const Py_ssize_t n = split_fits(width, split) ? b.len / width : 0, nw = (n + 63) / 64;
+    if (split_fits(width, split) && b.len % width == 0 && words.len == nw * 8 && before.len == (nw + 1) * 8) {
+        const uint8_t *base = (const uint8_t *)b.buf;
+        uint64_t *w = (uint64_t *)words.buf;
+        int64_t *bf = (int64_t *)before.buf;
+        Py_BEGIN_ALLOW_THREADS
+        bf[0] = 0;
+        for (Py_ssize_t i = 0; i < nw; i++) {
+            const int m = n - 64 * i >= 64 ? 64 : (int)(n - 64 * i);
+            w[i] = class_word(base, 64 * i, m, width, split);
+            bf[i + 1] = bf[i] + popcount64(w[i]);
+        }
+        ones = bf[nw];
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "classes: width 1, 2, 4 or 8, split within its magnitudes, buffers sized alike");
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&before);
+    if (ones < 0)
+        return NULL;
+    return PyLong_FromLongLong(ones);
+}
+
+/* partition(words, before, n, idx, diff, width, low_ranks, low_diff, high_ranks, high_diff) -> low changes
+ *
+ * For each change (element index idx[j] < n, its width-byte difference diff[j]), its rank within its class: the
+ * low class's changes go to low_ranks and low_diff, the others to high_ranks and high_diff, each in idx's order.
+ * Every output holds room for all the changes. ValueError for an index outside 0..n-1.
+ */
+static PyObject *partition(PyObject *self, PyObject *args) {
+    Py_buffer words, before, idx, diff, lr, ld, hr, hd;
+    Py_ssize_t n;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*y*ny*y*iw*w*w*w*", &words, &before, &n, &idx, &diff, &width, &lr, &ld, &hr, &hd))
+        return NULL;
+    const Py_ssize_t c = idx.len / 8, nw = (n + 63) / 64;
+    Py_ssize_t low = -1;
+    int bad_index = 0;
+    if ((width == 1 || width == 2 || width == 4 || width == 8) && n >= 0 && words.len == nw * 8 &&
+        before.len == (nw + 1) * 8 && idx.len % 8 == 0 && diff.len == c * width && lr.len >= c * 8 &&
+        hr.len >= c * 8 && ld.len >= c * width && hd.len >= c * width) {
+        const uint64_t *w = (const uint64_t *)words.buf;
+        const int64_t *bf = (const int64_t *)before.buf, *ix = (const int64_t *)idx.buf;
+        const uint8_t *d = (const uint8_t *)diff.buf;
+        int64_t *lrank = (int64_t *)lr.buf, *hrank = (int64_t *)hr.buf;
+        uint8_t *ldiff = (uint8_t *)ld.buf, *hdiff = (uint8_t *)hd.buf;
+        Py_ssize_t nl = 0, nh = 0;
+        Py_BEGIN_ALLOW_THREADS
+        /* One loop per width, so the copies of the differences are fixed-size moves, not calls. */
+#define PARTITION_LOOP(W)                                                                                        \
+        for (Py_ssize_t j = 0; j < c; j++) {                                                                     \
+            const int64_t i = ix[j];                                                                             \
+            if (i < 0 || i >= n) {                                                                               \
+                bad_index = 1;                                                                                   \
+                break;                                                                                           \
+            }                                                                                                    \
+            const uint64_t x = w[i >> 6];                                                                        \
+            const int bit = (int)(i & 63), is_low = (int)(x >> bit & 1);                                         \
+            const int64_t ones_before = bf[i >> 6] + popcount64(x & ((1ULL << bit) - 1));                       \
+            /* Both sides written, one kept: the classes interleave at random, so a branch would mispredict.   \
+             * nl + nh = j < c, so both slots are inside their arrays. */                                       \
+            lrank[nl] = ones_before;                                                                             \
+            hrank[nh] = i - ones_before;                                                                         \
+            memcpy(ldiff + nl * W, d + j * W, W);                                                                \
+            memcpy(hdiff + nh * W, d + j * W, W);                                                                \
+            nl += is_low;                                                                                        \
+            nh += !is_low;                                                                                       \
+        }
+        switch (width) {
+        case 1: PARTITION_LOOP(1) break;
+        case 2: PARTITION_LOOP(2) break;
+        case 4: PARTITION_LOOP(4) break;
+        default: PARTITION_LOOP(8) break;
+        }
+#undef PARTITION_LOOP
+        low = nl;
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "partition: buffers sized unlike the classes and changes they hold");
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&before);
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&diff);
+    PyBuffer_Release(&lr);
+    PyBuffer_Release(&ld);
+    PyBuffer_Release(&hr);
+    PyBuffer_Release(&hd);
+    if (bad_index) {
+        PyErr_SetString(PyExc_ValueError, "partition: a change index outside the chunk");
+        return NULL;
+    }
+    if (low < 0)
+        return NULL;
+    return PyLong_FromSsize_t(low);
+}
+
+/* SELECT8[b][k]: position of the k-th (0-based) set bit of byte b (8 where b has fewer). */
+static uint8_t SELECT8[256][8];
+
+static void build_select_table(void) {
+    for (int b = 0; b < 256; b++) {
+        int k = 0;
+        for (int j = 0; j < 8; j++)
+            SELECT8[b][j] = 8;
+        for (int j = 0; j < 8; j++)
+            if (b >> j & 1)
+                SELECT8[b][k++] = (uint8_t)j;
+    }
+}
+
+/* Position (0..63) of the k-th (0-based) set bit of x; x has more than k set bits. Broadword, without branches
+ * (the ranks' words are random): the bytes' running popcounts in one multiply, the byte that holds the bit from
+ * how many of them are <= k, then a table. */
+static inline int select_in_word(uint64_t x, int k) {
+    const uint64_t ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
+    uint64_t s = x - ((x >> 1) & 0x5555555555555555ull);
+    s = (s & 0x3333333333333333ull) + ((s >> 2) & 0x3333333333333333ull);
+    s = (s + (s >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+    const uint64_t cum = s * ones; /* byte i: set bits in bytes 0..i (at most 64, so no carries) */
+    /* Byte i of (k | 0x80) - cum_i keeps its high bit exactly where cum_i <= k (k <= 63: no borrows). */
+    const uint64_t le = ((((uint64_t)k * ones) | high) - cum) & high;
+    const int byte = (int)(((le >> 7) * ones) >> 56); /* bytes wholly before the bit: 0..7 */
+    const int prev = (int)(((cum << 8) >> (8 * byte)) & 0xFF);
+    return 8 * byte + SELECT8[(x >> (8 * byte)) & 0xFF][(k - prev) & 7];
+}
+
+/* select(words, before, n, ranks, bit, out) -> status
+ *
+ * out[j]: the element index of the ranks[j]-th (0-based) element of class bit (1 low, 0 high) among the n
+ * elements, ranks in any order. OUT_OF_RANGE when a rank is not below the class's size (nothing is promised
+ * about out then).
+ */
+static PyObject *select_ranks(PyObject *self, PyObject *args) {
+    Py_buffer words, before, ranks, out;
+    Py_ssize_t n;
+    int bit;
+    if (!PyArg_ParseTuple(args, "y*y*ny*iw*", &words, &before, &n, &ranks, &bit, &out))
+        return NULL;
+    const Py_ssize_t nw = n >= 0 ? (n + 63) / 64 : 0, c = ranks.len / 8;
+    int status = -1;
+    if (n >= 0 && words.len == nw * 8 && before.len == (nw + 1) * 8 && ranks.len % 8 == 0 && out.len == ranks.len) {
+        const uint64_t *w = (const uint64_t *)words.buf;
+        const int64_t *bf = (const int64_t *)before.buf, *rk = (const int64_t *)ranks.buf;
+        int64_t *o = (int64_t *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        /* Class elements in words 0..i-1; padding bits past n are clear, so for the high class the last word's
+         * count runs past the class's size, which ranks below that size never reach. */
+#define IN_CLASS_BEFORE(i) (bit ? bf[i] : 64 * (int64_t)(i) - bf[i])
+        const int64_t size = bit ? bf[nw] : (int64_t)n - bf[nw];
+        /* Every rank in range, and whether they ascend (a decoder's always do). */
+        int ascending = 1;
+        status = OK;
+        for (Py_ssize_t j = 0; j < c; j++) {
+            if (rk[j] < 0 || rk[j] >= size) {
+                status = OUT_OF_RANGE;
+                break;
+            }
+            ascending &= j == 0 || rk[j] >= rk[j - 1];
+        }
+        if (status == OK && ascending) {
+            /* The word of each rank, as a merge of the ranks with the words' counts in one loop without branches
+             * (either the rank is placed or the word is passed; about one of each per change on trainer deltas).
+             * A walk from the previous rank's word mispredicted its exits and took 1.5x as long; a binary search
+             * per rank 2-3x. at + 1 <= nw throughout: the class's count before word nw is at least its size. */
+            Py_ssize_t at = 0, j = 0;
+            while (j < c) {
+                const int take = rk[j] < IN_CLASS_BEFORE(at + 1);
+                o[j] = at;
+                j += take;
+                at += !take;
+            }
+        } else if (status == OK) {
+            for (Py_ssize_t j = 0; j < c; j++) { /* the last word whose count before it is <= the rank */
+                Py_ssize_t lo = 0, hi = nw;
+                while (hi - lo > 1) {
+                    const Py_ssize_t mid = lo + (hi - lo) / 2;
+                    if (IN_CLASS_BEFORE(mid) <= rk[j])
+                        lo = mid;
+                    else
+                        hi = mid;
+                }
+                o[j] = lo;
+            }
+        }
+        /* Within each word: independent from rank to rank, so these overlap. */
+        for (Py_ssize_t j = 0; status == OK && j < c; j++) {
+            const Py_ssize_t at = (Py_ssize_t)o[j];
+            const uint64_t x = bit ? w[at] : ~w[at];
+            o[j] = 64 * (int64_t)at + select_in_word(x, (int)(rk[j] - IN_CLASS_BEFORE(at)));
+        }
+#undef IN_CLASS_BEFORE
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "select: buffers sized unlike the classes and ranks they hold");
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&before);
+    PyBuffer_Release(&ranks);
+    PyBuffer_Release(&out);
+    if (status < 0)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
+/* n H2(c / n) bits, as f(n) - f(c) - f(n - c) with f(v) = v log2 v (0 below 1), in exactly the operations and order
+ * of deltafs.codec.codecs._split_cost (Python floats and libm's log2 there), so both choose the same split. */
+static inline double xlog2x(double v) { return v * log2(v > 1.0 ? v : 1.0); }
+
+/* choose_split(base, width, stride, idx, idx_stride, shift, gain) -> split
+ *
+ * Histograms of magnitude >> shift over every stride-th element of the base and over the base values at every
+ * idx_stride-th index of idx; for each boundary after a bin that holds a sample, the estimated bits of coding the
+ * changes' positions in two classes (below it and the rest) against one; the first boundary that costs least,
+ * as a magnitude (boundary << shift), or 0 when it does not cost at most gain times one class. Widths 1, 2, 4.
+ * ValueError for an index outside the chunk.
+ */
+static PyObject *choose_split(PyObject *self, PyObject *args) {
+    Py_buffer b, idx;
+    int width, shift;
+    Py_ssize_t stride, istride;
+    double gain;
+    if (!PyArg_ParseTuple(args, "y*iny*nid", &b, &width, &stride, &idx, &istride, &shift, &gain))
+        return NULL;
+    int ok = 0, bad_index = 0;
+    long long split = 0;
+    if ((width == 1 || width == 2 || width == 4) && shift >= 0 && shift < 8 * width && 8 * width - 1 - shift <= 16 &&
+        stride > 0 && istride > 0 && b.len % width == 0 && idx.len % 8 == 0 && b.len > 0 && idx.len > 0) {
+        const uint8_t *base = (const uint8_t *)b.buf;
+        const int64_t *ix = (const int64_t *)idx.buf;
+        const Py_ssize_t n = b.len / width, c = idx.len / 8, bins = (Py_ssize_t)1 << (8 * width - 1 - shift);
+        int64_t *hist = calloc(2 * bins, sizeof(int64_t));
+        if (!hist)
+            return PyErr_NoMemory();
+        Py_BEGIN_ALLOW_THREADS
+        int64_t *hb = hist, *hc = hist + bins, sb = 0, sc = 0;
+        for (Py_ssize_t i = 0; i < n; i += stride, sb++)
+            hb[magnitude_at(base, i, width) >> shift]++;
+        for (Py_ssize_t j = 0; j < c; j += istride, sc++) {
+            if (ix[j] < 0 || ix[j] >= n) {
+                bad_index = 1;
+                break;
+            }
+            hc[magnitude_at(base, ix[j], width) >> shift]++;
+        }
+        if (!bad_index) {
+            const double dn = (double)n, dc = (double)c, scale_n = dn / (double)sb, scale_c = dc / (double)sc;
+            double best = INFINITY;
+            int64_t cb = 0, cc = 0;
+            for (Py_ssize_t k = 0; k < bins - 1; k++) {
+                cb += hb[k];
+                cc += hc[k];
+                if (!hb[k] && !hc[k])
+                    continue; /* the same classes as the boundary before: never the first that costs least */
+                const double nh = (double)cb * scale_n, ch = (double)cc * scale_c;
+                const double ah = nh - ch, nl = dn - nh, cl = dc - ch, al = nl - cl;
+                if (ah < -0.5 || al < -0.5)
+                    continue; /* the samples disagree: more changes than elements on one side */
+                double cost = xlog2x(nh) - xlog2x(ch);
+                cost -= xlog2x(ah);
+                cost += xlog2x(nl);
+                cost -= xlog2x(cl);
+                cost -= xlog2x(al);
+                if (cost < best) {
+                    best = cost;
+                    split = (long long)(k + 1) << shift;
+                }
+            }
+            double whole = xlog2x(dn) - xlog2x(dc);
+            whole -= xlog2x(dn - dc);
+            if (!(best <= gain * whole))
+                split = 0;
+        }
+        Py_END_ALLOW_THREADS
+        free(hist);
+        ok = !bad_index;
+    } else
+        PyErr_SetString(PyExc_ValueError, "choose_split: width 1, 2 or 4, strides > 0, at most 2**16 bins, a base and changes");
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&idx);
+    if (bad_index)
+        PyErr_SetString(PyExc_ValueError, "choose_split: a change index outside the chunk");
+    if (!ok)
+        return NULL;
+    return PyLong_FromLongLong(split);
+}
+
 static PyObject *simd(PyObject *self, PyObject *unused) { return PyLong_FromLong(simd_ok); }
 
 static PyMethodDef methods[] = {
@@ -1291,6 +1659,12 @@ static PyMethodDef methods[] = {
     {"plan", gamma_plan, METH_VARARGS, "plan(hist) -> (center, k, unary_bytes, remainder_bytes, mantissa_bytes)"},
     {"gamma", gamma_encode, METH_VARARGS, "gamma(new, base, width, center, k, unary_len, remainder_len, payload_out)"},
     {"ungamma", gamma_decode, METH_VARARGS, "ungamma(body, unary_len, width, center, k, base, out) -> status"},
+    {"classes", classes, METH_VARARGS, "classes(base, width, split, words_out, before_out) -> low elements"},
+    {"partition", partition, METH_VARARGS,
+     "partition(words, before, n, idx, diff, width, low_ranks, low_diff, high_ranks, high_diff) -> low changes"},
+    {"select", select_ranks, METH_VARARGS, "select(words, before, n, ranks, bit, out) -> status"},
+    {"choose_split", choose_split, METH_VARARGS,
+     "choose_split(base, width, stride, idx, idx_stride, shift, gain) -> split"},
     {"group", group, METH_VARARGS,
      "group(ranks, diff, width, space) -> (k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes)"},
     {NULL, NULL, 0, NULL},
@@ -1300,6 +1674,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The spars
 
 PyMODINIT_FUNC PyInit__native(void) {
     build_lane_tables();
+    build_select_table();
     simd_ok = simd_supported();
     return PyModule_Create(&module);
 }

@@ -3,12 +3,15 @@
 The sparse codec splits a chunk's elements into two classes by their base value and numbers changes within each
 class. Both directions must cost about one pass over the chunk: the mask is packed into 64-bit words (bit j of
 word i is element 64 i + j), a prefix sum over the words' popcounts gives rank at word granularity, and small
-lookup tables finish the job inside a word for just the changed elements.
+lookup tables finish the job inside a word for just the changed elements. The compiled loops
+(deltafs/codec/_native.c: classes, partition, select) keep the same words and counts and give the same answers.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from deltafs.codec import native
 
 _POP8 = np.array([i.bit_count() for i in range(256)], dtype=np.uint8)
 # _SELECT8[b, k]: position of the k-th (0-based) set bit of byte b, 8 if b has fewer set bits.
@@ -33,17 +36,30 @@ class RankIndex:
     """Ranks of set (class 1) and clear (class 0) bits of a length-n mask."""
 
     def __init__(self, mask: np.ndarray) -> None:
-        self.n = int(mask.size)
         packed = np.packbits(mask, bitorder="little")
         pad = (-packed.size) % 8
         if pad:
             packed = np.concatenate([packed, np.zeros(pad, np.uint8)])
-        self.words = packed.view("<u8")
-        counts = _popcount64(self.words)
-        self.before = np.zeros(counts.size + 1, dtype=np.int64)  # set bits in words [0, i)
-        np.cumsum(counts, out=self.before[1:])
-        self.ones = int(self.before[-1])
-        self.zeros = self.n - self.ones
+        words = packed.view("<u8")
+        counts = _popcount64(words)
+        before = np.zeros(counts.size + 1, dtype=np.int64)  # set bits in words [0, i)
+        np.cumsum(counts, out=before[1:])
+        self._set(words, before, int(mask.size))
+
+    @classmethod
+    def of_words(cls, words: np.ndarray, before: np.ndarray, n: int) -> RankIndex:
+        """An index over words and counts made elsewhere (the compiled classes()): bit j of words[i] is element
+        64 i + j, padding bits past n clear; before[i] is the set bits in words [0, i), one entry more."""
+        index = cls.__new__(cls)
+        index._set(words, before, n)
+        return index
+
+    def _set(self, words: np.ndarray, before: np.ndarray, n: int) -> None:
+        self.n = n
+        self.words = words
+        self.before = before
+        self.ones = int(before[-1])
+        self.zeros = n - self.ones
 
     def rank(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For ascending element indices: (bit is set, rank within its own class)."""
@@ -57,6 +73,12 @@ class RankIndex:
 
     def select(self, ranks: np.ndarray, bit: int) -> np.ndarray:
         """Element index of each rank-th set (bit=1) or clear (bit=0) bit; ranks must be < that class's size."""
+        c = native.loops()
+        if c is not None:  # one walk over the words for ascending ranks
+            found = np.empty(ranks.size, np.int64)
+            if c.select(self.words, self.before, self.n, np.ascontiguousarray(ranks, np.int64), bit, found):
+                raise ValueError(f"select: a rank is not below the class's {self.ones if bit else self.zeros} elements")
+            return found
         if bit:
             before, words = self.before, self.words
         else:
