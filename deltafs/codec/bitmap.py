@@ -74,7 +74,7 @@ class RankIndex:
     def select(self, ranks: np.ndarray, bit: int) -> np.ndarray:
         """Element index of each rank-th set (bit=1) or clear (bit=0) bit; ranks must be < that class's size."""
         c = native.loops()
-        if c is not None:  # one walk over the words for ascending ranks
+        if c is not None:  # one merge of the ranks with the words' counts when they ascend (a decoder's do)
             found = np.empty(ranks.size, np.int64)
             if c.select(self.words, self.before, self.n, np.ascontiguousarray(ranks, np.int64), bit, found):
                 raise ValueError(f"select: a rank is not below the class's {self.ones if bit else self.zeros} elements")
