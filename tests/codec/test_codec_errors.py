@@ -208,6 +208,21 @@ def test_sparse_record_fields_must_be_plain_integers_in_range(field: str, value:
         decode_or_raise(bad, enc.payload, base, new.size)
 
 
+@pytest.mark.parametrize("change", [
+    {"width": True}, {"width": 2.0}, {"width": 3}, {"width": 4}, {"split": True}, {"split": -1},
+    {"split": 1 << 15}, {"split": 1.0}, {"split": 5}, {"groups": "x"}, {"frames": "x"}, {"frames": []},
+    {"extra": 1},
+], ids=str)
+def test_sparse_records_that_look_valid_are_refused_on_the_fast_parse_too(change: dict[str, Any]) -> None:
+    """Sparse.from_json's fast path takes only what the field-by-field path accepts: each change to a valid
+    record's top-level fields (a look-alike type, a value out of range, a group count that the split contradicts,
+    frames of the wrong length or type, an unknown field) is still a FormatError, and the record itself parses."""
+    enc, new, base = encoded("sparse")
+    assert decode_or_raise(enc.codec, enc.payload, base, new.size).tobytes() == new.tobytes()
+    with pytest.raises(FormatError):
+        decode_or_raise({**copy.deepcopy(enc.codec), **change}, enc.payload, base, new.size)
+
+
 def test_same_refuses_a_payload_and_odd_width() -> None:
     with pytest.raises(FormatError):
         codec.decode({"name": "same"}, b"x", np.zeros(8, np.uint8), 8, 2)

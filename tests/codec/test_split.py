@@ -31,8 +31,8 @@ def _both(fn: Callable[[], Any]) -> tuple[Any, Any]:
 
 
 def _trainer_like(rng: np.random.Generator, n: int, width: int, rate: float) -> tuple[np.ndarray, np.ndarray]:
-    """A float base with weights over many exponents and a step that changes small weights more often (by +-1..3
-    ulp), as an optimizer does: (new, base) as width-byte unsigned ints."""
+    """A float base with weights over many exponents and a step that changes small weights far more often (by
+    +-1..3 ulp), as an optimizer does: (new, base) as width-byte unsigned ints."""
     if width == 2:
         base = (rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32) >> 16
         base = base.astype(np.uint16)
@@ -40,7 +40,10 @@ def _trainer_like(rng: np.random.Generator, n: int, width: int, rate: float) -> 
         base = (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
     dtype = streams.UINT[width]
     magnitude = base & dtype.type((1 << (8 * width - 1)) - 1)
-    p = np.where(magnitude < np.median(magnitude), 1.8 * rate, 0.2 * rate)
+    # Elements below the exponent of the median magnitude (about a third of them) change 30x as often.
+    shift = 8 * width - 1 - codecs.SPLIT_BITS
+    edge = (int(np.median(magnitude)) >> shift) << shift
+    p = np.where(magnitude < edge, 3 * rate, 0.1 * rate)
     moved = rng.random(n) < p
     step = rng.choice(np.array([1, 2, 3, -1, -2, -3], np.int64), n).astype(dtype)
     new = base.copy()
