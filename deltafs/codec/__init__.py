@@ -57,8 +57,10 @@ SMALL_CHUNK = 64 << 10
 # the sparse payload (sparse's fixed costs per stream dominate tiny chunks); dense costs one zstd call here.
 SMALL_DENSE_TRY = 0.5
 # From this level on, sparse chunks may split elements into two classes by base magnitude (see choose_split): on
-# bf16 trainer deltas about 18% smaller, but each encode and decode pays two more passes over the chunk plus a
-# rank/select per change, which halves throughput or worse. Below it the codec is faster than XOR + zstd-1.
+# bf16 trainer deltas about 18% smaller, but each encode and decode pays a pass over the base chunk plus a rank or
+# a select per change: on the trained set's bf16 chunks 1.35-1.6x the encode and 1.75-1.9x the decode time of
+# level 3; whole pushes 1.0-1.3x, pulls 1.2-1.35x (docs/profile.md, round 19). Below it the codec is faster than
+# XOR + zstd-1.
 SPLIT_LEVEL = 5
 # Small chunks >= DENSE_FROM changed are encoded dense directly when the payload is at most this fraction of the
 # chunk: (width - 1) / width, the size test that matches looks_like_update's "well below the element width".
