@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from deltafs.codec import native, streams
-from deltafs.codec.compare import zigzag
+from deltafs.codec.compare import unzigzag, zigzag
 from deltafs.codec.bitmap import RankIndex
 from deltafs.codec.registry import fields, int_field, register, width_field
 from deltafs.errors import FormatError, IntegrityError
@@ -193,9 +193,7 @@ class Dense:
         # Few numpy calls: the planes are transposed into a temporary and unzigzagged there, then added to the
         # base into out. out may be the base or overlap it (numpy's ufuncs handle the overlap).
         t = streams.from_planes(data, width, out=streams.temporary("planes", size, streams.U8)).view(dtype)
-        sign = np.bitwise_and(t, dtype.type(1), out=streams.temporary("sign", size, dtype))
-        t >>= dtype.type(1)
-        t ^= np.negative(sign, out=sign)
+        unzigzag(t, streams.temporary("sign", size, dtype))
         target = np.empty(size, np.uint8) if out is None else out
         np.add(t, b.view(dtype), out=target.view(dtype))  # wraps, inverting the encoder's subtraction
         return target

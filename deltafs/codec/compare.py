@@ -78,6 +78,16 @@ def zigzag(d: np.ndarray) -> np.ndarray:
     return out
 
 
+def unzigzag(z: np.ndarray, sign: np.ndarray | None = None) -> np.ndarray:
+    """zigzag's inverse, in place on z (unsigned, writable), which is returned: (z >> 1) XOR -(z & 1). sign: a
+    scratch array of z's shape and dtype for the low bits, where the caller keeps one."""
+    one = _ONE[z.dtype.itemsize]
+    low = np.bitwise_and(z, one, out=sign)
+    z >>= one
+    z ^= np.negative(low, out=low)
+    return z
+
+
 def _mean_bits(v: np.ndarray) -> float:
     """Mean bit length of unsigned integers (0 for 0); float64's exponent is exact enough for a statistic."""
     return float(np.frexp(v.astype(np.float64))[1].mean())

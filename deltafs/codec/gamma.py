@@ -20,7 +20,7 @@ import numpy as np
 
 from deltafs.codec import native, streams
 from deltafs.codec.codecs import _check_width, _need_base, _need_payload
-from deltafs.codec.compare import zigzag
+from deltafs.codec.compare import unzigzag, zigzag
 from deltafs.codec.registry import fields, int_field, register, width_field
 from deltafs.errors import FormatError, IntegrityError
 
@@ -68,6 +68,13 @@ def count(nw: np.ndarray, bw: np.ndarray) -> Counts:
     return Counts(hist, int(nw.size - hist[0]), int(np.count_nonzero(z[1:] == z[:-1])), layout(hist))
 
 
+def _length_codes(s: np.ndarray) -> np.ndarray:
+    """The Rice-coded values of bit lengths s = L - center (signed): 0, -1, 1, -2 ... -> 0, 1, 2, 3 ...; the
+    decoder's inverse is in Gamma._differences."""
+    out: np.ndarray = np.where(s >= 0, 2 * s, -2 * s - 1)
+    return out
+
+
 def _bit_lengths(z: np.ndarray) -> np.ndarray:
     # frexp's exponent is the bit length of a positive integer (exact: z < 2**32 fits a float64) and 0 for 0.
     return np.frexp(z.astype(np.float64))[1].astype(np.int64)
@@ -89,8 +96,7 @@ def layout(hist: np.ndarray) -> Layout:
     mantissa = (int((np.maximum(lens - 1, 0) * hist).sum()) + 7) // 8
     occur = np.flatnonzero(hist)
     centers = np.arange(occur[0], occur[-1] + 1) if occur.size else np.zeros(1, np.int64)
-    s = lens[None, :] - centers[:, None]  # [center, length]
-    g = np.where(s >= 0, 2 * s, -2 * s - 1)
+    g = _length_codes(lens[None, :] - centers[:, None])  # [center, length]
     ks = np.arange(MAX_RICE + 1)
     unary_bits = ((g[:, None, :] >> ks[None, :, None]) + 1) * hist  # [center, k, length]
     cost = (unary_bits.sum(axis=2) + 7) // 8 + (n * ks[None, :] + 7) // 8
@@ -194,9 +200,7 @@ class Gamma:
         z = np.where(lens > 0, np.left_shift(np.uint64(1), np.maximum(lens - 1, 0).astype(np.uint64)), 0)
         z = z.astype(np.uint64) | _read_fields(man, low)
         dtype = streams.UINT[width]
-        zt = z.astype(dtype)
-        d: np.ndarray = (zt >> dtype.type(1)) ^ (dtype.type(0) - (zt & dtype.type(1)))
-        return d
+        return unzigzag(z.astype(dtype))
 
 
 def _encode_numpy(nw: np.ndarray, bw: np.ndarray, plan: Layout, un: np.ndarray, rem: np.ndarray,
@@ -204,8 +208,7 @@ def _encode_numpy(nw: np.ndarray, bw: np.ndarray, plan: Layout, un: np.ndarray, 
     """The compiled gamma() in numpy, into the three zeroed stream buffers."""
     z = zigzag(nw - bw).astype(np.uint64)
     lens = _bit_lengths(z)
-    s = lens - plan.center
-    g = np.where(s >= 0, 2 * s, -2 * s - 1)
+    g = _length_codes(lens - plan.center)
     u, r = streams.rice_encode(g, plan.rice)
     un[:] = u
     rem[:] = r
