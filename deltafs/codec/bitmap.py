@@ -71,6 +71,22 @@ class RankIndex:
         ones_before = self.before[w] + below
         return is_set, np.where(is_set, ones_before, idx - ones_before)
 
+    def partition(self, idx: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For ascending element indices and a value per index: (ranks of the set-bit ones within their class, their
+        values, the same for the clear-bit ones), each in idx's order. Compiled: one pass over the indices."""
+        c = native.loops()
+        if c is not None:
+            m = idx.size
+            set_r, clear_r = np.empty(m, np.int64), np.empty(m, np.int64)
+            set_v, clear_v = np.empty(m, values.dtype), np.empty(m, values.dtype)
+            ns = c.partition(self.words, self.before, self.n, np.ascontiguousarray(idx, np.int64),
+                             np.ascontiguousarray(values), values.dtype.itemsize, set_r, set_v, clear_r, clear_v)
+            return set_r[:ns], set_v[:ns], clear_r[:m - ns], clear_v[:m - ns]
+        is_set, ranks = self.rank(idx)
+        # flatnonzero + take: boolean-mask indexing of randomly interleaved classes is ~10x slower.
+        on, off = is_set.nonzero()[0], (~is_set).nonzero()[0]
+        return ranks.take(on), values.take(on), ranks.take(off), values.take(off)
+
     def select(self, ranks: np.ndarray, bit: int) -> np.ndarray:
         """Element index of each rank-th set (bit=1) or clear (bit=0) bit; ranks must be < that class's size."""
         c = native.loops()

@@ -250,7 +250,6 @@ class Group:
 
 _GROUP_KEYS = frozenset(Group.KEYS)  # dict.keys() compares equal to a set of the same keys
 _SPARSE_KEYS = frozenset(("name", "width", "split", "groups", "frames"))
-_WIDTHS = (1, 2, 4, 8)
 
 
 # Streams 1-4 of a group (Rice remainders, signs, the large changes' gaps) of numeric elements are close to uniform
@@ -533,7 +532,7 @@ class Sparse:
             # path below took ~14 us of a ~100 us decode of a 0.5 MB bf16 chunk); anything else takes that path,
             # which says what is wrong.
             width, split, groups, frames = raw["width"], raw["split"], raw["groups"], raw["frames"]
-            if (type(width) is int and width in _WIDTHS and type(split) is int and 0 <= split < 1 << (8 * width - 1)
+            if (type(width) is int and width in streams.UINT and type(split) is int and 0 <= split < 1 << (8 * width - 1)
                     and type(groups) is list and len(groups) == (2 if split else 1) and type(frames) is list
                     and len(frames) == len(groups) * (5 + width) and _all_ints(frames) and min(frames) >= 0):
                 parsed = tuple(Group.from_json(g) for g in groups)  # the same errors as the path below
@@ -575,19 +574,8 @@ class Sparse:
         diff = nv - bv
         if split:
             index = split_index(bw, split)
-            c = native.loops()
-            if c is not None:  # one pass over the changes: each one's rank, into its class's arrays
-                m = idx.size
-                low_r, high_r = np.empty(m, np.int64), np.empty(m, np.int64)
-                low_d, high_d = np.empty(m, diff.dtype), np.empty(m, diff.dtype)
-                nl = c.partition(index.words, index.before, index.n, np.ascontiguousarray(idx, np.int64),
-                                 np.ascontiguousarray(diff), diff.dtype.itemsize, low_r, low_d, high_r, high_d)
-                members = [(low_r[:nl], low_d[:nl], index.ones), (high_r[:m - nl], high_d[:m - nl], index.zeros)]
-            else:
-                low, ranks = index.rank(idx)
-                # flatnonzero + take: boolean-mask indexing of randomly interleaved classes is ~10x slower.
-                hi, lo = low.nonzero()[0], (~low).nonzero()[0]
-                members = [(ranks.take(hi), diff.take(hi), index.ones), (ranks.take(lo), diff.take(lo), index.zeros)]
+            low_r, low_d, high_r, high_d = index.partition(idx, diff)
+            members = [(low_r, low_d, index.ones), (high_r, high_d, index.zeros)]
         else:
             members = [(idx, diff, nw.size)]
         groups: list[Group] = []
