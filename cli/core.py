@@ -61,6 +61,7 @@ def push_cmd(
     keyframe_every: Annotated[int, typer.Option("--keyframe-every", callback=_non_negative("--keyframe-every"), help="A full version at least every N versions (0: never).")] = DEFAULT_KEYFRAME_EVERY,
     keyframe_budget: Annotated[float, typer.Option("--keyframe-budget", callback=finite_seconds("--keyframe-budget"), help="A full version once the deltas since the last one exceed this many full sizes (0: never).")] = DEFAULT_KEYFRAME_BUDGET,
     fold: Annotated[bool, typer.Option("--fold", help="Also write a folded delta from the last full version, so lagging readers take one step.")] = False,
+    bridge: Annotated[bool, typer.Option("--bridge/--no-bridge", help="With a full version, also write its bridge: a delta against the previous version, so hosts that hold it need not read the full version.")] = True,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Push cache directory (default $DELTAFS_CACHE or ~/.cache/deltafs).")] = None,
     level: Level = DEFAULT_LEVEL,
     threads: Threads = None,
@@ -84,12 +85,13 @@ def push_cmd(
     res = push(store, src, version=version, metadata=_metadata(meta, metadata), storage_options=parse_storage_options(storage_options),
                cache_dir=cache, progress=out.progress, level=level, threads=threads, full=full,
                keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold,
-               include=include, exclude=exclude, default_excludes=not no_default_excludes)
+               bridge=bridge, include=include, exclude=exclude, default_excludes=not no_default_excludes)
     data = res.to_json()
     files, stored = _stored_bytes(res.store, res.version, parse_storage_options(storage_options))
     data["files"] = files
     if res.kind == "full":
-        human = (f"pushed version {res.version} (full) to {res.store}: {human_bytes(res.bytes_written)} written "
+        with_bridge = f" (and a {human_bytes(res.bridge_bytes)} bridge from version {res.parent})" if res.bridge_bytes else ""
+        human = (f"pushed version {res.version} (full) to {res.store}: {human_bytes(res.bytes_written)} written{with_bridge} "
                  f"for {human_bytes(res.full_bytes)} of checkpoint; {res.seconds:.2f}s")
     else:
         ratio = f"{res.full_bytes / res.bytes_written:.1f}x smaller than full" if res.bytes_written else ""
@@ -225,6 +227,7 @@ def _pull_dry_run(out: Output, store: str, dest: str, version: int | None, optio
     else:
         start = "a full version" if plan.current is None or plan.steps and plan.steps[0]["kind"] == "full" else f"version {plan.current} in {dest}"
         chain = " -> ".join(f"{s['version']}{' (full)' if s['kind'] == 'full' else ''}{' (fold)' if s['fold'] else ''}"
+                            f"{' (bridge)' if s['bridge'] else ''}"
                             for s in plan.steps)
         human = (f"would pull version {plan.version} into {dest} from {start}: apply {chain}; "
                  f"read {plan.objects} chunk objects ({human_bytes(plan.bytes_to_read)}) from {store}, "

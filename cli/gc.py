@@ -44,6 +44,8 @@ def gc_cmd(
     ]
     if plan.folds:
         lines.append(f"{verb} the folded deltas of versions {', '.join(map(str, sorted(plan.folds)))}")
+    if plan.bridges:
+        lines.append(f"{verb} the bridges of versions {', '.join(map(str, sorted(plan.bridges)))}")
     if plan.temp_files:
         lines.append(f"{verb} {len(plan.temp_files)} partial files left by killed writers")
     if plan.chunks_too_young:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from deltafs.publish import push
-from deltafs.testing.checkpoints import CheckpointMaker
+from deltafs.testing.checkpoints import CheckpointMaker, write_safetensors
 
 
 def push_history(store: str, maker: CheckpointMaker, n: int, **kwargs) -> dict[int, str]:
@@ -55,3 +57,23 @@ def bytes_needed(repo, target: int, local: int | None) -> int:
                 if rec.name not in DELTA_CODECS:
                     break
     return sum(needed.values())
+
+
+class MovingSubset:
+    """An optimizer-like history: the same 2.5% of the weights move at every step."""
+
+    def __init__(self, root, n: int = 100_000) -> None:
+        self.root = root
+        self.rng = np.random.default_rng(0)
+        self.w = self.rng.standard_normal(n).astype(np.float32)
+        self.idx = self.rng.choice(n, n // 40, replace=False)
+        self.step = 0
+
+    def write(self) -> str:
+        path = str(self.root / f"step{self.step}")
+        write_safetensors(path + "/model.safetensors", {"w": ("F32", (self.w.size,), self.w.tobytes())})
+        with open(path + "/config.json", "w") as fh:
+            fh.write('{"hidden_size": 8}\n')
+        self.step += 1
+        self.w[self.idx] += self.rng.standard_normal(self.idx.size).astype(np.float32) * 1e-3
+        return path

@@ -4,6 +4,7 @@
     HEAD                         the newest committed version (the one mutable pointer)
     manifests/v{N:010d}.json     version N's manifest (the commit point)
     folds/v{N:010d}.json         optional folded delta of version N against its full version
+    bridges/v{N:010d}.json       optional delta of full version N against its parent (a keyframe's bridge)
     chunks/{id[:2]}/{id}         chunk objects, named by the sha256 of their bytes
     locks/{name}.json            advisory locks (gc)
     fleet/{host_id}.json         one status record per watching host
@@ -20,6 +21,7 @@ CONFIG_KEY = "deltafs.json"
 HEAD_KEY = "HEAD"
 MANIFEST_PREFIX = "manifests"
 FOLD_PREFIX = "folds"
+BRIDGE_PREFIX = "bridges"
 CHUNK_PREFIX = "chunks"
 LOCK_PREFIX = "locks"
 FLEET_PREFIX = "fleet"
@@ -68,6 +70,14 @@ def fold_key(version: int) -> str:
 
 def parse_fold_key(key: str) -> int | None:
     return _parse_version_name(key, FOLD_PREFIX)
+
+
+def bridge_key(version: int) -> str:
+    return f"{BRIDGE_PREFIX}/{_version_name(version)}"
+
+
+def parse_bridge_key(key: str) -> int | None:
+    return _parse_version_name(key, BRIDGE_PREFIX)
 
 
 def chunk_key(object_id: str) -> str:

@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 from deltafs.defaults import DEFAULT_GRACE
 from deltafs.errors import DeltafsError, FormatError, IntegrityError, UsageError
-from deltafs.read.chain import FOLD_PREFIX, fold_key, load_fold, parse_fold_key, plan_chain
+from deltafs.read.chain import (BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, load_bridge, load_fold,
+                                parse_bridge_key, parse_fold_key, plan_chain)
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key, parse_manifest_key
 from deltafs.format.versions import MAX_VERSION
 from deltafs.store.lock import DEFAULT_STALE_AFTER, StoreLock, read_push_markers
@@ -56,18 +57,20 @@ class GcPlan:
     chunk_mtimes: dict[str, float] = field(default_factory=dict)  # mtime of each chunk that goes
     temp_files: dict[str, int] = field(default_factory=dict)  # local stores: partial writes of killed processes
     folds: dict[int, int] = field(default_factory=dict)  # folded deltas that go: version -> size
+    bridges: dict[int, int] = field(default_factory=dict)  # keyframe bridges that go: version -> size
     grace: float = DEFAULT_GRACE
 
     @property
     def bytes_freed(self) -> int:
         return (sum(self.chunks.values()) + sum(self.manifest_bytes.get(v, 0) for v in self.remove)
-                + sum(self.temp_files.values()) + sum(self.folds.values()))
+                + sum(self.temp_files.values()) + sum(self.folds.values()) + sum(self.bridges.values()))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["keep"] = {str(k): v for k, v in sorted(self.keep.items())}
         out["manifest_bytes"] = {str(k): v for k, v in sorted(self.manifest_bytes.items())}
         out["folds"] = {str(k): v for k, v in sorted(self.folds.items())}
+        out["bridges"] = {str(k): v for k, v in sorted(self.bridges.items())}
         out["bytes_freed"] = self.bytes_freed
         del out["chunk_mtimes"]
         return out
@@ -150,6 +153,17 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
             referenced |= _objects_of([fold])
         else:  # the fold of a removed version, or one that is unusable anyway
             plan.folds[v] = repo.objects.size(key)
+    for v, key in _bridge_keys(repo):
+        if v > versions[-1]:
+            # A push writes its bridge before its manifest: in flight (or left by a push that died, which the
+            # next push of that version replaces, and which goes once the version exists and it does not match).
+            continue
+        # A kept full version keeps its bridge even when its parent goes: a host that holds the parent can use it.
+        bridge = load_bridge(repo, manifests[v]) if v in keep else None
+        if bridge is not None:
+            referenced |= _objects_of([bridge])
+        else:  # the bridge of a removed version, or one that is unusable anyway
+            plan.bridges[v] = repo.objects.size(key)
     plan.chunks_referenced = len(referenced)
     plan.manifest_bytes = {v: repo.manifest_size(v) for v in plan.remove}
     protect_since = _read_markers(repo, plan, now)  # before the chunk listing: a push starting later writes after it
@@ -213,6 +227,10 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
         if on_delete:
             on_delete(fold_key(v))
         repo.objects.delete(fold_key(v))
+    for v in sorted(plan.bridges, reverse=True):  # and bridges
+        if on_delete:
+            on_delete(bridge_key(v))
+        repo.objects.delete(bridge_key(v))
     for v in plan.remove:  # newest first: an older removed version never loses its own chain first
         key = manifest_key(v)
         if on_delete:
@@ -266,12 +284,28 @@ def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:
             if fold is not None:
                 needed = _objects_of([fold])
                 plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
+    # Bridges of versions committed since planning (written just before their manifests) keep their chunks.
+    for v, _key in _bridge_keys(repo):
+        if v in plan.keep and v not in plan.bridges:
+            bridge = load_bridge(repo, repo.manifest(v))
+            if bridge is not None:
+                needed = _objects_of([bridge])
+                plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
 
 
 def _fold_keys(repo: Repository) -> list[tuple[int, str]]:
     out = []
     for key in repo.objects.list(FOLD_PREFIX):
         v = parse_fold_key(key)
+        if v is not None:
+            out.append((v, key))
+    return out
+
+
+def _bridge_keys(repo: Repository) -> list[tuple[int, str]]:
+    out = []
+    for key in repo.objects.list(BRIDGE_PREFIX):
+        v = parse_bridge_key(key)
         if v is not None:
             out.append((v, key))
     return out

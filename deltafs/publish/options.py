@@ -29,6 +29,7 @@ class PushOptions:
     level: int = DEFAULT_LEVEL  # zstd level of the chunk payloads
     threads: int | None = None  # encoding threads; default deltafs.parallel.default_threads()
     fold: bool = False  # also write a folded delta from the last full version (deltafs.read.chain)
+    bridge: bool = True  # a full version with a parent also gets its bridge: a delta against that parent
     cache_dir: str | None = None  # the push cache; default $DELTAFS_CACHE or ~/.cache/deltafs/push/<store id>
     storage_options: Mapping[str, Any] | None = None  # fsspec options when the store is given as a URL
     progress: bool = False  # a progress bar on stderr
@@ -68,6 +69,7 @@ class PushKeywords(TypedDict, total=False):
     level: int
     threads: int | None
     fold: bool
+    bridge: bool
     cache_dir: str | None
     storage_options: Mapping[str, Any] | None
     progress: bool
@@ -88,6 +90,7 @@ class PushResult:
     base_rederived: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     fold_bytes: int = 0  # bytes of the folded delta written after the commit (fold=True)
+    bridge_bytes: int = 0  # bytes of a full version's bridge (chunks and manifest), written before the commit
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

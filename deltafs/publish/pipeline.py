@@ -1,13 +1,16 @@
-"""The one push pipeline, for a world of 1..N ranks: plan, encode, commit, fold.
+"""The one push pipeline, for a world of 1..N ranks: plan, encode, commit, fold (and a keyframe's bridge).
 
 Every step that must agree across ranks is a collective over a `World` (a single process is a
 world of one; deltafs.publish.distributed supplies one over torch.distributed):
 1. every rank reports the size of its files; the root reads HEAD, picks the version number and its
    kind (plan.decide) and broadcasts the decision;
 2. every rank encodes its own files against its base (its push cache, re-derived from the store
-   when missing or stale) and writes their chunks, under an in-flight marker that gc honours;
-3. only if every rank succeeded does the root write the manifest (the commit point) and HEAD; a gc
-   that removed chunks meanwhile makes every rank encode again;
+   when missing or stale) and writes their chunks, under an in-flight marker that gc honours; a full
+   version with a parent is also encoded against the parent while the push cache still holds it, for
+   its bridge (deltafs.publish.bridge);
+3. only if every rank succeeded does the root write the bridge (if every rank made its part), then
+   the manifest (the commit point) and HEAD; a gc that removed chunks meanwhile makes every rank
+   encode again;
 4. every rank installs its new push cache; with fold=True the ranks encode their files against
    the last full version and the root writes the fold.
 A rank that fails or dies before step 3 leaves chunks no manifest references (gc removes them) and
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -28,11 +32,12 @@ from deltafs.errors import DeltafsError
 from deltafs.format.manifest import FileEntry, Manifest
 from deltafs.parallel import default_threads
 from deltafs.progress import Progress
+from deltafs.publish.bridge import encode_bridge_part, write_bridge
 from deltafs.publish.commit import ChunksGoneError, commit_version, seal_manifest
 from deltafs.publish.encode import EncodeStats, Encoder, discard, patchable
 from deltafs.publish.fold import FoldPart, encode_fold_part, fold_needed, write_fold
 from deltafs.publish.options import PushOptions, PushResult
-from deltafs.publish.plan import Decision, base_for, decide, default_cache_dir, drop_cache
+from deltafs.publish.plan import Decision, base_for, cached_base, decide, default_cache_dir, drop_cache
 from deltafs.publish.source import SourceFile, scan_file
 from deltafs.read.dest import LocalCheckpoint, LocalState
 from deltafs.read.rebuild import LocalBaseError
@@ -40,6 +45,7 @@ from deltafs.store.lock import PushGuard
 from deltafs.store.repo import Repository
 
 T = TypeVar("T")
+log = logging.getLogger("deltafs")
 ENCODE_ATTEMPTS = 3  # a gc that removed chunks under a push makes it encode again, this often at most
 NO_LINK_FLAG = "no-link"  # in the cache root: this trainer rewrites files in place; copy, never hard-link
 
@@ -134,6 +140,7 @@ class RankReport:
     stats: EncodeStats
     rederived: bool
     lapsed: bool  # its in-flight marker may have expired: the root checks every chunk
+    bridge: tuple[list[FileEntry], EncodeStats] | None = None  # this rank's part of a full version's bridge
 
 
 @dataclass
@@ -209,6 +216,7 @@ class _Rank:
         self.files = list(work.files)
         self.stage: str | None = None
         self.base: LocalState | None = None
+        self.bridge_base: LocalState | None = None  # a full version's parent, as the push cache holds it
         self.rederive = False
         self.guard: PushGuard | None = None
         self.encoded: list[SourceFile] = []  # the files of the last encode, inherited ones included
@@ -250,7 +258,7 @@ class _Rank:
         parent = self._parent()
         inherit = self._inherited(parent) if parent is not None and self.work.inherit_files else []
         keys = {seg.key for f in files for seg in f.segments} | {f"f:{p}" for p in inherit}
-        self.base, rederived = None, False
+        self.base, self.bridge_base, rederived = None, None, False
         if parent is not None and (self.decision.kind == "delta" or inherit):
             self.base, rederived = base_for(self.open_repo(), self.cache, parent, keys, rederive=self.rederive)
             if not rederived and self._rewritten_in_place(files, self.base):
@@ -260,6 +268,11 @@ class _Rank:
         if inherit:
             assert self.base is not None
             files += [scan_file(p, os.path.join(self.base.path, p)) for p in inherit]
+        if parent is not None and self.decision.bridge:
+            # Only a cache that holds the parent already: re-deriving it would read the whole parent for a bridge.
+            self.bridge_base = self.base or cached_base(self.open_repo(), self.cache, parent, keys)
+            if self.bridge_base is not None and self.base is None and self._rewritten_in_place(files, self.bridge_base):
+                self.bridge_base = None  # the trainer rewrote a file the cache had hard-linked: the parent is gone
         return files, rederived
 
     @staticmethod
@@ -282,7 +295,7 @@ class _Rank:
     # --- encode ----------------------------------------------------------------------------
     def encode(self, *, progress: bool) -> RankReport:
         if not self.files:
-            return RankReport([], EncodeStats(), False, False)
+            return RankReport([], EncodeStats(), False, False, ([], EncodeStats()) if self.decision.bridge else None)
         rederived = False
         for attempt in range(2):
             files, fresh = self._prepare_base()
@@ -316,10 +329,25 @@ class _Rank:
                 continue
             self.rederive = False
             self.encoded = files
+            bridge = self._encode_bridge(files) if self.decision.bridge else None
             assert self.guard is not None
             self.guard.refresh()  # protected again from here, whatever happened while encoding
-            return RankReport(entries, enc.stats, rederived, self.guard.lapsed)
+            return RankReport(entries, enc.stats, rederived, self.guard.lapsed, bridge)
         raise AssertionError("unreachable")
+
+    def _encode_bridge(self, files: list[SourceFile]) -> tuple[list[FileEntry], EncodeStats] | None:
+        """This rank's files of a full version against its parent (the push cache, not yet replaced)."""
+        if self.bridge_base is None:
+            log.info("no bridge for version %s: the push cache does not hold its parent",
+                                              self.decision.version)
+            return None
+        assert self.stage is not None
+        # In-memory files (push_tensors) are read again from the new cache's copy, which the full encode just
+        # wrote, not from the tensors: an accelerator's tensors would otherwise cross to the host a second time.
+        files = [f if f.pieces is None else replace(f, abspath=os.path.join(self.stage, f.path), pieces=None)
+                 for f in files]
+        return encode_bridge_part(self.open_repo(), self.bridge_base, files, level=self.opts.level,
+                                  threads=self.threads)
 
     def _patch_cache(self, files: list[SourceFile], base: LocalState, allow_link: bool) -> bool:
         """Whether to update the cache by writing the changed chunks into its files (see encode.patchable).
@@ -364,6 +392,7 @@ class _Rank:
         if self.guard is not None:
             self.guard.refresh()
             lapsed = lapsed or self.guard.lapsed
+        bridge_bytes = self._write_bridge(man, reports, lapsed) if self.decision.bridge else 0
         try:
             size = commit_version(repo, man, head_seen=self.decision.head, stats=stats, lapsed=lapsed)
         except ChunksGoneError:
@@ -382,8 +411,25 @@ class _Rank:
             "seconds": time.monotonic() - t0,
             "store": repo.url,
             "metadata": dict(self.opts.metadata),
+            "bridge_bytes": bridge_bytes,
         }
         return Outcome(man.to_bytes(), size, result)
+
+    def _write_bridge(self, man: Manifest, reports: list[RankReport], lapsed: bool) -> int:
+        """The bridge of full version `man` from every rank's part, before `man` is committed; 0 if none."""
+        parts = [r.bridge for r in reports]
+        if any(p is None for p in parts):
+            return 0  # a rank could not encode its part (logged there)
+        stats = EncodeStats()
+        for p in parts:
+            assert p is not None
+            stats.add(p[1])
+        try:
+            return write_bridge(self.open_repo(), man, [f for p in parts if p is not None for f in p[0]], stats,
+                                lapsed=lapsed)
+        except (DeltafsError, OSError) as exc:
+            log.warning("version %s goes without its bridge: %s", man.version, exc)
+            return 0
 
     def install(self, man: Manifest) -> None:
         if self.stage is None:
@@ -396,8 +442,6 @@ class _Rank:
     # --- fold ------------------------------------------------------------------------------
     def fold(self, man: Manifest) -> int:
         """Write the fold of the version just committed (see deltafs.publish.fold); 0 if none was written."""
-        import logging
-
         def part() -> FoldPart | None:
             if not self.encoded:
                 return FoldPart([], EncodeStats()) if fold_needed(man) else None
@@ -418,8 +462,7 @@ class _Rank:
                 return 0  # a full version (the keyframe caches were updated), or nothing to fold
             return from_root(self.world, "writing the fold", lambda: write_fold(self.open_repo(), man, real))
         except (DeltafsError, OSError) as exc:
-            logging.getLogger("deltafs").warning("version %s is committed, but its fold was not written: %s",
-                                                 man.version, exc)
+            log.warning("version %s is committed, but its fold was not written: %s", man.version, exc)
             return 0
 
 

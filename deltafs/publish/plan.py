@@ -32,6 +32,7 @@ class Decision:
     head: Head | None
     version: int
     kind: str  # "full" | "delta"
+    bridge: bool = False  # a full version with a parent: also encode it against the parent (deltafs.publish.bridge)
 
 
 def decide(repo: Repository, opts: PushOptions, full_bytes: int) -> Decision:
@@ -42,7 +43,7 @@ def decide(repo: Repository, opts: PushOptions, full_bytes: int) -> Decision:
     version = check_version(opts.version if opts.version is not None else (head.version + 1 if head else 1))
     parent = repo.manifest(head.version) if head is not None else None
     due = parent is None or opts.full or keyframe_due(parent, full_bytes, opts.keyframe_every, opts.keyframe_budget)
-    return Decision(repo.store_id, head, version, "full" if due else "delta")
+    return Decision(repo.store_id, head, version, "full" if due else "delta", bridge=due and parent is not None and opts.bridge)
 
 
 def keyframe_due(parent: Manifest, full_bytes: int, every: int | None, budget: float | None) -> bool:
@@ -66,11 +67,10 @@ def base_for(repo: Repository, cache: LocalCheckpoint, target: Manifest, keys: s
     Returns the state and whether it was rebuilt. Only the files of target that hold one of `keys`
     are needed (and rebuilt, each digest verified).
     """
-    needed = sorted({f.path for key, (f, _seg) in target.segments().items() if key in keys})
-    state = cache.state()
-    if not rederive and state is not None and state.store_id == repo.store_id and state.version == target.version \
-            and state.digest == target.digest and all(os.path.isfile(os.path.join(state.path, p)) for p in needed):
+    state = None if rederive else cached_base(repo, cache, target, keys)
+    if state is not None:
         return state, False
+    needed = sorted({f.path for key, (f, _seg) in target.segments().items() if key in keys})
     chain = plan_chain(repo, target.version, None)
     wanted = set(needed)
     only = replace(target, files=tuple(f for f in target.files if f.path in wanted))  # the digest stays target's
@@ -87,6 +87,16 @@ def base_for(repo: Repository, cache: LocalCheckpoint, target: Manifest, keys: s
     return new_state, True
 
 
+def cached_base(repo: Repository, cache: LocalCheckpoint, target: Manifest, keys: set[str]) -> LocalState | None:
+    """The cache's state if it holds version `target` of this store with every file that holds one of `keys`."""
+    needed = {f.path for key, (f, _seg) in target.segments().items() if key in keys}
+    state = cache.state()
+    if state is not None and state.store_id == repo.store_id and state.version == target.version \
+            and state.digest == target.digest and all(os.path.isfile(os.path.join(state.path, p)) for p in needed):
+        return state
+    return None
+
+
 def drop_cache(cache: LocalCheckpoint) -> None:
     """Forget the cache (the next push re-derives it from the store)."""
     if os.path.islink(cache.dest):
@@ -94,4 +104,4 @@ def drop_cache(cache: LocalCheckpoint) -> None:
     cache.cleanup(keep=0)
 
 
-__all__ = ["Decision", "base_for", "decide", "default_cache_dir", "drop_cache", "keyframe_due"]
+__all__ = ["Decision", "base_for", "cached_base", "decide", "default_cache_dir", "drop_cache", "keyframe_due"]

@@ -6,6 +6,10 @@ straight against its full version F: `kind: "delta"`, `parent: F`, `parent_diges
 from F (a new or lagging host) applies one delta instead of every delta F+1 … N. It is an
 accelerator: nothing needs it, a reader that cannot use it takes the ordinary chain, and the
 version a reader installs is always N's own manifest.
+
+A bridge (`bridges/v{N:010d}.json`) is the other accelerator: full version N (a keyframe) encoded
+as a delta against its parent P, with `stats.bridge_of: N.digest`. A host whose chain reaches P
+crosses the keyframe by the bridge instead of reading N's full chunks, when that reads fewer bytes.
 """
 
 from __future__ import annotations
@@ -14,13 +18,18 @@ import logging
 from dataclasses import dataclass
 
 from deltafs.errors import DeltafsError, IntegrityError, ObjectNotFoundError
-from deltafs.format.keys import FOLD_PREFIX, fold_key, parse_fold_key
+from deltafs.format.keys import BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_fold_key
 from deltafs.format.manifest import DELTA_CODECS, Manifest
 from deltafs.format.records import MANIFEST_MAX_BYTES
 from deltafs.read.dest import LocalState
 from deltafs.store.repo import Repository
 
 log = logging.getLogger("deltafs")
+
+# How many keyframes a reader's chain may cross by their bridges. Each keyframe period holds at most about one
+# full version's worth of deltas (the keyframe budget), so crossing more rarely reads fewer bytes than starting
+# at the newest full version, and every crossing walks another period's manifests.
+MAX_BRIDGES = 3
 
 
 @dataclass
@@ -36,12 +45,16 @@ class Chain:
         return self.final if self.final is not None else self.steps[-1]
 
 
-def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds: bool = False) -> Chain:
+def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds: bool = False,
+               bridges: int = 0) -> Chain:
     """Walk parents back from target until the local version or a full version; the cheaper path by bytes.
 
-    Any full version on the way makes a chain that crosses it no cheaper than starting there, so
-    stopping at the first full version or at the local base is the cheapest plan. With folds=True a
-    chain that starts at a full version may be shortened to [full, fold of target].
+    Without bridges, any full version on the way makes a chain that crosses it no cheaper than
+    starting there, so stopping at the first full version or at the local base is the cheapest plan.
+    With folds=True a chain that starts at a full version may be shortened to [full, fold of target].
+    With bridges > 0 and a local base older than that full version, the chain may instead go on
+    from the local base and cross the full version by its bridge, when that reads fewer bytes (up to
+    `bridges` full versions are crossed so).
     """
     steps: list[Manifest] = []
     man = repo.manifest(target)
@@ -53,7 +66,11 @@ def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds
         if man.kind == "full":
             steps.reverse()
             chain = Chain(steps, None)
-            return prefer_fold(repo, chain) if folds else chain
+            chain = prefer_fold(repo, chain) if folds else chain
+            crossed = cross_by_bridge(repo, steps, local, bridges) if bridges > 0 and local is not None else None
+            if crossed is not None and chain_cost(crossed.steps) < chain_cost(chain.steps):
+                return crossed
+            return chain
         if man.parent is None:
             raise IntegrityError(f"version {man.version} is a delta without a parent")
         parent = repo.manifest(man.parent)
@@ -130,5 +147,55 @@ def prefer_fold(repo: Repository, chain: Chain) -> Chain:
     return chain
 
 
-__all__ = ["FOLD_PREFIX", "Chain", "chain_cost", "chain_objects", "fold_key", "is_fold_of", "load_fold", "parse_fold_key", "plan_chain",
+# --- bridges -------------------------------------------------------------------------------
+def is_bridge_of(bridge: Manifest, target: Manifest) -> bool:
+    """A bridge is only usable for the exact full version (digest) it was made for, against that version's parent."""
+    return (target.kind == "full" and target.parent is not None and bridge.kind == "delta"
+            and bridge.version == target.version and bridge.store_id == target.store_id
+            and bridge.parent == target.parent and bridge.parent_digest == target.parent_digest
+            and bridge.stats.get("bridge_of") == target.digest and bridge.chunk_bytes == target.chunk_bytes
+            and [(f.path, f.size, f.digest) for f in bridge.files] == [(f.path, f.size, f.digest) for f in target.files])
+
+
+def load_bridge(repo: Repository, target: Manifest) -> Manifest | None:
+    """The bridge of full version `target`, or None if there is none or it is not usable (never an error)."""
+    if target.kind != "full" or target.parent is None:
+        return None
+    try:
+        data = repo.objects.get(bridge_key(target.version), limit=MANIFEST_MAX_BYTES)
+        bridge = repo.check_manifest(Manifest.decode(data, where=f"bridge of version {target.version}"),
+                                     target.version, "bridge")
+    except ObjectNotFoundError:
+        return None
+    except DeltafsError as exc:
+        log.warning("ignoring the bridge of version %s: %s", target.version, exc)
+        return None
+    return bridge if is_bridge_of(bridge, target) else None
+
+
+def cross_by_bridge(repo: Repository, steps: list[Manifest], local: LocalState, bridges: int = 1) -> Chain | None:
+    """steps = [F, F+1 … N] from full version F: the chain local … parent of F, bridge of F, F+1 … N, or None
+    when F has no usable bridge or its parent's chain does not lead back to the local base (up to bridges - 1
+    older keyframes are crossed the same way, each only where that is cheaper)."""
+    full = steps[0]
+    if local.version >= full.version or full.parent is None:
+        return None
+    bridge = load_bridge(repo, full)
+    if bridge is None:
+        return None
+    if local.version == full.parent and local.digest == full.parent_digest:
+        below = Chain([], local)  # the host holds the parent itself: its manifest may be gone from the store
+    else:
+        try:
+            below = plan_chain(repo, full.parent, local, bridges=bridges - 1)
+        except DeltafsError as exc:
+            log.info("not crossing version %s by its bridge: %s", full.version, exc)
+            return None
+    if below.local is None or below.final is not None:
+        return None  # the parent is reached from a full version anyway: no cheaper than starting at F
+    return Chain(below.steps + [bridge] + steps[1:], local, final=full if len(steps) == 1 else None)
+
+
+__all__ = ["BRIDGE_PREFIX", "FOLD_PREFIX", "MAX_BRIDGES", "Chain", "bridge_key", "cross_by_bridge", "is_bridge_of", "load_bridge",
+           "parse_bridge_key", "chain_cost", "chain_objects", "fold_key", "is_fold_of", "load_fold", "parse_fold_key", "plan_chain",
            "prefer_fold"]

@@ -17,7 +17,7 @@ from deltafs.errors import UsageError
 from deltafs.format.dtypes import NUMPY_NAMES, TORCH_NAMES
 from deltafs.format.manifest import FileEntry, Manifest, Segment, payload_bytes
 from deltafs.read.dest import LocalCheckpoint
-from deltafs.read.chain import Chain, chain_objects, plan_chain
+from deltafs.read.chain import MAX_BRIDGES, Chain, chain_objects, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
 
@@ -127,7 +127,7 @@ class PullPlan:
     version: int
     current: int | None  # the version DEST holds, if any
     up_to_date: bool
-    steps: list[dict[str, Any]]  # the manifests applied, oldest first: version, kind, fold
+    steps: list[dict[str, Any]]  # the manifests applied, oldest first: version, kind, fold, bridge
     objects: int  # chunk objects to fetch
     bytes_to_read: int  # their stored size
     bytes_out: int  # bytes of the checkpoint written or linked
@@ -150,15 +150,15 @@ def plan_pull(store: str | Repository, dest: str, *, version: int | None = None,
     if state is not None and state.version == target and repo.manifest(target).digest == state.digest:
         man = repo.manifest(target)
         return PullPlan(target, state.version, True, [], 0, 0, man.raw_bytes, 0)
-    chain = plan_chain(repo, target, state, folds=True)
+    chain = plan_chain(repo, target, state, folds=True, bridges=MAX_BRIDGES)
     final = chain.target
     local_files = {(lf.digest, lf.size) for lf in state.manifest.files} if state is not None else set()
     linked = [f for f in final.files if (f.digest, f.size) in local_files
               and os.path.exists(os.path.join(state.path, f.path))] if state is not None else []
     linked_paths = {f.path for f in linked}
     needed = chain_objects(chain.steps, skip_files=frozenset(linked_paths))
-    steps = [{"version": m.version, "kind": m.kind,
-              "fold": chain.final is not None and m is chain.steps[-1]} for m in chain.steps]
+    steps = [{"version": m.version, "kind": m.kind, "fold": m is not final and "fold_of" in m.stats,
+              "bridge": m is not final and "bridge_of" in m.stats} for m in chain.steps]
     return PullPlan(target, state.version if state else None, False, steps, len(needed), sum(needed.values()),
                     final.raw_bytes, len(linked))
 

@@ -28,7 +28,7 @@ from deltafs.errors import (
 from deltafs.format.manifest import Head
 from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, precheck, refuse_foreign
 from deltafs.progress import Progress
-from deltafs.read.chain import Chain, plan_chain
+from deltafs.read.chain import MAX_BRIDGES, Chain, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource, LocalBaseError
 from deltafs.store.repo import Repository
 
@@ -154,7 +154,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
 
 def _plan(repo: Repository, target: int, state: LocalState | None, repair: bool) -> Chain:
     if not repair:
-        return plan_chain(repo, target, state, folds=True)
+        return plan_chain(repo, target, state, folds=True, bridges=MAX_BRIDGES)
     # Repair of the version DEST already holds: rebuild from the nearest full version, but let the
     # builder hard-link every local file whose sha256 still matches, so only edited files are fetched.
     return replace(plan_chain(repo, target, None, folds=True), local=state)

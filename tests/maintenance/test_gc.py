@@ -16,6 +16,7 @@ from deltafs.maintenance.gc import gc, make_plan
 from deltafs.store.lock import GC_LOCK_KEY, StoreLock
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
+from deltafs.read.chain import load_bridge
 from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, run_cli
@@ -30,9 +31,11 @@ def _chunks_on_disk(store: str) -> set[str]:
     return out
 
 
-def _referenced(repo: Repository, versions) -> set[str]:
-    return {ch.object for v in versions for f in repo.manifest(v).files for s in f.segments for ch in s.chunks
-            if ch.object is not None}
+def _referenced(repo: Repository, versions, *, bridges: bool = True) -> set[str]:
+    """The objects the versions' manifests name, and those of their bridges (a kept full version keeps its own)."""
+    mans = [repo.manifest(v) for v in versions]
+    mans += [b for m in mans if (b := load_bridge(repo, m)) is not None] if bridges else []
+    return {ch.object for m in mans for f in m.files for s in f.segments for ch in s.chunks if ch.object is not None}
 
 
 def test_keep_last_keeps_chains_and_frees_everything_else(tmp_path, maker):

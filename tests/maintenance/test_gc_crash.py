@@ -33,11 +33,12 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("stop_at", [2, 5, 9])  # 5 manifests go first (newest first), then chunks
+@pytest.mark.parametrize("stop_at", [1, 2, 5, 9])  # the bridge of 4, then 6 manifests (newest first), then chunks
 def test_killed_gc_leaves_a_consistent_store(tmp_path, maker, stop_at):
     store = str(tmp_path / "store")
     srcs = push_history(store, maker, 8, keyframe_every=3)  # full 1, 4, 7; keep 7, 8; remove 6..1
-    assert gc(store, keep_last=2, grace=0, dry_run=True).plan.remove == [6, 5, 4, 3, 2, 1]
+    dry = gc(store, keep_last=2, grace=0, dry_run=True).plan
+    assert dry.remove == [6, 5, 4, 3, 2, 1] and list(dry.bridges) == [4]  # 7 keeps its bridge
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, store, str(stop_at)], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -49,8 +50,8 @@ def test_killed_gc_leaves_a_consistent_store(tmp_path, maker, stop_at):
     repo = Repository.open(store)
     left = repo.versions()
     assert 7 in left and 8 in left
-    if stop_at <= 6:
-        assert len(left) == 8 - (stop_at - 1)  # killed among the manifests
+    if stop_at <= 7:
+        assert len(left) == 8 - max(0, stop_at - 2)  # killed at the bridge or among the manifests
     else:
         assert left == [7, 8] and gc(store, keep_last=2, grace=0, dry_run=True).plan.chunks  # among the chunks
     assert verify(store, all_versions=True).ok, verify(store, all_versions=True).problems

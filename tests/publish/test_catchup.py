@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deltafs.read.pull import local_version, pull
-from deltafs.read.chain import plan_chain
+from deltafs.format.keys import bridge_key
+from deltafs.read.chain import MAX_BRIDGES, chain_cost, plan_chain
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of
 
@@ -35,13 +36,21 @@ def test_reader_after_the_last_full_version_replays_its_own_chain(tmp_path, hist
     assert files_of(dest) == files_of(srcs[8])
 
 
-def test_reader_before_a_full_version_starts_there(tmp_path, history):
+def test_reader_before_a_full_version_starts_there_or_crosses_it_by_its_bridge(tmp_path, history):
     store, srcs, repo = history
     dest = _reader_at(tmp_path, store, 2)
-    chain = plan_chain(repo, 7, local_version(str(dest)))
+    chain = plan_chain(repo, 7, local_version(str(dest)))  # without bridges: no cheaper than starting at 5
     assert chain.local is None and [m.version for m in chain.steps] == [5, 6, 7]
+    crossed = plan_chain(repo, 7, local_version(str(dest)), bridges=MAX_BRIDGES)
+    assert [m.version for m in crossed.steps] == [3, 4, 5, 6, 7] and "bridge_of" in crossed.steps[2].stats
     res = pull(store, str(dest), version=7)
-    # The chain 2 -> 7 crosses full version 5, so reading from 5 is what it costs; nothing before 5 is read.
+    assert not res.from_full and res.bytes_read == chain_cost(crossed.steps) < bytes_needed(repo, 7, None)
+    assert files_of(dest) == files_of(srcs[7])
+    # Without the bridge the chain 2 -> 7 crosses full version 5, so reading from 5 is what it costs; nothing
+    # before 5 is read.
+    repo.objects.delete(bridge_key(5))
+    dest = _reader_at(tmp_path, store, 2, "dest2")
+    res = pull(store, str(dest), version=7)
     assert res.from_full
     assert res.bytes_read == bytes_needed(repo, 7, None)
     assert files_of(dest) == files_of(srcs[7])

@@ -185,3 +185,19 @@ def test_ranks_push_an_fsdp2_dtensor_state_dict_and_fold(tmp_path):
     pull(store, str(tmp_path / "dest"))
     assert_same(load_pulled(tmp_path / "dest"), model_at(2))
     assert verify(store, all_versions=True).ok
+
+
+def test_ranks_write_a_keyframes_bridge_that_a_host_at_the_parent_crosses(tmp_path):
+    store = str(tmp_path / "store")
+    reports = run_ranks(tmp_path, 2, "push_steps", store=store, steps=[0, 1, 2], push_kwargs={"keyframe_every": 2})
+    assert all(r and r["ok"] for r in reports), reports
+    results = reports[0]["results"]
+    assert [x["kind"] for x in results] == ["full", "delta", "full"]
+    assert [x["bridge_bytes"] for x in results] == [x["bridge_bytes"] for x in reports[1]["results"]]
+    assert results[0]["bridge_bytes"] == 0 and 0 < results[2]["bridge_bytes"] < results[2]["bytes_written"] / 3
+    dest = tmp_path / "dest"
+    pull(store, str(dest), version=2)
+    res = pull(store, str(dest), version=3)
+    assert not res.from_full and res.bytes_read < results[2]["bytes_written"] / 3
+    assert_same(load_pulled(dest), model_at(2))
+    assert verify(store, local=str(dest)).ok

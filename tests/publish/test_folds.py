@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from deltafs.format.manifest import manifest_json, stored_manifest
@@ -14,27 +13,9 @@ from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read.pull import local_version, pull
 from deltafs.store.repo import Repository
-from deltafs.testing.checkpoints import files_of, write_safetensors
+from deltafs.testing.checkpoints import files_of
 
-
-class MovingSubset:
-    """An optimizer-like history: the same 2.5% of the weights move at every step."""
-
-    def __init__(self, root, n: int = 100_000) -> None:
-        self.root = root
-        self.rng = np.random.default_rng(0)
-        self.w = self.rng.standard_normal(n).astype(np.float32)
-        self.idx = self.rng.choice(n, n // 40, replace=False)
-        self.step = 0
-
-    def write(self) -> str:
-        path = str(self.root / f"step{self.step}")
-        write_safetensors(path + "/model.safetensors", {"w": ("F32", (self.w.size,), self.w.tobytes())})
-        with open(path + "/config.json", "w") as fh:
-            fh.write('{"hidden_size": 8}\n')
-        self.step += 1
-        self.w[self.idx] += self.rng.standard_normal(self.idx.size).astype(np.float32) * 1e-3
-        return path
+from history_helpers import MovingSubset
 
 
 @pytest.fixture
