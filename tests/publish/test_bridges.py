@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 
 import jsonschema
@@ -216,3 +219,43 @@ def test_gc_leaves_the_bridge_of_a_version_not_yet_committed(tmp_path, history):
     # Once version 9 exists and the bridge does not match it (its push died; another push committed 9), it goes.
     push(store, str(MovingSubset(tmp_path / "src2").write()), version=9, cache_dir=str(tmp_path / "other-cache"))
     assert list(gc(store, keep_last=9, grace=0, dry_run=True).plan.bridges) == [9]
+
+
+_KILLED_BEFORE_COMMIT = """
+import sys, time
+from deltafs.publish import pipeline, push
+def park(*a, **k):
+    print("parked", flush=True)
+    time.sleep(3600)
+pipeline.commit_version = park
+push(sys.argv[1], sys.argv[2], full=True, cache_dir=sys.argv[3])
+"""
+
+
+def test_a_push_killed_between_its_bridge_and_its_commit_leaves_nothing_visible(tmp_path):
+    store, cache = str(tmp_path / "store"), str(tmp_path / "cache")
+    gen = MovingSubset(tmp_path / "src")
+    srcs = {}
+    for v in (1, 2, 3):
+        srcs[v] = gen.write()
+    push(store, srcs[1], cache_dir=cache)
+    push(store, srcs[2], cache_dir=cache)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_BEFORE_COMMIT, store, srcs[3], cache],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "parked"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    repo = Repository.open(store)
+    assert repo.versions() == [1, 2] and repo.read_head().version == 2
+    assert repo.objects.exists(bridge_key(3))  # the bridge of a version that never came to be
+    assert verify(store, all_versions=True).ok
+    assert gc(store, keep_last=2, grace=0, dry_run=True).plan.bridges == {}  # might be a push in flight
+    dest = _pull_at(store, tmp_path / "dest", 2)
+    # The trainer pushes again: the new version 3 replaces the stale bridge with its own, which a host at 2 uses.
+    res = push(store, srcs[3], full=True, cache_dir=cache)
+    assert res.version == 3 and res.bridge_bytes > 0
+    assert load_bridge(repo, repo.manifest(3)) is not None
+    res = pull(store, str(dest), version=3)
+    assert not res.from_full and files_of(dest) == files_of(srcs[3])
