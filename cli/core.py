@@ -12,6 +12,7 @@ import typer
 
 from deltafs.cli.options import (
     Json,
+    FullLevel,
     Level,
     PullVersion,
     PushVersion,
@@ -24,7 +25,7 @@ from deltafs.cli.options import (
     parse_storage_options,
 )
 from deltafs.cli.output import Output, human_bytes
-from deltafs.defaults import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
+from deltafs.defaults import DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
 from deltafs.errors import EXIT_BUSY, EXIT_CODES, EXIT_CURRENT, EXIT_OK, IntegrityError, LockHeldError, UsageError
 
 
@@ -64,6 +65,7 @@ def push_cmd(
     bridge: Annotated[bool, typer.Option("--bridge/--no-bridge", help="With a full version, also write its bridge: a delta against the previous version, so hosts that hold it need not read the full version.")] = True,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Push cache directory (default $DELTAFS_CACHE or ~/.cache/deltafs).")] = None,
     level: Level = DEFAULT_LEVEL,
+    full_level: FullLevel = DEFAULT_FULL_LEVEL,
     threads: Threads = None,
     include: Annotated[Optional[list[str]], typer.Option("--include", help="Publish only files matching this glob (repeatable), e.g. '*.safetensors'.")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Do not publish files matching this glob (repeatable), e.g. 'logs/*'.")] = None,
@@ -83,7 +85,7 @@ def push_cmd(
     for warning in _store_warnings(src, store):
         out.info(f"deltafs: warning: {warning}")
     res = push(store, src, version=version, metadata=_metadata(meta, metadata), storage_options=parse_storage_options(storage_options),
-               cache_dir=cache, progress=out.progress, level=level, threads=threads, full=full,
+               cache_dir=cache, progress=out.progress, level=level, full_level=full_level, threads=threads, full=full,
                keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold,
                bridge=bridge, include=include, exclude=exclude, default_excludes=not no_default_excludes)
     data = res.to_json()

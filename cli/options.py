@@ -28,6 +28,12 @@ def _level(value: int) -> int:
     return value
 
 
+def _full_level(value: int) -> int:
+    if not MIN_LEVEL <= value <= MAX_LEVEL:
+        raise UsageError(f"--full-level {value} is outside {MIN_LEVEL}..{MAX_LEVEL}")
+    return value
+
+
 def _threads(value: Optional[int]) -> Optional[int]:
     if value is not None and value < 1:
         raise UsageError(f"--threads must be at least 1, got {value}")
@@ -60,7 +66,10 @@ Version = Annotated[Optional[int], typer.Option(
     "--version", callback=_version, help="Version number (default: HEAD's).")]
 Level = Annotated[int, typer.Option(
     "--level", callback=_level,
-    help=f"zstd level of the codec streams, {MIN_LEVEL}..{MAX_LEVEL}; 5 and above also split elements by magnitude (~18% smaller bf16 deltas, slower).")]
+    help=f"zstd level of the delta codecs' streams, {MIN_LEVEL}..{MAX_LEVEL}; 5 and above also split elements by magnitude (~18% smaller bf16 deltas, slower).")]
+FullLevel = Annotated[int, typer.Option(
+    "--full-level", callback=_full_level,
+    help=f"zstd level of chunks stored whole (full versions, new tensors), {MIN_LEVEL}..{MAX_LEVEL}.")]
 Threads = Annotated[Optional[int], typer.Option(
     "--threads", callback=_threads, help="Worker threads, at least 1 (default: CPU count, at most 8).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]

@@ -12,7 +12,10 @@ from __future__ import annotations
 # version add up to the size of a full version (a reader then reads at most ~2x full).
 DEFAULT_KEYFRAME_EVERY = 50
 DEFAULT_KEYFRAME_BUDGET = 1.0
-DEFAULT_LEVEL = 3  # zstd level of the chunk payloads
+DEFAULT_LEVEL = 3  # zstd level of the delta chunks' payloads
+# zstd level of the chunks stored without a base (full versions, new tensors): on byte planes level 1 is both
+# faster and smaller than 3 (docs/benchmarks.md, "Full versions at zstd level 1").
+DEFAULT_FULL_LEVEL = 1
 
 # --- gc (deltafs.maintenance.gc) ----------------------------------------------------------------------
 # A version stays this long after it stopped being HEAD, and an unreferenced chunk this long after it

@@ -97,10 +97,11 @@ def _width(size: int, itemsize: int) -> int:
 
 
 def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LEVEL,
-           known: tuple[np.ndarray, np.ndarray] | None = None) -> Encoded:
+           known: tuple[np.ndarray, np.ndarray] | None = None, full_level: int | None = None) -> Encoded:
     """Encode new (bytes-like or uint8 array) against base (same length) or against nothing.
 
     level is the zstd level of every stream; from SPLIT_LEVEL on it also enables the magnitude-class split.
+    full_level, when given, is the zstd level of a chunk encoded against nothing (`raw`) instead of level.
     known: (ascending element indices, new values) that include every element where new differs from base, when
     the caller found them already (a device-side diff); saves the compare over the chunk. Indices where the values
     equal the base are dropped here, and the payload is the one encode() would write without them. Not checked: a
@@ -112,7 +113,7 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     small_dense: tuple[Codec, bytes] | None = None
     counts: Counts | None = None  # gamma's counts, once made (a small chunk that goes on to the general path)
     if base is None:
-        raw, raw_payload = Raw.encode(n, width, level)
+        raw, raw_payload = Raw.encode(n, width, level if full_level is None else full_level)
         return Encoded(raw.to_json(), raw_payload, n.size // width)
     b = _as_u8(base)
     if b.size != n.size:

@@ -27,9 +27,9 @@ log = logging.getLogger("deltafs")
 
 
 def encode_bridge_part(repo: Repository, base: LocalState, files: list[SourceFile], *, level: int,
-                       threads: int) -> tuple[list[FileEntry], EncodeStats] | None:
+                       full_level: int, threads: int) -> tuple[list[FileEntry], EncodeStats] | None:
     """This rank's files encoded against its base (the parent version), chunks written; None if that failed."""
-    enc = Encoder(repo, base, level=level, threads=threads, stage_dir=None)
+    enc = Encoder(repo, base, level=level, full_level=full_level, threads=threads, stage_dir=None)
     try:
         return enc.encode(files), enc.stats
     except (DeltafsError, OSError) as exc:

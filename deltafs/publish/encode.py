@@ -124,12 +124,13 @@ class Encoder:
     """
 
     def __init__(self, repo: Repository, base: LocalState | None, *, level: int, threads: int,
-                 stage_dir: str | None, allow_link: bool = True, patch: bool = False,
+                 stage_dir: str | None, full_level: int | None = None, allow_link: bool = True, patch: bool = False,
                  versions: tuple[tuple[str, int] | None, tuple[str, int]] | None = None) -> None:
         self.repo = repo
         self.base = base
         self.base_segments = base.manifest.segments() if base else {}
         self.level = level
+        self.full_level = level if full_level is None else full_level  # chunks with no base (deltafs.defaults)
         self.threads = max(1, threads)
         self.stage_dir = stage_dir
         self.allow_link = allow_link
@@ -275,7 +276,7 @@ class Encoder:
         if len(new) != size:
             raise _shrank(reader, seg)
         enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
-                           seg.itemsize, level=self.level, known=known)
+                           seg.itemsize, level=self.level, known=known, full_level=self.full_level)
         # Digests per chunk, here in the workers: nothing hashes a whole file serially (format v2). The base's
         # digest is taken before a patch overwrites it.
         digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None

@@ -39,7 +39,7 @@ def fold_needed(man: Manifest) -> bool:
 
 
 def encode_fold_part(repo: Repository, man: Manifest, base: LocalState, keyframe: LocalCheckpoint,
-                     files: list[SourceFile], *, level: int, threads: int) -> FoldPart | None:
+                     files: list[SourceFile], *, level: int, threads: int, full_level: int | None = None) -> FoldPart | None:
     """Keep the keyframe cache current and, when a fold is due, encode `files` against the full version."""
     if man.kind == "full":
         link_keyframe(repo, base, keyframe)
@@ -48,7 +48,7 @@ def encode_fold_part(repo: Repository, man: Manifest, base: LocalState, keyframe
         return FoldPart([], EncodeStats()) if fold_needed(man) else None
     full = plan_chain(repo, man.version, None).steps[0]
     kstate, _ = base_for(repo, keyframe, full, {seg.key for f in files for seg in f.segments})
-    enc = Encoder(repo, kstate, level=level, threads=threads, stage_dir=None)
+    enc = Encoder(repo, kstate, level=level, full_level=full_level, threads=threads, stage_dir=None)
     try:
         entries = enc.encode(files)
     except LocalBaseError:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypedDict
 
-from deltafs.defaults import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
+from deltafs.defaults import DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
 from deltafs.format.versions import check_version
 from deltafs.errors import UsageError
 from deltafs.format.manifest import canonical_json
@@ -26,7 +26,8 @@ class PushOptions:
     full: bool = False  # write a full version even if a delta is possible
     keyframe_every: int | None = DEFAULT_KEYFRAME_EVERY  # a full version at least every N versions
     keyframe_budget: float | None = DEFAULT_KEYFRAME_BUDGET  # ... or once deltas since the last one reach this x full
-    level: int = DEFAULT_LEVEL  # zstd level of the chunk payloads
+    level: int = DEFAULT_LEVEL  # zstd level of the delta chunks' payloads
+    full_level: int = DEFAULT_FULL_LEVEL  # zstd level of chunks stored without a base (full versions, new tensors)
     threads: int | None = None  # encoding threads; default deltafs.parallel.default_threads()
     fold: bool = False  # also write a folded delta from the last full version (deltafs.read.chain)
     bridge: bool = True  # a full version with a parent also gets its bridge: a delta against that parent
@@ -46,6 +47,10 @@ class PushOptions:
             raise UsageError(f"link must be one of {', '.join(LINK_MODES)}, not {self.link!r}")
         if self.threads is not None and self.threads < 1:
             raise UsageError("threads must be at least 1")
+        for name in ("level", "full_level"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 22:
+                raise UsageError(f"{name} must be a zstd level, 1..22, not {value!r}")
 
     @classmethod
     def of(cls, options: PushOptions | None = None, **overrides: Any) -> PushOptions:
@@ -67,6 +72,7 @@ class PushKeywords(TypedDict, total=False):
     keyframe_every: int | None
     keyframe_budget: float | None
     level: int
+    full_level: int
     threads: int | None
     fold: bool
     bridge: bool

@@ -313,7 +313,8 @@ class _Rank:
                 files = [_moved(f, old, self.stage) for f in files]  # inherited files are read where they now are
             else:
                 self.stage = self.cache.new_staging()
-            enc = Encoder(self.open_repo(), base, level=self.opts.level, threads=self.threads, stage_dir=self.stage,
+            enc = Encoder(self.open_repo(), base, level=self.opts.level, full_level=self.opts.full_level,
+                          threads=self.threads, stage_dir=self.stage,
                           allow_link=allow_link, patch=patch,
                           versions=((base.store_id, base.version) if base is not None else None,
                                     (self.decision.store_id, self.decision.version)))
@@ -347,7 +348,7 @@ class _Rank:
         files = [f if f.pieces is None else replace(f, abspath=os.path.join(self.stage, f.path), pieces=None)
                  for f in files]
         return encode_bridge_part(self.open_repo(), self.bridge_base, files, level=self.opts.level,
-                                  threads=self.threads)
+                                  full_level=self.opts.full_level, threads=self.threads)
 
     def _patch_cache(self, files: list[SourceFile], base: LocalState, allow_link: bool) -> bool:
         """Whether to update the cache by writing the changed chunks into its files (see encode.patchable).
@@ -453,7 +454,7 @@ class _Rank:
             files = [f if f.pieces is None else replace(f, abspath=os.path.join(state.path, f.path), pieces=None)
                      for f in self.encoded]
             return encode_fold_part(self.open_repo(), man, state, self.keyframe, files,
-                                    level=self.opts.level, threads=self.threads)
+                                    level=self.opts.level, full_level=self.opts.full_level, threads=self.threads)
 
         try:
             parts = collective(self.world, "folding", part)

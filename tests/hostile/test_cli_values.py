@@ -14,6 +14,13 @@ def test_level_out_of_range(tmp_path, maker):
     assert not os.path.exists(tmp_path / "store")
 
 
+@pytest.mark.parametrize("flag", ["--level", "--full-level"])
+@pytest.mark.parametrize("value", ["0", "23"])
+def test_levels_out_of_range(tmp_path, maker, flag, value):
+    one_line(deltafs("push", maker.write(), tmp_path / "store", flag, value), 2, f"{flag} {value}")
+    assert not os.path.exists(tmp_path / "store")
+
+
 def test_threads_at_least_one(tmp_path, store):
     one_line(deltafs("pull", store, tmp_path / "dest", "--threads", "0"), 2, "--threads")
     assert not os.path.lexists(tmp_path / "dest") and not os.path.lexists(tmp_path / "dest.deltafs")
