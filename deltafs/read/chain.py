@@ -191,8 +191,10 @@ def cross_by_bridge(repo: Repository, steps: list[Manifest], local: LocalState, 
         except DeltafsError as exc:
             log.info("not crossing version %s by its bridge: %s", full.version, exc)
             return None
-    if below.local is None or below.final is not None:
+    if below.local is None:
         return None  # the parent is reached from a full version anyway: no cheaper than starting at F
+    # below.final (the parent is itself a full version, crossed by its own bridge) only matters for a chain that
+    # ends there: here the parent is a step on the way.
     return Chain(below.steps + [bridge] + steps[1:], local, final=full if len(steps) == 1 else None)
 
 

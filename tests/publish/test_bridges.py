@@ -259,3 +259,23 @@ def test_a_push_killed_between_its_bridge_and_its_commit_leaves_nothing_visible(
     assert load_bridge(repo, repo.manifest(3)) is not None
     res = pull(store, str(dest), version=3)
     assert not res.from_full and files_of(dest) == files_of(srcs[3])
+
+
+def test_two_full_versions_in_a_row_are_crossed_by_both_bridges(tmp_path):
+    store = str(tmp_path / "store")
+    gen = MovingSubset(tmp_path / "src")
+    srcs = {}
+    for v, full in [(1, False), (2, False), (3, True), (4, True), (5, False)]:
+        srcs[v] = gen.write()
+        assert push(store, srcs[v], full=full).bridge_bytes > 0 or v < 3 or not full
+    repo = Repository.open(store)
+    dest = _pull_at(store, tmp_path / "dest", 2)
+    chain = plan_chain(repo, 5, local_version(str(dest)), bridges=MAX_BRIDGES)
+    assert [(m.version, "bridge_of" in m.stats) for m in chain.steps] == [(3, True), (4, True), (5, False)]
+    res = pull(store, str(dest), version=5)
+    assert not res.from_full and res.bytes_read == chain_cost(chain.steps) and files_of(dest) == files_of(srcs[5])
+    # ... and when the target is the second of them, the version installed is its own manifest.
+    dest2 = _pull_at(store, tmp_path / "dest2", 2)
+    res = pull(store, str(dest2), version=4)
+    assert not res.from_full and local_version(str(dest2)).digest == repo.manifest(4).digest
+    assert files_of(dest2) == files_of(srcs[4])
