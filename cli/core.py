@@ -268,8 +268,11 @@ def verify_cmd(
         else:
             what = f"version{'s' if len(rep.versions) > 1 else ''} {', '.join(map(str, rep.versions))}"
             human = f"ok: {what} verified ({rep.chunks_checked} stored objects, {rep.files_checked} files)"
+            if rep.bridges_checked:
+                human += f"; {rep.bridges_checked} keyframe bridge{'s' if rep.bridges_checked > 1 else ''} rebuilt"
     else:
         human = "\n".join(f"FAILED: {p}" for p in rep.problems)
+    human += "".join(f"\nwarning: {w}" for w in rep.warnings)
     out.result(rep.to_json(), human)
     if not rep.ok and quiet:
         import sys

@@ -1,5 +1,6 @@
 """Check a store in layers: structure (config, HEAD, manifests, parent digests), chunks (present,
-re-hashed), then contents (every version rebuilt in memory and its tensor and file digests compared)."""
+re-hashed), then contents (every version rebuilt in memory and its tensor and file digests compared).
+With every version, keyframe bridges too: a broken one is a warning (readers fall back to the full version)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deltafs.errors import DeltafsError, VersionNotFoundError
-from deltafs.format.manifest import parse_manifest_key
+from deltafs.format.manifest import Manifest, parse_manifest_key
+from deltafs.format.records import MANIFEST_MAX_BYTES
 from deltafs.format.versions import MAX_VERSION, VERSION_DIGITS
-from deltafs.read.chain import plan_chain
+from deltafs.format.keys import bridge_key
+from deltafs.read.chain import Chain, is_bridge_of, plan_chain
 from deltafs.read.dest import LocalCheckpoint, check_layout, file_digest_on_disk
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
@@ -23,6 +26,8 @@ class VerifyReport:
     chunks_checked: int = 0  # stored objects checked (a pack of several small chunks counts once)
     files_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    bridges_checked: int = 0  # keyframe bridges rebuilt from their parent (verify --all)
+    warnings: list[str] = field(default_factory=list)  # what costs readers time but loses nothing (a broken bridge)
 
     def fail(self, message: str) -> None:
         self.ok = False
@@ -85,7 +90,38 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
             report.files_checked += len(man.files)
         except DeltafsError as exc:
             report.fail(f"version {v}: {exc}")
+        if all_versions and man.kind == "full" and man.parent is not None:
+            _check_bridge(repo, man, source, threads, report)
     return report
+
+
+def _check_bridge(repo: Repository, man: Manifest, source: ChunkSource, threads: int | None,
+                  report: VerifyReport) -> None:
+    """The bridge of full version `man`, if it has one: usable, and rebuilding exactly `man` from its parent."""
+    key = bridge_key(man.version)
+    if not repo.objects.exists(key):
+        return
+    where = f"the bridge of version {man.version} ({key})"
+    try:
+        bridge = repo.check_manifest(Manifest.decode(repo.objects.get(key, limit=MANIFEST_MAX_BYTES), where=where),
+                                     man.version, "bridge")
+    except DeltafsError as exc:
+        report.warnings.append(f"{where} is unusable, so hosts at version {man.parent} read the full version: {exc}")
+        return
+    if not is_bridge_of(bridge, man):
+        report.warnings.append(f"{where} was made for another version {man.version} or parent (readers ignore it)")
+        return
+    assert bridge.parent is not None  # is_bridge_of: the full version's own parent
+    try:
+        below = plan_chain(repo, bridge.parent, None)
+    except DeltafsError:
+        return  # the parent is gone from the store (gc): only hosts that hold it can use the bridge, nothing to rebuild
+    try:
+        Builder(repo, Chain(below.steps + [bridge], None, final=man), source, threads=threads).build(None)
+        report.bridges_checked += 1
+    except DeltafsError as exc:
+        report.warnings.append(f"{where} does not rebuild version {man.version} (hosts at version {man.parent} fall "
+                               f"back to the full version): {exc}")
 
 
 def _check_structure(repo: Repository, report: VerifyReport) -> None:

@@ -279,3 +279,28 @@ def test_two_full_versions_in_a_row_are_crossed_by_both_bridges(tmp_path):
     res = pull(store, str(dest2), version=4)
     assert not res.from_full and local_version(str(dest2)).digest == repo.manifest(4).digest
     assert files_of(dest2) == files_of(srcs[4])
+
+
+def test_verify_all_rebuilds_the_bridges_and_warns_about_a_broken_one(tmp_path, history):
+    store, _srcs, _results, repo = history
+    rep = verify(store, all_versions=True)
+    assert rep.ok and rep.bridges_checked == 2 and rep.warnings == []
+    out = run_cli("verify", store, "--all")
+    assert out.returncode == 0 and "2 keyframe bridges rebuilt" in out.stdout, out.stdout
+    # A chunk only the bridge of 4 names, flipped: every version still verifies, the bridge is reported.
+    bridge = load_bridge(repo, repo.manifest(4))
+    own = {c.object for v in repo.versions() for f in repo.manifest(v).files for s in f.segments for c in s.chunks}
+    oid = next(c.object for f in bridge.files for s in f.segments for c in s.chunks
+               if c.object is not None and c.object not in own)
+    path = tmp_path / "store" / "chunks" / oid[:2] / oid
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    repo.objects.put(bridge_key(7), b"garbage")
+    rep = verify(store, all_versions=True)
+    assert rep.ok and rep.bridges_checked == 0 and len(rep.warnings) == 2
+    assert "the bridge of version 4" in rep.warnings[0] and "does not rebuild version 4" in rep.warnings[0]
+    assert "the bridge of version 7" in rep.warnings[1] and "unusable" in rep.warnings[1]
+    out = run_cli("verify", store, "--all")
+    assert out.returncode == 0 and out.stdout.count("warning: ") == 2, out.stdout
