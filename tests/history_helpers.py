@@ -77,3 +77,16 @@ class MovingSubset:
         self.step += 1
         self.w[self.idx] += self.rng.standard_normal(self.idx.size).astype(np.float32) * 1e-3
         return path
+
+
+def moving_history(tmp_path, n: int, **kwargs):
+    """Push n steps of a MovingSubset into tmp_path/store; (store, version -> source dir, version -> PushResult, repo)."""
+    from deltafs.store.repo import Repository
+
+    store = str(tmp_path / "store")
+    gen = MovingSubset(tmp_path / "src")
+    srcs, results = {}, {}
+    for _ in range(n):
+        res = push(store, gen.write(), **kwargs)
+        srcs[res.version], results[res.version] = gen.root / f"step{gen.step - 1}", res
+    return store, srcs, results, Repository.open(store)

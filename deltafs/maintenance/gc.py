@@ -277,35 +277,29 @@ def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:
         plan.remove = [r for r in plan.remove if r not in plan.keep]
         plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
         plan.versions.append(v)
-    # Folds written since planning (a push writes its fold just after its commit) keep their chunks.
-    for v, _key in _fold_keys(repo):
-        if v in plan.keep and v not in plan.folds:
-            fold = load_fold(repo, repo.manifest(v))
-            if fold is not None:
-                needed = _objects_of([fold])
-                plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
-    # Bridges of versions committed since planning (written just before their manifests) keep their chunks.
-    for v, _key in _bridge_keys(repo):
-        if v in plan.keep and v not in plan.bridges:
-            bridge = load_bridge(repo, repo.manifest(v))
-            if bridge is not None:
-                needed = _objects_of([bridge])
-                plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
-
+    # Folds written since planning (a push writes its fold just after its commit) and bridges of versions committed
+    # since planning (written just before their manifests) keep their chunks.
+    for keys, load, going in ((_fold_keys, load_fold, plan.folds), (_bridge_keys, load_bridge, plan.bridges)):
+        for v, _key in keys(repo):
+            if v in plan.keep and v not in going:
+                extra = load(repo, repo.manifest(v))
+                if extra is not None:
+                    needed = _objects_of([extra])
+                    plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
 
 def _fold_keys(repo: Repository) -> list[tuple[int, str]]:
-    out = []
-    for key in repo.objects.list(FOLD_PREFIX):
-        v = parse_fold_key(key)
-        if v is not None:
-            out.append((v, key))
-    return out
+    return _versioned_keys(repo, FOLD_PREFIX, parse_fold_key)
 
 
 def _bridge_keys(repo: Repository) -> list[tuple[int, str]]:
+    return _versioned_keys(repo, BRIDGE_PREFIX, parse_bridge_key)
+
+
+def _versioned_keys(repo: Repository, prefix: str, parse: Callable[[str], int | None]) -> list[tuple[int, str]]:
+    """(version, key) of every object under `prefix` named as a writer names one (folds/, bridges/)."""
     out = []
-    for key in repo.objects.list(BRIDGE_PREFIX):
-        v = parse_bridge_key(key)
+    for key in repo.objects.list(prefix):
+        v = parse(key)
         if v is not None:
             out.append((v, key))
     return out

@@ -93,16 +93,20 @@ def is_fold_of(fold: Manifest, target: Manifest) -> bool:
 
 def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
     """The fold of `target`, or None if there is none or it is not usable (never an error)."""
+    fold = _load_accelerator(repo, fold_key(target.version), target.version, "fold")
+    return fold if fold is not None and is_fold_of(fold, target) else None
+
+
+def _load_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest | None:
+    """The fold or bridge manifest under `key` for `version`, or None if there is none or it is unreadable."""
     try:
-        data = repo.objects.get(fold_key(target.version), limit=MANIFEST_MAX_BYTES)
-        fold = repo.check_manifest(Manifest.decode(data, where=f"fold of version {target.version}"),
-                                   target.version, "fold")
+        data = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
+        return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what)
     except ObjectNotFoundError:
         return None
     except DeltafsError as exc:
-        log.warning("ignoring the fold of version %s: %s", target.version, exc)
+        log.warning("ignoring the %s of version %s: %s", what, version, exc)
         return None
-    return fold if is_fold_of(fold, target) else None
 
 
 def chain_objects(steps: list[Manifest], *, skip_files: frozenset[str] = frozenset()) -> dict[str, int]:
@@ -161,16 +165,8 @@ def load_bridge(repo: Repository, target: Manifest) -> Manifest | None:
     """The bridge of full version `target`, or None if there is none or it is not usable (never an error)."""
     if target.kind != "full" or target.parent is None:
         return None
-    try:
-        data = repo.objects.get(bridge_key(target.version), limit=MANIFEST_MAX_BYTES)
-        bridge = repo.check_manifest(Manifest.decode(data, where=f"bridge of version {target.version}"),
-                                     target.version, "bridge")
-    except ObjectNotFoundError:
-        return None
-    except DeltafsError as exc:
-        log.warning("ignoring the bridge of version %s: %s", target.version, exc)
-        return None
-    return bridge if is_bridge_of(bridge, target) else None
+    bridge = _load_accelerator(repo, bridge_key(target.version), target.version, "bridge")
+    return bridge if bridge is not None and is_bridge_of(bridge, target) else None
 
 
 def cross_by_bridge(repo: Repository, steps: list[Manifest], local: LocalState, bridges: int = 1) -> Chain | None:

@@ -25,7 +25,7 @@ from deltafs.read.pull import local_version, pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, run_cli
 
-from history_helpers import MovingSubset
+from history_helpers import MovingSubset, moving_history
 
 with open(os.path.join(os.path.dirname(__file__), "..", "..", "manifests", "manifest.schema.json")) as _fh:
     SCHEMA = json.load(_fh)
@@ -34,13 +34,7 @@ with open(os.path.join(os.path.dirname(__file__), "..", "..", "manifests", "mani
 @pytest.fixture
 def history(tmp_path):
     """Eight versions, full at 1, 4 and 7 (keyframe_every=3); 4 and 7 have bridges."""
-    store = str(tmp_path / "store")
-    gen = MovingSubset(tmp_path / "src")
-    srcs, results = {}, {}
-    for _ in range(8):
-        res = push(store, gen.write(), keyframe_every=3)
-        srcs[res.version], results[res.version] = gen.root / f"step{gen.step - 1}", res
-    return store, srcs, results, Repository.open(store)
+    return moving_history(tmp_path, 8, keyframe_every=3)
 
 
 def _pull_at(store, dest, version):

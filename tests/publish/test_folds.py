@@ -12,21 +12,14 @@ from deltafs.maintenance.gc import gc
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read.pull import local_version, pull
-from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of
 
-from history_helpers import MovingSubset
+from history_helpers import MovingSubset, moving_history
 
 
 @pytest.fixture
 def history(tmp_path):
-    store = str(tmp_path / "store")
-    gen = MovingSubset(tmp_path / "src")
-    srcs, results = {}, {}
-    for _ in range(8):
-        res = push(store, gen.write(), fold=True, keyframe_every=5)  # full 1 and 6
-        srcs[res.version], results[res.version] = gen.root / f"step{gen.step - 1}", res
-    return store, srcs, results, Repository.open(store)
+    return moving_history(tmp_path, 8, fold=True, keyframe_every=5)  # full 1 and 6
 
 
 def test_folds_are_written_for_deltas_two_or_more_steps_past_a_full_version(history):
