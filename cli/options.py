@@ -7,31 +7,27 @@ UsageError (exit 2) before any command touches a store or a directory.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated, Any, Optional
 
 import typer
 
+from deltafs.defaults import MAX_LEVEL, MIN_LEVEL
 from deltafs.errors import UsageError
 from deltafs.format.versions import MAX_VERSION, check_version
-
-# zstd's own range; a level outside it is a usage error, not an internal one deep in the codec.
-MIN_LEVEL, MAX_LEVEL = 1, 22
 
 
 def _version(value: Optional[int]) -> Optional[int]:
     return None if value is None else check_version(value, "--version")
 
 
-def _level(value: int) -> int:
-    if not MIN_LEVEL <= value <= MAX_LEVEL:
-        raise UsageError(f"--level {value} is outside {MIN_LEVEL}..{MAX_LEVEL}")
-    return value
+def _zstd_level(flag: str) -> Callable[[int], int]:
+    def check(value: int) -> int:
+        if not MIN_LEVEL <= value <= MAX_LEVEL:
+            raise UsageError(f"{flag} {value} is outside {MIN_LEVEL}..{MAX_LEVEL}")
+        return value
 
-
-def _full_level(value: int) -> int:
-    if not MIN_LEVEL <= value <= MAX_LEVEL:
-        raise UsageError(f"--full-level {value} is outside {MIN_LEVEL}..{MAX_LEVEL}")
-    return value
+    return check
 
 
 def _threads(value: Optional[int]) -> Optional[int]:
@@ -65,10 +61,10 @@ PullVersion = Annotated[Optional[int], typer.Option(
 Version = Annotated[Optional[int], typer.Option(
     "--version", callback=_version, help="Version number (default: HEAD's).")]
 Level = Annotated[int, typer.Option(
-    "--level", callback=_level,
+    "--level", callback=_zstd_level("--level"),
     help=f"zstd level of the delta codecs' streams, {MIN_LEVEL}..{MAX_LEVEL}; 5 and above also split elements by magnitude (~18% smaller bf16 deltas, slower).")]
 FullLevel = Annotated[int, typer.Option(
-    "--full-level", callback=_full_level,
+    "--full-level", callback=_zstd_level("--full-level"),
     help=f"zstd level of chunks stored whole (full versions, new tensors), {MIN_LEVEL}..{MAX_LEVEL}.")]
 Threads = Annotated[Optional[int], typer.Option(
     "--threads", callback=_threads, help="Worker threads, at least 1 (default: CPU count, at most 8).")]

@@ -16,6 +16,7 @@ DEFAULT_LEVEL = 3  # zstd level of the delta chunks' payloads
 # zstd level of the chunks stored without a base (full versions, new tensors): on byte planes level 1 is both
 # faster and smaller than 3 (docs/benchmarks.md, "Full versions at zstd level 1").
 DEFAULT_FULL_LEVEL = 1
+MIN_LEVEL, MAX_LEVEL = 1, 22  # zstd's own range: a level outside it is a usage error, not one deep in the codec
 
 # --- gc (deltafs.maintenance.gc) ----------------------------------------------------------------------
 # A version stays this long after it stopped being HEAD, and an unreferenced chunk this long after it

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypedDict
 
-from deltafs.defaults import DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
+from deltafs.defaults import (DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL,
+                              MAX_LEVEL, MIN_LEVEL)
 from deltafs.format.versions import check_version
 from deltafs.errors import UsageError
 from deltafs.format.manifest import canonical_json
@@ -49,8 +50,8 @@ class PushOptions:
             raise UsageError("threads must be at least 1")
         for name in ("level", "full_level"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 22:
-                raise UsageError(f"{name} must be a zstd level, 1..22, not {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not MIN_LEVEL <= value <= MAX_LEVEL:
+                raise UsageError(f"{name} must be a zstd level, {MIN_LEVEL}..{MAX_LEVEL}, not {value!r}")
 
     @classmethod
     def of(cls, options: PushOptions | None = None, **overrides: Any) -> PushOptions:

@@ -88,7 +88,12 @@ def is_fold_of(fold: Manifest, target: Manifest) -> bool:
     """A fold is only usable for the exact version (digest) it was made for, with identical files."""
     return (fold.version == target.version and fold.store_id == target.store_id and fold.kind == "delta"
             and fold.stats.get("fold_of") == target.digest and fold.chunk_bytes == target.chunk_bytes
-            and [(f.path, f.size, f.digest) for f in fold.files] == [(f.path, f.size, f.digest) for f in target.files])
+            and _same_files(fold, target))
+
+
+def _same_files(a: Manifest, b: Manifest) -> bool:
+    """The same files in the same order, with the same sizes and digests (a fold or bridge against its version)."""
+    return [(f.path, f.size, f.digest) for f in a.files] == [(f.path, f.size, f.digest) for f in b.files]
 
 
 def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
@@ -97,11 +102,18 @@ def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
     return fold if fold is not None and is_fold_of(fold, target) else None
 
 
+def read_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest:
+    """The fold or bridge manifest under `key` for `version`, read and checked as any manifest of this store.
+
+    Raises ObjectNotFoundError when there is none, another DeltafsError when it cannot be used."""
+    data = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
+    return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what)
+
+
 def _load_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest | None:
-    """The fold or bridge manifest under `key` for `version`, or None if there is none or it is unreadable."""
+    """read_accelerator, or None if there is none or it is unreadable (logged)."""
     try:
-        data = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
-        return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what)
+        return read_accelerator(repo, key, version, what)
     except ObjectNotFoundError:
         return None
     except DeltafsError as exc:
@@ -158,7 +170,7 @@ def is_bridge_of(bridge: Manifest, target: Manifest) -> bool:
             and bridge.version == target.version and bridge.store_id == target.store_id
             and bridge.parent == target.parent and bridge.parent_digest == target.parent_digest
             and bridge.stats.get("bridge_of") == target.digest and bridge.chunk_bytes == target.chunk_bytes
-            and [(f.path, f.size, f.digest) for f in bridge.files] == [(f.path, f.size, f.digest) for f in target.files])
+            and _same_files(bridge, target))
 
 
 def load_bridge(repo: Repository, target: Manifest) -> Manifest | None:
@@ -195,5 +207,5 @@ def cross_by_bridge(repo: Repository, steps: list[Manifest], local: LocalState, 
 
 
 __all__ = ["BRIDGE_PREFIX", "FOLD_PREFIX", "MAX_BRIDGES", "Chain", "bridge_key", "cross_by_bridge", "is_bridge_of", "load_bridge",
-           "parse_bridge_key", "chain_cost", "chain_objects", "fold_key", "is_fold_of", "load_fold", "parse_fold_key", "plan_chain",
+           "parse_bridge_key", "chain_cost", "chain_objects", "read_accelerator", "fold_key", "is_fold_of", "load_fold", "parse_fold_key", "plan_chain",
            "prefer_fold"]
