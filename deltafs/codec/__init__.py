@@ -69,6 +69,13 @@ _SAME = {"name": "same"}
 # The share of elements repeating the previous element's difference from which dense is tried beside gamma
 # (trainer steps on F32 norms and biases: under 5%; a few distinct steps such as ±1 ulp: 30% and more).
 REPEATS_TRY_DENSE = 0.125
+# The share of gamma's payload that coding the 3 bits below each leading one by their frequencies would save
+# (Counts.skew) from which dense is tried beside gamma. Bits close to uniform (AdamW steps on the trained data set's
+# F32 norms and biases) estimate 0.2-15%, median 1-2%: the trial runs on 1-24% of those tensors and dense was the
+# smaller on one, by 4 bytes; a relative step of fixed size (benchmarks/small_tensors.py's data) 1.3-31%, where
+# dense is the smaller on 69% of the tensors (gamma alone: 1.2x dense's bytes) and every one of those reaches 4%.
+# docs/benchmarks.md, "Round 21".
+SKEW_TRY_DENSE = 0.04
 
 
 @dataclass(frozen=True)
@@ -198,11 +205,15 @@ def _difference(nw: np.ndarray, bw: np.ndarray, level: int, counts: Counts) -> t
     Gamma's size is known exactly from the counts; dense's only by running zstd, which beats the bit lengths on
     differences that repeat (a constant shift; a first step from zeros, where Adam moves every element by the same
     ±lr) and, by up to ~3%, on chunks with 10-50% of elements unchanged (zero runs). So dense is tried only where
-    at least REPEATS_TRY_DENSE of the elements repeat the previous element's difference or fewer than DENSE_FROM
-    changed. On the trained data set's small F32 tensors that is none of them, and gamma is 0.84x dense's bytes.
+    at least REPEATS_TRY_DENSE of the elements repeat the previous element's difference, fewer than DENSE_FROM
+    changed, or the bits below the leading ones are far from uniform (Counts.skew at least SKEW_TRY_DENSE of
+    gamma's payload: steps that cluster within their bit length, such as a relative step of fixed size). On the
+    trained data set's small F32 tensors that is 1-24% of them, dense is the smaller on one (by 4 bytes), and gamma
+    is 0.84x dense's bytes.
     """
     plan = counts.plan
-    if counts.repeats < REPEATS_TRY_DENSE * nw.size and counts.changed >= DENSE_FROM * nw.size:
+    if (counts.repeats < REPEATS_TRY_DENSE * nw.size and counts.changed >= DENSE_FROM * nw.size
+            and counts.skew < SKEW_TRY_DENSE * plan.payload):
         return Gamma.encode(nw, bw, plan)
     dense = Dense.encode(nw, bw, level)
     return Gamma.encode(nw, bw, plan) if plan.payload < len(dense[1]) else dense

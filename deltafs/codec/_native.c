@@ -933,11 +933,44 @@ static inline int bit_length(uint32_t z) { return z ? 32 - __builtin_clz(z) : 0;
 
 static void plan_lengths(const int64_t *h, Py_ssize_t m, int64_t out[5]);
 
-/* lengths(new, base, width, hist_out) -> (changed, repeats, center, k, unary_bytes, remainder_bytes, mantissa_bytes)
+/* How many bytes a coder of the three bits below each leading one, by their frequencies per bit length, would save
+ * against storing them as they are (gamma does): sum over lengths L >= 4 of 3 n_L - n_L H_L bits, H_L the empirical
+ * entropy of those bits among the n_L elements of length L, less Miller-Madow's (K_L - 1) / (2 ln 2) bits for the
+ * K_L values that occur (the empirical entropy of a few hundred draws reads low), over 8, and never below 0.
+ * top[8 L + t] counts the elements of length L whose three bits are t, for L < m. deltafs.codec.gamma._skew is the
+ * same sum in numpy (the same order of terms).
+ */
+#ifndef M_LN2
+#define M_LN2 0.69314718055994530942
+#endif
+static double lowbits_skew(const int64_t *top, Py_ssize_t m) {
+    double saved = 0;
+    for (Py_ssize_t L = 4; L < m; L++) {
+        const int64_t *row = top + 8 * L;
+        int64_t n = 0;
+        int kinds = 0;
+        for (int t = 0; t < 8; t++) {
+            n += row[t];
+            kinds += row[t] > 0;
+        }
+        if (!n)
+            continue;
+        double bits = 3.0 * (double)n - (double)(kinds - 1) / (2.0 * M_LN2);
+        for (int t = 0; t < 8; t++)
+            if (row[t])
+                bits += (double)row[t] * log2((double)row[t] / (double)n);
+        saved += bits;
+    }
+    return saved > 0 ? saved / 8 : 0;
+}
+
+/* lengths(new, base, width, hist_out) -> (changed, repeats, skew, center, k, unary_bytes, remainder_bytes,
+ *                                         mantissa_bytes)
  *
  * hist_out (int64, 8 * width + 1 entries): how many elements have each bit length of their zigzag difference.
  * repeats: how many elements have the same difference as the one before (a constant shift, or a few distinct
- * steps, which zstd on dense's byte planes codes far below their bit lengths); then plan_lengths of hist.
+ * steps, which zstd on dense's byte planes codes far below their bit lengths); skew: lowbits_skew of the three bits
+ * below the leading one, counted per bit length; then plan_lengths of hist.
  */
 static PyObject *lengths(PyObject *self, PyObject *args) {
     Py_buffer nbuf, bbuf, hist;
@@ -945,6 +978,7 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*iw*", &nbuf, &bbuf, &width, &hist))
         return NULL;
     Py_ssize_t changed = -1, repeats = 0;
+    double skew = 0;
     int64_t o[5];
     if ((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
         hist.len == (8 * width + 1) * 8) {
@@ -953,14 +987,19 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
         const Py_ssize_t n = nbuf.len / width;
         Py_BEGIN_ALLOW_THREADS
         memset(h, 0, hist.len);
+        int64_t top[33 * 8] = {0};
         uint32_t prev = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint32_t z = zz_at(nb, bb, i, width);
-            h[bit_length(z)]++;
+            const int L = bit_length(z);
+            h[L]++;
+            if (L >= 4)
+                top[8 * L + ((z >> (L - 4)) & 7)]++;
             repeats += i > 0 && z == prev;
             prev = z;
         }
         changed = n - (Py_ssize_t)h[0];
+        skew = lowbits_skew(top, 8 * width + 1);
         plan_lengths(h, 8 * width + 1, o);
         Py_END_ALLOW_THREADS
     } else
@@ -970,7 +1009,7 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
     PyBuffer_Release(&hist);
     if (changed < 0)
         return NULL;
-    return Py_BuildValue("nnLLLLL", changed, repeats, (long long)o[0], (long long)o[1], (long long)o[2],
+    return Py_BuildValue("nndLLLLL", changed, repeats, skew, (long long)o[0], (long long)o[1], (long long)o[2],
                          (long long)o[3], (long long)o[4]);
 }
 
@@ -1655,7 +1694,7 @@ static PyMethodDef methods[] = {
      "changes(new, base, width, idx_out, new_out, base_out, simd=2) -> count (simd: the most vector level to use)"},
     {"simd", simd, METH_NOARGS, "simd() -> the vector compare changes() uses here: 2 AVX-512, 1 AVX2, 0 none"},
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
-    {"lengths", lengths, METH_VARARGS, "lengths(new, base, width, hist_out) -> (changed, repeats, *plan(hist_out))"},
+    {"lengths", lengths, METH_VARARGS, "lengths(new, base, width, hist_out) -> (changed, repeats, skew, *plan(hist_out))"},
     {"plan", gamma_plan, METH_VARARGS, "plan(hist) -> (center, k, unary_bytes, remainder_bytes, mantissa_bytes)"},
     {"gamma", gamma_encode, METH_VARARGS, "gamma(new, base, width, center, k, unary_len, remainder_len, payload_out)"},
     {"ungamma", gamma_decode, METH_VARARGS, "ungamma(body, unary_len, width, center, k, base, out) -> status"},

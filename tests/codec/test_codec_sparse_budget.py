@@ -11,6 +11,7 @@ from deltafs import codec
 from deltafs.codec import compare, streams
 from deltafs.codec.codecs import UNIFORM_TRY_FROM, Dense, Sparse
 from deltafs.codec.gamma import WIDTHS as GAMMA_WIDTHS
+from deltafs.codec.gamma import count as gamma_counts
 
 
 def _step(rng: np.random.Generator, n: int, width: int, rate: float, spread: int) -> tuple[np.ndarray, np.ndarray]:
@@ -47,7 +48,9 @@ def test_small_chunk_trial_keeps_the_smaller_payload(width: int, n: int, rate: f
         if width in GAMMA_WIDTHS:  # no smaller)
             gamma = codec.Gamma.encode(nw, bw)
             repeats = int(np.count_nonzero(np.diff(nw - bw) == 0))
-            tried = repeats >= codec.REPEATS_TRY_DENSE * nw.size or fraction < codec.DENSE_FROM
+            skew = gamma_counts(nw, bw).skew
+            tried = (repeats >= codec.REPEATS_TRY_DENSE * nw.size or fraction < codec.DENSE_FROM
+                     or skew >= codec.SKEW_TRY_DENSE * len(gamma[1]))
             difference = gamma if not tried or len(gamma[1]) < len(dense[1]) else dense
         best = sparse if len(sparse[1]) <= len(difference[1]) else difference
         assert (got.codec, got.payload) == (best[0].to_json(), best[1])

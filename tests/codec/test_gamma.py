@@ -71,6 +71,34 @@ def test_round_trip_and_same_bytes_on_both_paths(pair: tuple[np.ndarray, np.ndar
 
 
 @built
+@settings(max_examples=200, deadline=None)
+@given(pair=pairs())
+def test_compiled_counts_match_numpy(pair: tuple[np.ndarray, np.ndarray]) -> None:
+    """The counting pass's every field, the low-bits skew included, is the same from the C loop and from numpy
+    (the same sum in the same order: the writer's choice, and so the bytes, do not depend on the build)."""
+    new, base = pair
+    got = each_path(lambda: gamma.count(new, base))
+    compiled, plain = got
+    assert compiled.hist.tolist() == plain.hist.tolist()
+    assert (compiled.changed, compiled.repeats, compiled.plan) == (plain.changed, plain.repeats, plain.plan)
+    assert compiled.skew == pytest.approx(plain.skew, rel=1e-12, abs=1e-9)
+    assert compiled.skew >= 0
+
+
+def test_skew_tells_uniform_low_bits_from_clustered_ones() -> None:
+    """Differences whose bits below the leading one are uniform (random steps of any size) estimate a small skew
+    against gamma's payload; steps that take few values within their bit length (a relative step of fixed size:
+    ±1e-6 of the value, as benchmarks/small_tensors.py makes) a large one."""
+    rng = np.random.default_rng(21)
+    base = (1.0 + 0.05 * rng.standard_normal(4096)).astype(np.float32)
+    uniform = (base.view("<u4").astype(np.int64) + rng.integers(-(1 << 12), (1 << 12) + 1, base.size))
+    relative = base + (1e-6 * np.sign(rng.standard_normal(base.size)) * np.abs(base)).astype(np.float32)
+    for new, low, high in ((uniform.astype(np.uint32), 0.0, 0.02), (relative.view("<u4"), 0.1, 1.0)):
+        c = gamma.count(new, base.view("<u4"))
+        assert low <= c.skew / c.plan.payload <= high, c.skew / c.plan.payload
+
+
+@built
 @settings(max_examples=300, deadline=None)
 @given(counts=st.lists(st.integers(0, 5000), min_size=1, max_size=33))
 def test_compiled_plan_matches_numpy(counts: list[int]) -> None:
