@@ -290,6 +290,9 @@ def log_cmd(
 ) -> None:
     """List versions: number, kind, parent, changed fraction, bytes written, ratio to full, time (UTC), metadata.
 
+    A full version (kind "full *") that has a bridge from its parent says so after the time: "bridge 412.3 KiB",
+    what a host holding the parent reads instead of the full version.
+
     Examples:
       deltafs log /mnt/ckpt-store --limit 20
       deltafs log s3://bucket/run7 --since 2026-12-01 --json
@@ -305,9 +308,10 @@ def log_cmd(
         mark = " *" if e.kind == "full" else ""
         created = e.created.replace("T", " ")[:19]
         meta = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sorted(e.metadata.items()))
+        bridge = f"bridge {human_bytes(e.bridge_bytes)}  " if e.bridge_bytes is not None else ""
         rows.append(f"{e.version:>8} {e.kind + mark:<6} {e.parent if e.parent is not None else '-':>7} {changed:>8} "
                     f"{human_bytes(e.bytes_written):>11} {(str(e.ratio) + 'x') if e.ratio and e.kind == 'delta' else '-':>8}  {created:<19}"
-                    f"  {meta}{'  (HEAD)' if e.head else ''}".rstrip())
+                    f"  {bridge}{meta}{'  (HEAD)' if e.head else ''}".rstrip())
     if len(entries) == 0:
         rows.append("(no versions)")
     out.result({"versions": [e.to_json() for e in entries]}, "\n".join(rows))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deltafs.format.keys import bridge_key
+from deltafs.store.accelerators import load_bridge
 from deltafs.store.repo import Repository
 
 
@@ -20,6 +22,9 @@ class LogEntry:
     created: str
     metadata: dict[str, Any]
     head: bool
+    # A full version's bridge from its parent (manifests/FORMAT.md, "Bridges"): what a host at the parent reads
+    # instead of the full version, its chunks plus its manifest; None when there is no usable bridge.
+    bridge_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -30,7 +35,8 @@ def log(store: str | Repository, *, storage_options: dict[str, Any] | None = Non
     """Committed versions, oldest first.
 
     limit keeps the newest N; since keeps versions >= an int, or created at or after an ISO 8601 UTC
-    time (a prefix such as "2026-12-01" works). Only the manifests shown are read.
+    time (a prefix such as "2026-12-01" works). Only the manifests shown are read, and the bridge of each full
+    version shown that has a parent.
     """
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     head = repo.head()
@@ -49,7 +55,10 @@ def log(store: str | Repository, *, storage_options: dict[str, Any] | None = Non
         full = int(st.get("full_bytes", man.raw_bytes))
         total = int(st.get("elements_total", 0))
         changed = (int(st.get("elements_changed", 0)) / total if total else 0.0) if man.kind == "delta" else None
+        bridge = load_bridge(repo, man)  # one get per full version shown that has a parent
+        bridge_bytes = (int(bridge.stats.get("chunk_bytes_stored", 0)) + repo.objects.size(bridge_key(v))
+                        if bridge is not None else None)
         out.append(LogEntry(v, man.kind, man.parent, changed, written, full, round(full / written, 2) if written else None,
-                            man.created, man.metadata, head is not None and head.version == v))
+                            man.created, man.metadata, head is not None and head.version == v, bridge_bytes))
     out.reverse()
     return out

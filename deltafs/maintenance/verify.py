@@ -12,7 +12,8 @@ from deltafs.errors import DeltafsError, ObjectNotFoundError, VersionNotFoundErr
 from deltafs.format.manifest import Manifest, parse_manifest_key
 from deltafs.format.versions import MAX_VERSION, VERSION_DIGITS
 from deltafs.format.keys import bridge_key
-from deltafs.read.chain import Chain, is_bridge_of, plan_chain, read_accelerator
+from deltafs.read.chain import Chain, plan_chain
+from deltafs.store.accelerators import is_bridge_of, read_accelerator
 from deltafs.read.dest import LocalCheckpoint, check_layout, file_digest_on_disk
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository

@@ -19,7 +19,7 @@ from deltafs.format.manifest import FileEntry, Manifest
 from deltafs.publish.commit import ensure_chunks
 from deltafs.publish.encode import EncodeStats, Encoder
 from deltafs.publish.source import SourceFile
-from deltafs.read.chain import is_bridge_of
+from deltafs.store.accelerators import is_bridge_of
 from deltafs.read.dest import LocalState
 from deltafs.store.repo import Repository
 

@@ -20,7 +20,8 @@ from deltafs.publish.plan import base_for, drop_cache
 from deltafs.publish.source import SourceFile
 from deltafs.read.dest import LocalCheckpoint, LocalState
 from deltafs.format.records import utcnow
-from deltafs.read.chain import fold_key, is_fold_of, plan_chain
+from deltafs.read.chain import fold_key, plan_chain
+from deltafs.store.accelerators import is_fold_of
 from deltafs.read.rebuild import LocalBaseError
 from deltafs.store.repo import Repository
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deltafs.errors import DeltafsError, IntegrityError, ObjectNotFoundError
+from deltafs.errors import DeltafsError, IntegrityError
 from deltafs.format.keys import BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_fold_key
 from deltafs.format.manifest import DELTA_CODECS, Manifest
-from deltafs.format.records import MANIFEST_MAX_BYTES
 from deltafs.read.dest import LocalState
+from deltafs.store.accelerators import load_bridge, load_fold
 from deltafs.store.repo import Repository
 
 log = logging.getLogger("deltafs")
@@ -84,43 +84,6 @@ def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds
 
 
 # --- folds -----------------------------------------------------------------------------------------
-def is_fold_of(fold: Manifest, target: Manifest) -> bool:
-    """A fold is only usable for the exact version (digest) it was made for, with identical files."""
-    return (fold.version == target.version and fold.store_id == target.store_id and fold.kind == "delta"
-            and fold.stats.get("fold_of") == target.digest and fold.chunk_bytes == target.chunk_bytes
-            and _same_files(fold, target))
-
-
-def _same_files(a: Manifest, b: Manifest) -> bool:
-    """The same files in the same order, with the same sizes and digests (a fold or bridge against its version)."""
-    return [(f.path, f.size, f.digest) for f in a.files] == [(f.path, f.size, f.digest) for f in b.files]
-
-
-def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
-    """The fold of `target`, or None if there is none or it is not usable (never an error)."""
-    fold = _load_accelerator(repo, fold_key(target.version), target.version, "fold")
-    return fold if fold is not None and is_fold_of(fold, target) else None
-
-
-def read_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest:
-    """The fold or bridge manifest under `key` for `version`, read and checked as any manifest of this store.
-
-    Raises ObjectNotFoundError when there is none, another DeltafsError when it cannot be used."""
-    data = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
-    return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what)
-
-
-def _load_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest | None:
-    """read_accelerator, or None if there is none or it is unreadable (logged)."""
-    try:
-        return read_accelerator(repo, key, version, what)
-    except ObjectNotFoundError:
-        return None
-    except DeltafsError as exc:
-        log.warning("ignoring the %s of version %s: %s", what, version, exc)
-        return None
-
-
 def chain_objects(steps: list[Manifest], *, skip_files: frozenset[str] = frozenset()) -> dict[str, int]:
     """Distinct objects (id -> object size: a pack is fetched whole) a reader fetches to rebuild steps[-1], per chunk
     back to a self-contained record; files in skip_files are not rebuilt (linked from a local copy)."""
@@ -164,23 +127,6 @@ def prefer_fold(repo: Repository, chain: Chain) -> Chain:
 
 
 # --- bridges -------------------------------------------------------------------------------
-def is_bridge_of(bridge: Manifest, target: Manifest) -> bool:
-    """A bridge is only usable for the exact full version (digest) it was made for, against that version's parent."""
-    return (target.kind == "full" and target.parent is not None and bridge.kind == "delta"
-            and bridge.version == target.version and bridge.store_id == target.store_id
-            and bridge.parent == target.parent and bridge.parent_digest == target.parent_digest
-            and bridge.stats.get("bridge_of") == target.digest and bridge.chunk_bytes == target.chunk_bytes
-            and _same_files(bridge, target))
-
-
-def load_bridge(repo: Repository, target: Manifest) -> Manifest | None:
-    """The bridge of full version `target`, or None if there is none or it is not usable (never an error)."""
-    if target.kind != "full" or target.parent is None:
-        return None
-    bridge = _load_accelerator(repo, bridge_key(target.version), target.version, "bridge")
-    return bridge if bridge is not None and is_bridge_of(bridge, target) else None
-
-
 def cross_by_bridge(repo: Repository, steps: list[Manifest], local: LocalState, bridges: int = 1) -> Chain | None:
     """steps = [F, F+1 … N] from full version F: the chain local … parent of F, bridge of F, F+1 … N, or None
     when F has no usable bridge or its parent's chain does not lead back to the local base (up to bridges - 1
@@ -206,6 +152,5 @@ def cross_by_bridge(repo: Repository, steps: list[Manifest], local: LocalState, 
     return Chain(below.steps + [bridge] + steps[1:], local, final=full if len(steps) == 1 else None)
 
 
-__all__ = ["BRIDGE_PREFIX", "FOLD_PREFIX", "MAX_BRIDGES", "Chain", "bridge_key", "cross_by_bridge", "is_bridge_of", "load_bridge",
-           "parse_bridge_key", "chain_cost", "chain_objects", "read_accelerator", "fold_key", "is_fold_of", "load_fold", "parse_fold_key", "plan_chain",
-           "prefer_fold"]
+__all__ = ["BRIDGE_PREFIX", "FOLD_PREFIX", "MAX_BRIDGES", "Chain", "bridge_key", "cross_by_bridge", "parse_bridge_key",
+           "chain_cost", "chain_objects", "fold_key", "parse_fold_key", "plan_chain", "prefer_fold"]

@@ -16,10 +16,12 @@ import pytest
 
 from deltafs.format.keys import bridge_key
 from deltafs.maintenance.gc import gc
+from deltafs.maintenance.log import log
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push, push_tensors
 from deltafs.publish import pipeline
-from deltafs.read.chain import MAX_BRIDGES, chain_cost, load_bridge, plan_chain
+from deltafs.read.chain import MAX_BRIDGES, chain_cost, plan_chain
+from deltafs.store.accelerators import load_bridge
 from deltafs.read.inspect import plan_pull
 from deltafs.read.pull import local_version, pull
 from deltafs.store.repo import Repository
@@ -95,6 +97,28 @@ def test_the_cli_dry_run_names_the_bridge(tmp_path, history):
     out = run_cli("pull", store, str(dest), "--version", "8", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert "apply 7 (bridge) -> 8" in out.stdout
+
+
+def test_log_shows_each_usable_bridge(history):
+    """`deltafs log` names the bridge of each full version that has one (its chunks plus its manifest, what a
+    host at the parent reads), in --json and in text; a full version without a parent has none, and a bridge
+    that does not belong to its version is not shown."""
+    store, _srcs, results, repo = history
+    entries = {e.version: e for e in log(store)}
+    assert [v for v, e in entries.items() if e.bridge_bytes is not None] == [4, 7]
+    for v in (4, 7):
+        assert entries[v].kind == "full"
+        assert entries[v].bridge_bytes == results[v].bridge_bytes == (
+            load_bridge(repo, repo.manifest(v)).stats["chunk_bytes_stored"] + repo.objects.size(bridge_key(v)))
+    out = run_cli("log", store, "--json")
+    assert out.returncode == 0, out.stderr
+    assert [e["bridge_bytes"] for e in json.loads(out.stdout)["versions"]] == [
+        entries[v].bridge_bytes for v in sorted(entries)]
+    text = run_cli("log", store).stdout.splitlines()
+    assert [line.split()[0] for line in text if " bridge " in line] == ["4", "7"]
+    foreign = replace(load_bridge(repo, repo.manifest(7)), parent_digest="sha256:" + "0" * 64).sealed()
+    repo.objects.put(bridge_key(7), foreign.encode())
+    assert [e.version for e in log(store) if e.bridge_bytes is not None] == [4]
 
 
 def test_new_hosts_and_hosts_of_another_chain_start_from_the_full_version(tmp_path, history):

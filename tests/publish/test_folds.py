@@ -7,7 +7,8 @@ import json
 import pytest
 
 from deltafs.format.manifest import manifest_json, stored_manifest
-from deltafs.read.chain import chain_cost, fold_key, load_fold, plan_chain
+from deltafs.read.chain import chain_cost, fold_key, plan_chain
+from deltafs.store.accelerators import load_fold
 from deltafs.maintenance.gc import gc
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push

@@ -1,0 +1,77 @@
+"""A repository's optional second manifests of a version: folds (`folds/`) and bridges (`bridges/`).
+
+Both are accelerators (manifests/FORMAT.md, "Folds" and "Bridges"): a fold is version N encoded against its full
+version, a bridge is full version N encoded against its parent. Nothing needs them: every loader here returns None
+for one that is missing, unreadable or made for another version, and callers take the ordinary path. Readers plan
+with them (deltafs.read.chain), gc keeps or removes them, verify rebuilds from them, log shows them; none of that
+needs more than this module, which reads manifests only (no numeric imports).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from deltafs.errors import DeltafsError, ObjectNotFoundError
+from deltafs.format.keys import bridge_key, fold_key
+from deltafs.format.manifest import Manifest
+from deltafs.format.records import MANIFEST_MAX_BYTES
+from deltafs.store.repo import Repository
+
+log = logging.getLogger("deltafs")
+
+
+def is_fold_of(fold: Manifest, target: Manifest) -> bool:
+    """A fold is only usable for the exact version (digest) it was made for, with identical files."""
+    return (fold.version == target.version and fold.store_id == target.store_id and fold.kind == "delta"
+            and fold.stats.get("fold_of") == target.digest and fold.chunk_bytes == target.chunk_bytes
+            and _same_files(fold, target))
+
+
+def _same_files(a: Manifest, b: Manifest) -> bool:
+    """The same files in the same order, with the same sizes and digests (a fold or bridge against its version)."""
+    return [(f.path, f.size, f.digest) for f in a.files] == [(f.path, f.size, f.digest) for f in b.files]
+
+
+def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
+    """The fold of `target`, or None if there is none or it is not usable (never an error)."""
+    fold = _load_accelerator(repo, fold_key(target.version), target.version, "fold")
+    return fold if fold is not None and is_fold_of(fold, target) else None
+
+
+def read_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest:
+    """The fold or bridge manifest under `key` for `version`, read and checked as any manifest of this store.
+
+    Raises ObjectNotFoundError when there is none, another DeltafsError when it cannot be used."""
+    data = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
+    return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what)
+
+
+def _load_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest | None:
+    """read_accelerator, or None if there is none or it is unreadable (logged)."""
+    try:
+        return read_accelerator(repo, key, version, what)
+    except ObjectNotFoundError:
+        return None
+    except DeltafsError as exc:
+        log.warning("ignoring the %s of version %s: %s", what, version, exc)
+        return None
+
+
+def is_bridge_of(bridge: Manifest, target: Manifest) -> bool:
+    """A bridge is only usable for the exact full version (digest) it was made for, against that version's parent."""
+    return (target.kind == "full" and target.parent is not None and bridge.kind == "delta"
+            and bridge.version == target.version and bridge.store_id == target.store_id
+            and bridge.parent == target.parent and bridge.parent_digest == target.parent_digest
+            and bridge.stats.get("bridge_of") == target.digest and bridge.chunk_bytes == target.chunk_bytes
+            and _same_files(bridge, target))
+
+
+def load_bridge(repo: Repository, target: Manifest) -> Manifest | None:
+    """The bridge of full version `target`, or None if there is none or it is not usable (never an error)."""
+    if target.kind != "full" or target.parent is None:
+        return None
+    bridge = _load_accelerator(repo, bridge_key(target.version), target.version, "bridge")
+    return bridge if bridge is not None and is_bridge_of(bridge, target) else None
+
+
+__all__ = ["is_bridge_of", "is_fold_of", "load_bridge", "load_fold", "read_accelerator"]
