@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from deltafs.defaults import DEFAULT_GRACE
-from deltafs.errors import DeltafsError, FormatError, IntegrityError, UsageError
-from deltafs.read.chain import (BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, load_bridge, load_fold,
-                                parse_bridge_key, parse_fold_key, plan_chain)
+from deltafs.errors import DeltafsError, FormatError, IntegrityError, ObjectNotFoundError, UsageError
+from deltafs.read.chain import (BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_fold_key,
+                                plan_chain)
+from deltafs.store.accelerators import load_bridge, load_fold
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key, parse_manifest_key
 from deltafs.format.versions import MAX_VERSION
 from deltafs.store.lock import DEFAULT_STALE_AFTER, StoreLock, read_push_markers
@@ -152,7 +153,7 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
         if fold is not None:
             referenced |= _objects_of([fold])
         else:  # the fold of a removed version, or one that is unusable anyway
-            plan.folds[v] = repo.objects.size(key)
+            _plan_removal(repo, key, v, plan.folds)
     for v, key in _bridge_keys(repo):
         if v > versions[-1]:
             # A push writes its bridge before its manifest: in flight (or left by a push that died, which the
@@ -163,7 +164,7 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
         if bridge is not None:
             referenced |= _objects_of([bridge])
         else:  # the bridge of a removed version, or one that is unusable anyway
-            plan.bridges[v] = repo.objects.size(key)
+            _plan_removal(repo, key, v, plan.bridges)
     plan.chunks_referenced = len(referenced)
     plan.manifest_bytes = {v: repo.manifest_size(v) for v in plan.remove}
     protect_since = _read_markers(repo, plan, now)  # before the chunk listing: a push starting later writes after it
@@ -171,7 +172,10 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
         oid = key.rsplit("/", 1)[-1]
         if key != chunk_key(oid) or oid in referenced:
             continue  # not a chunk object (foreign file), or still needed
-        size, mtime = stat(repo.objects, key)
+        try:
+            size, mtime = stat(repo.objects, key)
+        except ObjectNotFoundError:
+            continue  # gone since the listing (another gc)
         if grace > 0 and (mtime is None or now - mtime < grace):
             plan.chunks_too_young += 1
             continue
@@ -321,6 +325,14 @@ def _objects_of(manifests: Any) -> set[str]:
 def _created(man: Manifest) -> float:
     seconds = parse_timestamp(man.created)
     return time.time() if seconds is None else seconds  # unknown: treat as new, which only keeps more
+
+
+def _plan_removal(repo: Repository, key: str, version: int, into: dict[int, int]) -> None:
+    """into[version] = the size of `key`, unless it is gone since the listing (another gc)."""
+    try:
+        into[version] = repo.objects.size(key)
+    except ObjectNotFoundError:
+        pass
 
 
 def stat(objects: ObjectStore, key: str) -> tuple[int, float | None]:

@@ -199,7 +199,9 @@ class LocalObjectStore(ObjectStore):
         return os.path.isfile(self.path(key))
 
     def _stat(self, key: str) -> tuple[int, float | None]:
-        st = os.stat(self.path(key))
+        # The entry itself, as reads see it (O_NOFOLLOW): a link planted under a key is a link, whose size and age
+        # are its own (gc removes the link, never what it points at), and a dangling one is still there to remove.
+        st = os.lstat(self.path(key))
         return st.st_size, st.st_mtime
 
     def _find(self, prefix: str) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from deltafs.errors import (
     ChunkNotFoundError,
+    DeltafsError,
     FormatError,
     IntegrityError,
     ObjectNotFoundError,
@@ -150,7 +151,9 @@ class Repository:
         """Create the manifest if its version is free (the commit point), then move HEAD.
 
         Returns the manifest's size in bytes. Raises VersionConflictError if another writer
-        committed that version first.
+        committed that version first. Once the manifest exists the version is published: readers
+        look past HEAD for newer manifests, so a HEAD that cannot be written (a full disk, a
+        store error) is a warning, not a failed commit (the next commit moves it).
         """
         check_version(man.version)
         data = man.encode()
@@ -159,7 +162,11 @@ class Repository:
                 f"version {man.version} was committed by another writer; pull and push again"
             )
         self._manifests[man.version] = man
-        self.advance_head(Head(man.version, man.digest))
+        try:
+            self.advance_head(Head(man.version, man.digest))
+        except (DeltafsError, OSError) as exc:
+            log.warning("version %s is committed, but HEAD still names an older one (readers find version %s "
+                        "by listing manifests/; the next push moves HEAD): %s", man.version, man.version, exc)
         return len(data)
 
     def advance_head(self, head: Head) -> None:

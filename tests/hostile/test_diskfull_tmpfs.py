@@ -111,3 +111,64 @@ def test_recycling_pulls_into_the_space_of_the_version_it_replaces(tmp_path, sma
     deltafs("pull", store, dest, check=0)
     assert files_of(dest) == files_of(sources[2]) and _leftovers(disk) == []
     assert len([n for n in os.listdir(dest + ".deltafs") if n.startswith("v") and not n.endswith(".json")]) == 2
+
+
+def test_a_keyframe_push_that_runs_out_of_space_publishes_all_or_nothing(tmp_path, small_disk):
+    """A full version (with its bridge) pushed onto a store disk left with just about its own size free, for a
+    range of free space around the edge: wherever ENOSPC strikes (a chunk, the bridge, the manifest, HEAD), a
+    push that exits 0 has published version 3 and one that fails has not (no manifest, a one-line "No space
+    left" error beside at most a warning), no temporary file is left, the store verifies, and once space is
+    freed a host at version 2 pulls the newest version and the next push works. Before, a HEAD that could not
+    be written after the manifest was made failed the push (exit 3) though version 3 was published."""
+    import json
+
+    rng = np.random.default_rng(7)
+    n = 3 * MiB // 4
+    v1 = rng.standard_normal(n).astype(np.float32)
+    v2 = v1.copy()
+    moved = rng.choice(n, n // 50, replace=False)
+    v2[moved] += np.float32(1e-4)
+    v3 = v2.copy()
+    v3[moved[:1000]] += np.float32(1e-4)
+    srcs = []
+    for i, arr in enumerate((v1, v2, v3), 1):
+        src = tmp_path / f"src{i}"
+        write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (n,), arr.tobytes())})
+        srcs.append(str(src))
+    probe = str(tmp_path / "probe")
+    deltafs("push", srcs[0], probe, check=0)
+    deltafs("push", srcs[1], probe, check=0)
+    full = json.loads(deltafs("push", srcs[2], probe, "--full", "--json", check=0).stdout)
+    assert full["kind"] == "full" and full["bridge_bytes"] > 0
+    pages = -(-full["bytes_written"] // 4096)
+    disk = small_disk(8 * MiB)
+    outcomes = set()
+    for extra in range(-3, 5):
+        store, dest = os.path.join(disk, "store"), str(tmp_path / f"dest{extra}")
+        deltafs("push", srcs[0], store, check=0)
+        deltafs("push", srcs[1], store, check=0)
+        deltafs("pull", store, dest, check=0)
+        st = os.statvfs(disk)
+        free = st.f_bavail * st.f_frsize
+        filler = os.path.join(disk, "filler")
+        with open(filler, "wb") as fh:
+            fh.write(b"\0" * max(0, free - (pages + 4 + extra) * 4096))
+        proc = deltafs("push", srcs[2], store, "--full")
+        published = os.path.exists(os.path.join(store, "manifests", "v0000000003.json"))
+        if proc.returncode == 0:
+            assert published and "pushed version 3 (full)" in proc.stdout, (extra, proc.stdout, proc.stderr)
+        else:
+            errors = [line for line in proc.stderr.splitlines() if "WARNING" not in line]
+            assert len(errors) == 1 and "No space left" in errors[0] and store in errors[0], (extra, proc.stderr)
+            assert not published, (extra, proc.stderr)
+        outcomes.add(proc.returncode == 0)
+        assert _leftovers(disk) == [], extra
+        os.remove(filler)
+        assert deltafs("verify", store, "--all").returncode == 0, extra
+        deltafs("pull", store, dest, check=0)
+        assert files_of(dest) == files_of(srcs[2] if published else srcs[1]), extra
+        deltafs("push", srcs[2], store, check=0)
+        deltafs("pull", store, dest, check=0)
+        assert files_of(dest) == files_of(srcs[2]), extra
+        subprocess.run(["rm", "-rf", store], check=True)
+    assert outcomes == {True, False}  # the sweep crossed the edge

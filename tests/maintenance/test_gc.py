@@ -16,7 +16,7 @@ from deltafs.maintenance.gc import gc, make_plan
 from deltafs.store.lock import GC_LOCK_KEY, StoreLock
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
-from deltafs.read.chain import load_bridge
+from deltafs.store.accelerators import load_bridge
 from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, run_cli
@@ -268,3 +268,28 @@ def test_gc_refuses_a_store_with_a_broken_chain_and_deletes_nothing(tmp_path, ma
     assert proc.returncode == 6 and "gc stopped: version 4 cannot be rebuilt" in proc.stderr
     assert "deltafs verify --all" in proc.stderr
     assert store_bytes(store) == before and not repo.objects.exists(GC_LOCK_KEY)
+
+
+def test_links_planted_in_the_store_are_sized_and_removed_as_links(tmp_path, maker):
+    """A symbolic link planted where gc deletes (a chunk name, a fold, a bridge; one dangling): the plan counts the
+    link's own size, gc removes the link and exits 0, and what a link points at is untouched. Before, gc sized a
+    link by its target and a dangling one under bridges/ stopped it with "not found" (exit 3)."""
+    store = str(tmp_path / "store")
+    push_history(store, maker, 4, keyframe_every=3)  # full: 1, 4 (with a bridge)
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"x" * 100_000)
+    oid = "ab" + "0" * 62
+    planted = {os.path.join(store, "chunks", "ab", oid): str(target),
+               os.path.join(store, "folds", "v0000000002.json"): str(target),
+               os.path.join(store, "bridges", "v0000000003.json"): str(tmp_path / "nowhere")}
+    for link, to in planted.items():
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(to, link)
+    plan = gc(store, keep_last=1, grace=0, dry_run=True).plan
+    assert plan.chunks[oid] == len(str(target))
+    assert plan.folds[2] == len(str(target)) and plan.bridges[3] == len(str(tmp_path / "nowhere"))
+    out = run_cli("gc", store, "--keep-last", "1", "--grace", "0")
+    assert out.returncode == 0, out.stderr
+    assert not any(os.path.lexists(link) for link in planted)
+    assert target.read_bytes() == b"x" * 100_000
+    assert verify(store).ok
