@@ -987,16 +987,23 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
         const Py_ssize_t n = nbuf.len / width;
         Py_BEGIN_ALLOW_THREADS
         memset(h, 0, hist.len);
+        /* One count per element, by its length and (from length 4) the three bits below its leading one: the
+         * length histogram is the sum of each row. 264 bins also make back-to-back increments of one counter (a
+         * store-to-load chain) rarer than 33 would. */
         int64_t top[33 * 8] = {0};
         uint32_t prev = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint32_t z = zz_at(nb, bb, i, width);
             const int L = bit_length(z);
-            h[L]++;
-            if (L >= 4)
-                top[8 * L + ((z >> (L - 4)) & 7)]++;
+            top[8 * L + (L >= 4 ? (z >> (L - 4)) & 7 : 0)]++;
             repeats += i > 0 && z == prev;
             prev = z;
+        }
+        for (int L = 0; L <= 8 * width; L++) {
+            int64_t sum = 0;
+            for (int t = 0; t < 8; t++)
+                sum += top[8 * L + t];
+            h[L] = sum;
         }
         changed = n - (Py_ssize_t)h[0];
         skew = lowbits_skew(top, 8 * width + 1);
@@ -1088,6 +1095,16 @@ typedef struct {
 } bitwriter;
 
 static inline void drain(bitwriter *w) { /* whole bytes out of the accumulator: fewer than 8 bits stay */
+    if (w->nacc >= 8 && w->pos >= 0 && w->pos + 8 <= w->len) {
+        /* One 8-byte big-endian store of the accumulator's bits, left-aligned; only its whole bytes count (the
+         * rest is written over by the next store, and never past this stream's end). */
+        const uint64_t v = __builtin_bswap64(w->acc << (64 - w->nacc));
+        const int whole = w->nacc >> 3;
+        memcpy(w->buf + w->pos, &v, 8);
+        w->pos += whole;
+        w->nacc -= whole << 3;
+        return;
+    }
     while (w->nacc >= 8) {
         w->nacc -= 8;
         if (w->pos < w->len)

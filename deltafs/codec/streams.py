@@ -133,13 +133,13 @@ TRAILER = 8
 def seal(parts: list[Any]) -> bytes:
     """The parts (bytes-like) joined, with the trailer."""
     body = b"".join(parts)
-    return body + xxhash.xxh3_64_intdigest(body).to_bytes(TRAILER, "little")
+    return body + xxhash.xxh3_64_digest(body)[::-1]  # the little-endian digest (trail() says why reversed)
 
 
 def trail(payload: bytearray) -> None:
     """seal() in place: payload's last TRAILER bytes become the checksum of the bytes before them."""
-    body = memoryview(payload)[: len(payload) - TRAILER]
-    payload[len(payload) - TRAILER:] = xxhash.xxh3_64_intdigest(body).to_bytes(TRAILER, "little")
+    # The digest's big-endian bytes reversed: the little-endian integer, without an int round trip.
+    payload[len(payload) - TRAILER:] = xxhash.xxh3_64_digest(memoryview(payload)[: len(payload) - TRAILER])[::-1]
 
 
 def unseal(payload: bytes | memoryview, what: str) -> memoryview:
@@ -148,7 +148,7 @@ def unseal(payload: bytes | memoryview, what: str) -> memoryview:
     if len(view) < TRAILER:
         raise IntegrityError(f"{what}: payload of {len(view)} bytes is too short")
     body = view[: len(view) - TRAILER]
-    if xxhash.xxh3_64_intdigest(body) != int.from_bytes(view[len(view) - TRAILER:], "little"):
+    if xxhash.xxh3_64_digest(body)[::-1] != view[len(view) - TRAILER:]:
         raise IntegrityError(f"{what}: payload checksum does not match")
     return body
 
