@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 from deltafs.defaults import DEFAULT_GRACE
 from deltafs.errors import DeltafsError, FormatError, IntegrityError, ObjectNotFoundError, UsageError
-from deltafs.read.chain import (BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_fold_key,
-                                plan_chain)
+from deltafs.format.keys import BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_fold_key
+from deltafs.read.chain import plan_chain
 from deltafs.store.accelerators import load_bridge, load_fold
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key, parse_manifest_key
 from deltafs.format.versions import MAX_VERSION
@@ -290,6 +290,7 @@ def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:
                 if extra is not None:
                     needed = _objects_of([extra])
                     plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
+
 
 def _fold_keys(repo: Repository) -> list[tuple[int, str]]:
     return _versioned_keys(repo, FOLD_PREFIX, parse_fold_key)

@@ -16,7 +16,7 @@ import logging
 from deltafs.errors import DeltafsError
 from deltafs.format.keys import bridge_key
 from deltafs.format.manifest import FileEntry, Manifest
-from deltafs.publish.commit import ensure_chunks
+from deltafs.publish.commit import accelerator_manifest, ensure_chunks
 from deltafs.publish.encode import EncodeStats, Encoder
 from deltafs.publish.source import SourceFile
 from deltafs.store.accelerators import is_bridge_of
@@ -44,12 +44,10 @@ def write_bridge(repo: Repository, man: Manifest, files: list[FileEntry], stats:
     Written with a plain put: a bridge left by a push of the same version number that never committed names
     another digest and is replaced (readers ignore a bridge whose `bridge_of` is not the version's digest).
     """
-    record = {"bridge_of": man.digest, "full_bytes": man.raw_bytes, "chunk_bytes_stored": stats.stored,
-              "chunks_total": stats.chunks_total, "chunks_stored": stats.chunks_written,
-              "elements_total": stats.elements_total, "elements_changed": stats.elements_changed}
-    bridge = Manifest(store_id=repo.store_id, version=man.version, parent=man.parent, parent_digest=man.parent_digest,
-                      kind="delta", chunk_bytes=man.chunk_bytes, created=man.created,
-                      files=tuple(sorted(files, key=lambda f: f.path)), metadata=man.metadata, stats=record).sealed()
+    if man.parent is None or man.parent_digest is None:
+        raise DeltafsError(f"version {man.version} has no parent to bridge from")
+    bridge = accelerator_manifest(man, man.parent, man.parent_digest, files, stats, role="bridge_of",
+                                  created=man.created)
     if not is_bridge_of(bridge, man):
         raise DeltafsError("the bridge's files differ from the full version's (a source changed during the push)")
     ensure_chunks(repo, bridge.files, stats, lapsed=lapsed)

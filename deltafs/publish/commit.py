@@ -39,18 +39,31 @@ def referenced_chunks(files: Iterable[FileEntry]) -> set[str]:
     return {ch.object for f in files for seg in f.segments for ch in seg.chunks if ch.object is not None}
 
 
+def stats_record(stats: EncodeStats, full_bytes: int) -> dict[str, Any]:
+    """What every manifest a push writes records of its encode (`stats`; manifests/FORMAT.md)."""
+    return {"full_bytes": full_bytes, "chunk_bytes_stored": stats.stored, "chunks_total": stats.chunks_total,
+            "chunks_stored": stats.chunks_written, "elements_total": stats.elements_total,
+            "elements_changed": stats.elements_changed}
+
+
+def accelerator_manifest(man: Manifest, parent: int, parent_digest: str, files: Iterable[FileEntry],
+                         stats: EncodeStats, *, role: str, created: str) -> Manifest:
+    """A second manifest of version `man`, a fold or a bridge (manifests/FORMAT.md): its version, files and metadata,
+    encoded as a delta against version `parent`, with `stats[role]` ("fold_of", "bridge_of") naming man's digest;
+    sealed and checked."""
+    return Manifest(store_id=man.store_id, version=man.version, parent=parent, parent_digest=parent_digest,
+                    kind="delta", chunk_bytes=man.chunk_bytes, created=created,
+                    files=tuple(sorted(files, key=lambda f: f.path)), metadata=man.metadata,
+                    stats={role: man.digest, **stats_record(stats, man.raw_bytes)}).sealed()
+
+
 def seal_manifest(repo: Repository, *, version: int, kind: str, parent: Manifest | None, files: list[FileEntry],
                   metadata: Mapping[str, Any], stats: EncodeStats,
                   extra_stats: Mapping[str, Any] | None = None) -> Manifest:
     """The new version's manifest, with the stats the keyframe policy and `log` read; sealed and checked."""
     delta = kind == "delta" and parent is not None
     record: dict[str, Any] = {
-        "full_bytes": sum(f.size for f in files),
-        "chunk_bytes_stored": stats.stored,
-        "chunks_total": stats.chunks_total,
-        "chunks_stored": stats.chunks_written,
-        "elements_total": stats.elements_total,
-        "elements_changed": stats.elements_changed,
+        **stats_record(stats, sum(f.size for f in files)),
         # Delta bytes since the last full version (0 for a full version): what the keyframe budget compares.
         "chain_bytes": stats.stored + int(parent.stats.get("chain_bytes", 0)) if delta and parent else 0,
         "since_full": int(parent.stats.get("since_full", 0)) + 1 if delta and parent else 0,

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 from deltafs.errors import DeltafsError
 from deltafs.format.manifest import FileEntry, Manifest
-from deltafs.publish.commit import ensure_chunks
+from deltafs.publish.commit import accelerator_manifest, ensure_chunks
 from deltafs.publish.encode import EncodeStats, Encoder
 from deltafs.publish.plan import base_for, drop_cache
 from deltafs.publish.source import SourceFile
 from deltafs.read.dest import LocalCheckpoint, LocalState
 from deltafs.format.records import utcnow
-from deltafs.read.chain import fold_key, plan_chain
+from deltafs.format.keys import fold_key
+from deltafs.read.chain import plan_chain
 from deltafs.store.accelerators import is_fold_of
 from deltafs.read.rebuild import LocalBaseError
 from deltafs.store.repo import Repository
@@ -64,13 +65,8 @@ def write_fold(repo: Repository, man: Manifest, parts: list[FoldPart]) -> int:
     stats = EncodeStats()
     for p in parts:
         stats.add(p.stats)
-    entries = sorted((FileEntry.from_json(f) for p in parts for f in p.files), key=lambda f: f.path)
-    record = {"fold_of": man.digest, "full_bytes": man.raw_bytes, "chunk_bytes_stored": stats.stored,
-              "chunks_total": stats.chunks_total, "chunks_stored": stats.chunks_written,
-              "elements_total": stats.elements_total, "elements_changed": stats.elements_changed}
-    folded = Manifest(store_id=repo.store_id, version=man.version, parent=full.version, parent_digest=full.digest,
-                      kind="delta", chunk_bytes=man.chunk_bytes, created=utcnow(), files=tuple(entries),
-                      metadata=man.metadata, stats=record).sealed()
+    folded = accelerator_manifest(man, full.version, full.digest, (FileEntry.from_json(f) for p in parts for f in p.files),
+                                  stats, role="fold_of", created=utcnow())
     if not is_fold_of(folded, man):
         raise DeltafsError("the source changed after the version was committed")
     ensure_chunks(repo, folded.files, stats, lapsed=False)

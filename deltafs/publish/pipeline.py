@@ -197,6 +197,12 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
                          "base_rederived": any(r.rederived for r in reports)})
 
 
+def _from_copy(files: list[SourceFile], root: str) -> list[SourceFile]:
+    """files, with the in-memory ones (push_tensors) read from their copy under `root` (a push cache that holds this
+    version) instead of from the tensors: an accelerator's tensors would otherwise cross to the host a second time."""
+    return [f if f.pieces is None else replace(f, abspath=os.path.join(root, f.path), pieces=None) for f in files]
+
+
 def _moved(f: SourceFile, old: str, new: str) -> SourceFile:
     """f, read from directory `new` if it was read from `old` (an inherited file of a patched push cache)."""
     inside = os.path.join(old, "")
@@ -339,16 +345,11 @@ class _Rank:
     def _encode_bridge(self, files: list[SourceFile]) -> tuple[list[FileEntry], EncodeStats] | None:
         """This rank's files of a full version against its parent (the push cache, not yet replaced)."""
         if self.bridge_base is None:
-            log.info("no bridge for version %s: the push cache does not hold its parent",
-                                              self.decision.version)
+            log.info("no bridge for version %s: the push cache does not hold its parent", self.decision.version)
             return None
-        assert self.stage is not None
-        # In-memory files (push_tensors) are read again from the new cache's copy, which the full encode just
-        # wrote, not from the tensors: an accelerator's tensors would otherwise cross to the host a second time.
-        files = [f if f.pieces is None else replace(f, abspath=os.path.join(self.stage, f.path), pieces=None)
-                 for f in files]
-        return encode_bridge_part(self.open_repo(), self.bridge_base, files, level=self.opts.level,
-                                  full_level=self.opts.full_level, threads=self.threads)
+        assert self.stage is not None  # the new cache's copy, which the full encode just wrote
+        return encode_bridge_part(self.open_repo(), self.bridge_base, _from_copy(files, self.stage),
+                                  level=self.opts.level, full_level=self.opts.full_level, threads=self.threads)
 
     def _patch_cache(self, files: list[SourceFile], base: LocalState, allow_link: bool) -> bool:
         """Whether to update the cache by writing the changed chunks into its files (see encode.patchable).
@@ -418,15 +419,14 @@ class _Rank:
 
     def _write_bridge(self, man: Manifest, reports: list[RankReport], lapsed: bool) -> int:
         """The bridge of full version `man` from every rank's part, before `man` is committed; 0 if none."""
-        parts = [r.bridge for r in reports]
-        if any(p is None for p in parts):
+        parts = [r.bridge for r in reports if r.bridge is not None]
+        if len(parts) < len(reports):
             return 0  # a rank could not encode its part (logged there)
         stats = EncodeStats()
-        for p in parts:
-            assert p is not None
-            stats.add(p[1])
+        for _files, part_stats in parts:
+            stats.add(part_stats)
         try:
-            return write_bridge(self.open_repo(), man, [f for p in parts if p is not None for f in p[0]], stats,
+            return write_bridge(self.open_repo(), man, [f for files, _stats in parts for f in files], stats,
                                 lapsed=lapsed)
         except (DeltafsError, OSError) as exc:
             log.warning("version %s goes without its bridge: %s", man.version, exc)
@@ -449,11 +449,7 @@ class _Rank:
             state = self.cache.state()
             if state is None or state.digest != man.digest:
                 raise DeltafsError("the push cache does not hold the version just committed")
-            # In-memory files (push_tensors) are read again from the cache's copy of this version, not from the
-            # tensors: an accelerator's tensors would otherwise cross to the host a second time.
-            files = [f if f.pieces is None else replace(f, abspath=os.path.join(state.path, f.path), pieces=None)
-                     for f in self.encoded]
-            return encode_fold_part(self.open_repo(), man, state, self.keyframe, files,
+            return encode_fold_part(self.open_repo(), man, state, self.keyframe, _from_copy(self.encoded, state.path),
                                     level=self.opts.level, full_level=self.opts.full_level, threads=self.threads)
 
         try:

@@ -18,7 +18,6 @@ import logging
 from dataclasses import dataclass
 
 from deltafs.errors import DeltafsError, IntegrityError
-from deltafs.format.keys import BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_fold_key
 from deltafs.format.manifest import DELTA_CODECS, Manifest
 from deltafs.read.dest import LocalState
 from deltafs.store.accelerators import load_bridge, load_fold
@@ -152,5 +151,4 @@ def cross_by_bridge(repo: Repository, steps: list[Manifest], local: LocalState, 
     return Chain(below.steps + [bridge] + steps[1:], local, final=full if len(steps) == 1 else None)
 
 
-__all__ = ["BRIDGE_PREFIX", "FOLD_PREFIX", "MAX_BRIDGES", "Chain", "bridge_key", "cross_by_bridge", "parse_bridge_key",
-           "chain_cost", "chain_objects", "fold_key", "parse_fold_key", "plan_chain", "prefer_fold"]
+__all__ = ["MAX_BRIDGES", "Chain", "chain_cost", "chain_objects", "cross_by_bridge", "plan_chain", "prefer_fold"]

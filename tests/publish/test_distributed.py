@@ -179,7 +179,7 @@ def test_ranks_push_an_fsdp2_dtensor_state_dict_and_fold(tmp_path):
     assert results[2]["fold_bytes"] > 0  # v3 is two deltas past v1: folded
     same = [{k: v for k, v in r.items() if k != "seconds"} for r in results]
     assert same == [{k: v for k, v in r.items() if k != "seconds"} for r in reports[1]["results"]]
-    from deltafs.read.chain import fold_key
+    from deltafs.format.keys import fold_key
 
     assert Repository.open(store).objects.exists(fold_key(3))
     pull(store, str(tmp_path / "dest"))

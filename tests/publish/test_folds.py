@@ -7,7 +7,8 @@ import json
 import pytest
 
 from deltafs.format.manifest import manifest_json, stored_manifest
-from deltafs.read.chain import chain_cost, fold_key, plan_chain
+from deltafs.format.keys import fold_key
+from deltafs.read.chain import chain_cost, plan_chain
 from deltafs.store.accelerators import load_fold
 from deltafs.maintenance.gc import gc
 from deltafs.maintenance.verify import verify
