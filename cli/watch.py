@@ -169,6 +169,10 @@ def launch_args_cmd(
 
 def render_fleet(report: Any) -> str:
     lines = [f"store {report.store_url}: HEAD is version {report.head if report.head is not None else '(none)'}"]
+    if report.head is not None and report.head_object != report.head:
+        named = "is missing" if report.head_object is None else f"still names version {report.head_object}"
+        lines[0] += (f" (the HEAD object {named}: a push committed version {report.head} but did not move it;"
+                     " the next push does)")
     if not report.hosts:
         lines.append("no watcher has reported yet")
         return "\n".join(lines)

@@ -79,20 +79,18 @@ class Repository:
         """The newest committed version.
 
         HEAD is written after the manifest commits, so it can lag behind by the versions whose
-        pusher died in between; probing the next manifest keys finds those.
+        pusher died in between (or could not write it); probing the next manifest keys finds those.
         """
-        head = self.read_head()
-        if head is None:
-            versions = self.versions()
-            if not versions:
-                return None
-            newest = self.manifest(versions[-1])
-            return Head(newest.version, newest.digest)
-        newer = [v for v in self.versions(after=head.version)]
-        if newer:
-            man = self.manifest(newer[-1])
-            return Head(man.version, man.digest)
-        return head
+        return self.heads()[0]
+
+    def heads(self) -> tuple[Head | None, Head | None]:
+        """(the newest committed version, as head() returns it; the HEAD object as stored, None when absent)."""
+        stored = self.read_head()
+        newer = self.versions(after=None if stored is None else stored.version)
+        if not newer:
+            return stored, stored
+        man = self.manifest(newer[-1])
+        return Head(man.version, man.digest), stored
 
     def versions(self, after: int | None = None) -> list[int]:
         """Committed version numbers, ascending (from the manifest listing)."""

@@ -117,19 +117,21 @@ class FleetReport:
     store_url: str
     head: int | None
     hosts: list[FleetRow]
+    head_object: int | None = None  # the version the HEAD object names: below head while it lags (a push that
+    #                                  committed but died or could not write HEAD after its manifest)
 
     @property
     def healthy(self) -> bool:
         return all(r.problem is None for r in self.hosts)
 
     def to_json(self) -> dict[str, Any]:
-        return {"store": self.store_url, "head": self.head, "healthy": self.healthy,
+        return {"store": self.store_url, "head": self.head, "head_object": self.head_object, "healthy": self.healthy,
                 "hosts": [r.to_json() for r in self.hosts]}
 
 
 def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_HOST_STALE_AFTER, now: _dt.datetime | None = None) -> FleetReport:
     """Every host's ledger entry compared with HEAD."""
-    head = repo.head()
+    head, stored = repo.heads()
     head_version = head.version if head else None
     now = now or _dt.datetime.now(_dt.timezone.utc)
     rows = []
@@ -156,7 +158,7 @@ def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_HOST_STALE_AF
             problem = disagree[st.host_id]
         rows.append(FleetRow(st, key, lag, stale, problem))
     rows.sort(key=lambda r: r.status.host_id if r.status else r.key)
-    return FleetReport(repo.url, head_version, rows)
+    return FleetReport(repo.url, head_version, rows, stored.version if stored else None)
 
 
 def _checksum_disagreements(statuses: list[HostStatus]) -> dict[str, str]:

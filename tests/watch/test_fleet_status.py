@@ -90,6 +90,24 @@ def test_status_cli_json(fleet):
     assert {h["host"]["host_id"]: h["lag"] for h in data["hosts"]} == {"rollout-a": 0, "rollout-b": 2}
 
 
+def test_status_says_when_the_head_object_lags(fleet):
+    # A push that committed version 3 but could not move HEAD (it died, or the disk was full): readers and status
+    # call 3 the newest, and status says that the HEAD object still names 2.
+    from deltafs.format.keys import HEAD_KEY
+    from deltafs.format.records import Head
+
+    assert json.loads(status_cli(fleet.url, "--json").stdout)["head_object"] == 3
+    assert "HEAD object" not in status_cli(fleet.url).stdout
+    fleet.objects.put(HEAD_KEY, Head(2, fleet.manifest(2).digest).to_bytes())
+    data = json.loads(status_cli(fleet.url, "--json").stdout)
+    assert (data["head"], data["head_object"]) == (3, 2)
+    first = status_cli(fleet.url).stdout.splitlines()[0]
+    assert "HEAD is version 3 (the HEAD object still names version 2" in first
+    fleet.objects.delete(HEAD_KEY)
+    assert "HEAD is version 3 (the HEAD object is missing" in status_cli(fleet.url).stdout.splitlines()[0]
+    assert json.loads(status_cli(fleet.url, "--json").stdout)["head_object"] is None
+
+
 def test_status_cli_healthy_fleet_exits_zero(fleet):
     fleet.objects.delete(ledger_key("rollout-b"))
     assert status_cli(fleet.url).return_value == 0
