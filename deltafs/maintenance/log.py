@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltafs.errors import ObjectNotFoundError
-from deltafs.format.keys import bridge_key
-from deltafs.store.accelerators import load_bridge
+from deltafs.store.accelerators import load_bridge_sized
 from deltafs.store.repo import Repository
 
 
@@ -56,13 +54,8 @@ def log(store: str | Repository, *, storage_options: dict[str, Any] | None = Non
         full = int(st.get("full_bytes", man.raw_bytes))
         total = int(st.get("elements_total", 0))
         changed = (int(st.get("elements_changed", 0)) / total if total else 0.0) if man.kind == "delta" else None
-        bridge = load_bridge(repo, man)  # one get per full version shown that has a parent
-        bridge_bytes = None
-        if bridge is not None:
-            try:
-                bridge_bytes = int(bridge.stats.get("chunk_bytes_stored", 0)) + repo.objects.size(bridge_key(v))
-            except ObjectNotFoundError:
-                pass  # removed since it was read (a gc): shown as none
+        bridge = load_bridge_sized(repo, man)  # one get per full version shown that has a parent
+        bridge_bytes = None if bridge is None else int(bridge[0].stats.get("chunk_bytes_stored", 0)) + bridge[1]
         out.append(LogEntry(v, man.kind, man.parent, changed, written, full, round(full / written, 2) if written else None,
                             man.created, man.metadata, head is not None and head.version == v, bridge_bytes))
     out.reverse()

@@ -34,22 +34,26 @@ def _same_files(a: Manifest, b: Manifest) -> bool:
 
 def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
     """The fold of `target`, or None if there is none or it is not usable (never an error)."""
-    fold = _load_accelerator(repo, fold_key(target.version), target.version, "fold")
-    return fold if fold is not None and is_fold_of(fold, target) else None
+    found = _load_accelerator(repo, fold_key(target.version), target.version, "fold")
+    return found[0] if found is not None and is_fold_of(found[0], target) else None
 
 
 def read_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest:
     """The fold or bridge manifest under `key` for `version`, read and checked as any manifest of this store.
 
     Raises ObjectNotFoundError when there is none, another DeltafsError when it cannot be used."""
+    return _read_sized(repo, key, version, what)[0]
+
+
+def _read_sized(repo: Repository, key: str, version: int, what: str) -> tuple[Manifest, int]:
     data = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
-    return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what)
+    return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what), len(data)
 
 
-def _load_accelerator(repo: Repository, key: str, version: int, what: str) -> Manifest | None:
-    """read_accelerator, or None if there is none or it is unreadable (logged)."""
+def _load_accelerator(repo: Repository, key: str, version: int, what: str) -> tuple[Manifest, int] | None:
+    """(manifest, stored size) as read_accelerator reads it, or None if there is none or it is unreadable (logged)."""
     try:
-        return read_accelerator(repo, key, version, what)
+        return _read_sized(repo, key, version, what)
     except ObjectNotFoundError:
         return None
     except DeltafsError as exc:
@@ -68,10 +72,16 @@ def is_bridge_of(bridge: Manifest, target: Manifest) -> bool:
 
 def load_bridge(repo: Repository, target: Manifest) -> Manifest | None:
     """The bridge of full version `target`, or None if there is none or it is not usable (never an error)."""
+    found = load_bridge_sized(repo, target)
+    return None if found is None else found[0]
+
+
+def load_bridge_sized(repo: Repository, target: Manifest) -> tuple[Manifest, int] | None:
+    """load_bridge, with the bridge manifest's stored size (from the same read: one request)."""
     if target.kind != "full" or target.parent is None:
         return None
-    bridge = _load_accelerator(repo, bridge_key(target.version), target.version, "bridge")
-    return bridge if bridge is not None and is_bridge_of(bridge, target) else None
+    found = _load_accelerator(repo, bridge_key(target.version), target.version, "bridge")
+    return found if found is not None and is_bridge_of(found[0], target) else None
 
 
-__all__ = ["is_bridge_of", "is_fold_of", "load_bridge", "load_fold", "read_accelerator"]
+__all__ = ["is_bridge_of", "is_fold_of", "load_bridge", "load_bridge_sized", "load_fold", "read_accelerator"]

@@ -43,6 +43,7 @@ class Repository:
         self.objects = objects
         self.config = config
         self._manifests: dict[int, Manifest] = {}
+        self._stored: dict[int, int] = {}  # version -> stored size of its manifest object, from the read or the commit
 
     @property
     def url(self) -> str:
@@ -124,6 +125,7 @@ class Repository:
             raise VersionNotFoundError(f"version {version} is not in {self.url}") from None
         man = self.check_manifest(Manifest.decode(data, where=f"manifest of version {version}"), version)
         self._manifests[version] = man
+        self._stored[version] = len(data)
         return man
 
     def check_manifest(self, man: Manifest, version: int, what: str = "manifest") -> Manifest:
@@ -143,7 +145,9 @@ class Repository:
         return man
 
     def manifest_size(self, version: int) -> int:
-        return self.objects.size(manifest_key(version))
+        """The stored size of a version's manifest object: known without a request once this repository read it."""
+        known = self._stored.get(version)
+        return known if known is not None else self.objects.size(manifest_key(version))
 
     def commit(self, man: Manifest) -> int:
         """Create the manifest if its version is free (the commit point), then move HEAD.
@@ -160,6 +164,7 @@ class Repository:
                 f"version {man.version} was committed by another writer; pull and push again"
             )
         self._manifests[man.version] = man
+        self._stored[man.version] = len(data)
         try:
             self.advance_head(Head(man.version, man.digest))
         except (DeltafsError, OSError) as exc:

@@ -121,6 +121,35 @@ def test_log_shows_each_usable_bridge(history):
     assert [e.version for e in log(store) if e.bridge_bytes is not None] == [4]
 
 
+def test_log_reads_each_manifest_and_bridge_once(history):
+    """On an object store every request is a round trip: log gets each manifest shown and the bridge of each full
+    version shown, and sizes them from those reads (no stat of either)."""
+    store, _srcs, _results, repo = history
+    calls: list[tuple[str, str]] = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            attr = getattr(self.inner, name)
+            if not callable(attr):
+                return attr
+
+            def counted(*args, **kwargs):
+                calls.append((name, args[0] if args else ""))
+                return attr(*args, **kwargs)
+            return counted
+
+    fresh = Repository.open(store)
+    entries = log(Repository(Counting(fresh.objects), fresh.config))
+    assert [e.bridge_bytes for e in entries] == [e.bridge_bytes for e in log(store)]
+    assert [e.bytes_written for e in entries] == [e.bytes_written for e in log(store)]
+    assert sorted(key for op, key in calls if op == "get") == sorted(
+        ["HEAD"] + [f"manifests/v{v:010d}.json" for v in range(1, 9)] + [bridge_key(4), bridge_key(7)])
+    assert [op for op, _ in calls if op not in ("get", "list")] == []
+
+
 def test_new_hosts_and_hosts_of_another_chain_start_from_the_full_version(tmp_path, history):
     store, srcs, _results, repo = history
     res = pull(store, str(tmp_path / "new"), version=5)
