@@ -60,7 +60,7 @@ def push_cmd(
     metadata: Annotated[Optional[str], typer.Option("--metadata", help="Metadata as a JSON object.")] = None,
     full: Annotated[bool, typer.Option("--full", help="Store a full version (keyframe) even if a delta is possible.")] = False,
     keyframe_every: Annotated[int, typer.Option("--keyframe-every", callback=_non_negative("--keyframe-every"), help="A full version at least every N versions (0: never).")] = DEFAULT_KEYFRAME_EVERY,
-    keyframe_budget: Annotated[float, typer.Option("--keyframe-budget", callback=finite_seconds("--keyframe-budget"), help="A full version once the deltas since the last one exceed this many full sizes (0: never).")] = DEFAULT_KEYFRAME_BUDGET,
+    keyframe_budget: Annotated[float, typer.Option("--keyframe-budget", callback=finite_seconds("--keyframe-budget", unit="full sizes"), help="A full version once the deltas since the last one exceed this many full sizes (0: never).")] = DEFAULT_KEYFRAME_BUDGET,
     fold: Annotated[bool, typer.Option("--fold", help="Also write a folded delta from the last full version, so lagging readers take one step.")] = False,
     bridge: Annotated[bool, typer.Option("--bridge/--no-bridge", help="With a full version, also write its bridge: a delta against the previous version, so hosts that hold it need not read the full version.")] = True,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Push cache directory (default $DELTAFS_CACHE or ~/.cache/deltafs).")] = None,
@@ -297,9 +297,9 @@ def log_cmd(
       deltafs log /mnt/ckpt-store --limit 20
       deltafs log s3://bucket/run7 --since 2026-12-01 --json
     """
-    from deltafs.maintenance.log import log
+    from deltafs.maintenance.log import log, parse_since
 
-    since_value: int | str | None = int(since) if since is not None and since.isdigit() else since
+    since_value = None if since is None else parse_since(since)
     entries = log(store, storage_options=parse_storage_options(storage_options), limit=limit, since=since_value)
     out = Output(json_mode=json_out)
     rows = [f"{'version':>8} {'kind':<6} {'parent':>7} {'changed':>8} {'written':>11} {'ratio':>8}  {'created (UTC)':<19}  metadata"]

@@ -36,14 +36,15 @@ def _threads(value: Optional[int]) -> Optional[int]:
     return value
 
 
-def finite_seconds(flag: str, *, positive: bool = False) -> Any:
-    """A callback that accepts only finite, non-negative (or, with positive, > 0) seconds."""
+def finite_seconds(flag: str, *, positive: bool = False, unit: str = "seconds") -> Any:
+    """A callback that accepts only finite, non-negative (or, with positive, > 0) values: seconds, or another unit."""
 
     def check(value: Optional[float]) -> Optional[float]:
         if value is None:
             return None
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise UsageError(f"{flag} must be a finite number of seconds {'> 0' if positive else '>= 0'}, got {value}")
+            raise UsageError(f"{flag} must be a finite number{f' of {unit}' if unit else ''} "
+                             f"{'> 0' if positive else '>= 0'}, got {value}")
         return value
 
     return check

@@ -69,6 +69,11 @@ class DestinationError(DeltafsError, RuntimeError):
     or a path deltafs writes beside it is not deltafs's own (a planted symlink)."""
 
 
+class ForeignStoreError(DestinationError):
+    """DEST holds a verified checkpoint that deltafs pulled from another store (a watcher replaces it; pull needs
+    --force)."""
+
+
 class EngineError(DeltafsError, RuntimeError):
     """An inference engine refused or failed a weight update."""
 

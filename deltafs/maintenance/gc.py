@@ -99,8 +99,10 @@ def gc(store: str | Repository, *, keep_last: int, keep_full: int = 0, grace: fl
     """Plan, then (unless dry_run) execute a gc under the store's gc lock. See the module docstring."""
     if keep_last < 1:
         raise UsageError("--keep-last must be at least 1 (HEAD's version is always kept)")
-    if keep_full < 0 or not grace >= 0 or grace == float("inf"):  # `not >=` also refuses NaN
-        raise UsageError(f"--keep-full cannot be negative and --grace must be a finite number >= 0 (got {grace})")
+    if keep_full < 0:
+        raise UsageError(f"--keep-full cannot be negative, got {keep_full}")
+    if not grace >= 0 or grace == float("inf"):  # `not >=` also refuses NaN
+        raise UsageError(f"--grace must be a finite number of seconds >= 0, got {grace}")
     t0 = time.monotonic()
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     if dry_run:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as _dt
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deltafs.errors import UsageError
 from deltafs.store.accelerators import load_bridge_sized
 from deltafs.store.repo import Repository
 
@@ -29,6 +32,29 @@ class LogEntry:
         return asdict(self)
 
 
+# A UTC time as manifests record it, or a prefix of one: a year, a month, a day, then hours, minutes, seconds.
+_SINCE = re.compile(r"^(\d{4})(?:-(\d{2})(?:-(\d{2})(?:T(\d{2})(?::(\d{2})(?::(\d{2})(?:\.\d{1,6})?)?)?)?)?)?Z?$")
+
+
+def parse_since(text: str) -> int | str:
+    """--since as log() takes it: a version number (digits alone), or an ISO 8601 UTC time or a prefix of one ("2026-12",
+    "2026-12-01T08:00", a space for the T); UsageError for anything else (it would select nothing, or everything)."""
+    if text.isdigit():
+        return int(text)
+    value = text.strip().replace(" ", "T", 1).removesuffix("Z")
+    m = _SINCE.match(value)
+    if m is not None:
+        year, month, day, hour, minute, second = (int(g) if g else None for g in m.groups())
+        try:
+            _dt.datetime(year or 1, month or 1, day or 1, hour or 0, minute or 0, second or 0)
+        except ValueError:
+            m = None
+    if m is None:
+        raise UsageError(f"--since must be a version number or a UTC time such as 2026-12-01 or 2026-12-01T08:00, "
+                         f"got {text!r}")
+    return value
+
+
 def log(store: str | Repository, *, storage_options: dict[str, Any] | None = None, limit: int | None = None,
         since: int | str | None = None) -> list[LogEntry]:
     """Committed versions, oldest first.
@@ -37,6 +63,8 @@ def log(store: str | Repository, *, storage_options: dict[str, Any] | None = Non
     time (a prefix such as "2026-12-01" works). Only the manifests shown are read, and the bridge of each full
     version shown that has a parent.
     """
+    if isinstance(since, str):
+        since = parse_since(since)  # before anything is read: it refuses what would select nothing (or everything)
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     head = repo.head()
     out: list[LogEntry] = []

@@ -14,7 +14,7 @@ from deltafs.format.versions import MAX_VERSION, VERSION_DIGITS
 from deltafs.format.keys import bridge_key
 from deltafs.read.chain import Chain, plan_chain
 from deltafs.store.accelerators import is_bridge_of, read_accelerator
-from deltafs.read.dest import LocalCheckpoint, check_layout, file_digest_on_disk
+from deltafs.read.dest import LocalCheckpoint, check_layout, extra_entries, file_digest_on_disk
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
 
@@ -61,6 +61,11 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
     for v in versions:
         try:
             man = repo.manifest(v)
+        except VersionNotFoundError:
+            if version is not None and not all_versions:
+                raise  # the version asked for does not exist: exit 4, as show, diff and pull say it
+            report.fail(f"version {v} is not in {repo.url} (removed since it was listed)")
+            continue
         except DeltafsError as exc:
             report.fail(f"version {v}: {exc}")
             continue
@@ -179,11 +184,8 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
             continue
         if size != f.size or digest != f.digest:
             report.fail(f"{dest}: {f.path}: digest {digest[:24]}… differs from version {v}'s {f.digest[:24]}…")
-    for dirpath, _dirs, files in os.walk(state.path):
-        for name in files:
-            rel = os.path.relpath(os.path.join(dirpath, name), state.path).replace(os.sep, "/")
-            if rel not in listed:
-                report.fail(f"{dest}: {rel} is not part of version {v}")
+    for rel in extra_entries(state.path, listed):
+        report.fail(f"{dest}: {rel} is not part of version {v}")
 
 
 def _seg_name(key: str) -> str:

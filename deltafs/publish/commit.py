@@ -39,6 +39,14 @@ def referenced_chunks(files: Iterable[FileEntry]) -> set[str]:
     return {ch.object for f in files for seg in f.segments for ch in seg.chunks if ch.object is not None}
 
 
+def referenced_bytes(files: Iterable[FileEntry]) -> int:
+    """Bytes of the distinct objects the chunk records name: what a reader of this version fetches, whoever stored
+    them (a push that reuses the objects of a killed attempt stores few bytes itself)."""
+    sizes = {ch.object: ch.object_bytes for f in files for seg in f.segments for ch in seg.chunks
+             if ch.object is not None}
+    return sum(sizes.values())
+
+
 def stats_record(stats: EncodeStats, full_bytes: int) -> dict[str, Any]:
     """What every manifest a push writes records of its encode (`stats`; manifests/FORMAT.md)."""
     return {"full_bytes": full_bytes, "chunk_bytes_stored": stats.stored, "chunks_total": stats.chunks_total,
@@ -64,8 +72,9 @@ def seal_manifest(repo: Repository, *, version: int, kind: str, parent: Manifest
     delta = kind == "delta" and parent is not None
     record: dict[str, Any] = {
         **stats_record(stats, sum(f.size for f in files)),
-        # Delta bytes since the last full version (0 for a full version): what the keyframe budget compares.
-        "chain_bytes": stats.stored + int(parent.stats.get("chain_bytes", 0)) if delta and parent else 0,
+        # Delta bytes since the last full version (0 for a full version): what the keyframe budget compares, so
+        # what readers fetch (the objects each delta names), not what this push happened to store.
+        "chain_bytes": referenced_bytes(files) + int(parent.stats.get("chain_bytes", 0)) if delta and parent else 0,
         "since_full": int(parent.stats.get("since_full", 0)) + 1 if delta and parent else 0,
         **(extra_stats or {}),
     }

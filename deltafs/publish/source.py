@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -14,6 +15,8 @@ from deltafs.errors import FormatError, SourceError
 from deltafs.format.dtypes import DTYPE_SIZES, nbytes
 from deltafs.format.manifest import check_relpath
 from deltafs.publish.select import is_store_dir, refuse_unpublishable, selected
+
+log = logging.getLogger("deltafs")
 
 # A safetensors header larger than this is not a real checkpoint (the format's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
@@ -166,8 +169,24 @@ def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequ
     if not os.path.isdir(src):
         raise SourceError(f"{src} is neither a file nor a directory")
     files = []
-    for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if not is_store_dir(os.path.join(dirpath, d)))
+    # Links are followed, to files (as a Hugging Face snapshot's are) and to directories (a shared tokenizer
+    # folder) alike: the version holds what the trainer's directory shows. A directory reached a second time (a
+    # link cycle, or a second link to one folder) is not walked again, with a warning.
+    seen_dirs = {os.path.realpath(src)}
+    for dirpath, dirnames, filenames in os.walk(src, followlinks=True):
+        walk = []
+        for d in sorted(dirnames):
+            full = os.path.join(dirpath, d)
+            real = os.path.realpath(full)
+            if is_store_dir(full):
+                continue
+            if real in seen_dirs:
+                log.warning("%s leads to a directory published already (a link cycle, or a second link to one "
+                            "folder): its files are not published under this name too", full)
+                continue
+            seen_dirs.add(real)
+            walk.append(d)
+        dirnames[:] = walk
         for name in sorted(filenames):
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, src).replace(os.sep, "/")
@@ -213,6 +232,22 @@ def scan_file(rel: str, full: str) -> SourceFile:
     return SourceFile(rel, full, size, "blob", (SourceSegment(f"f:{rel}", "blob", 0, size),))
 
 
+class _DuplicateName(ValueError):
+    pass
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refusing a name given twice (json.loads keeps the last one silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _DuplicateName(name)
+            seen.add(name)
+    return out
+
+
 def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegment, ...]:
     """Split a safetensors file into its header and one segment per tensor, in file order."""
     bad = f"{rel} is not a valid safetensors file"
@@ -222,11 +257,17 @@ def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegmen
     if hlen > MAX_HEADER_BYTES or 8 + hlen > size or 8 + hlen > len(head):
         raise SourceError(f"{bad}: header length {hlen} does not fit the file")
     try:
-        header = json.loads(head[8 : 8 + hlen])
-    except (ValueError, UnicodeDecodeError):
+        header = json.loads(head[8 : 8 + hlen], object_pairs_hook=_unique_members)
+    except _DuplicateName as exc:
+        raise SourceError(f"{bad}: the header names {exc.args[0]!r} twice") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise SourceError(f"{bad}: header is not JSON") from None
     if not isinstance(header, dict):
         raise SourceError(f"{bad}: header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise SourceError(f"{bad}: __metadata__ must map names to strings (the safetensors loaders refuse "
+                          "anything else)")
     data_start = 8 + hlen
     tensors = []
     for name, info in header.items():

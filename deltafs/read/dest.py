@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from deltafs.buffers import aligned_empty, pread_aligned
-from deltafs.errors import DestinationError, FormatError, LockHeldError
+from deltafs.errors import DestinationError, ForeignStoreError, FormatError, LockHeldError
 from deltafs.format import digests
 from deltafs.format.manifest import FileEntry, Manifest, Segment
 from deltafs.format.records import (DEST_STATE_MAX_BYTES, dest_state_bytes, dest_state_record, embedded_manifest_span,
@@ -159,7 +159,7 @@ class LocalCheckpoint:
     # --- reading -------------------------------------------------------------------------
     def state(self) -> LocalState | None:
         """The state of the version DEST points to, or None if DEST is not managed by deltafs."""
-        name = self._linked_name()
+        name = self.linked_name()
         if name is None:
             return None
         version_dir = os.path.join(self.sidecar, name)
@@ -176,7 +176,7 @@ class LocalCheckpoint:
         except (OSError, ValueError, KeyError, TypeError, FormatError, DestinationError):
             return None
 
-    def _linked_name(self) -> str | None:
+    def linked_name(self) -> str | None:
         """The name of the sidecar entry DEST links to, whatever its state record says (None if DEST is no such
         link): cleanup and recycling never touch it, even when its record is damaged and state() is None."""
         try:
@@ -195,7 +195,7 @@ class LocalCheckpoint:
         if os.path.islink(self.dest):
             if self.state() is not None:
                 return None
-            linked = self._linked_name()
+            linked = self.linked_name()
             if linked is not None and VERSION_DIR.match(linked):
                 return (f"{self.dest} points to {os.path.join(self.sidecar, linked)}, whose state record "
                         f"({linked}.json) is missing or damaged")
@@ -225,6 +225,9 @@ class LocalCheckpoint:
                 return f"{f.path} was modified after it was installed"
             if full and file_digest_on_disk(path, f, state.manifest.chunk_bytes) != f.digest:
                 return f"{f.path} does not match version {state.version}'s digest"
+        extra = extra_entries(state.path, {f.path for f in state.manifest.files})
+        if extra:
+            return f"{extra[0]} is not part of version {state.version}"
         return None
 
     # --- writing -------------------------------------------------------------------------
@@ -301,7 +304,7 @@ class LocalCheckpoint:
             return None
         versions = self._versions_by_age()
         survivors = set(versions[-(keep - 1):]) if keep > 1 else set()
-        linked = self._linked_name()  # what state() reads, whatever its record says
+        linked = self.linked_name()  # what state() reads, whatever its record says
         if linked is not None:
             survivors.add(linked)
         old = [n for n in versions if n not in survivors]
@@ -366,7 +369,21 @@ class LocalCheckpoint:
         fsync_dir(parent)
         return final
 
-    def cleanup(self, keep: int = 2, *, background: bool = False) -> list[str]:
+    def remove_stale_staging(self) -> list[str]:
+        """Remove the staging directories a killed or failed run left (call it holding the lock: no other pull is
+        writing one). A pull killed while it built its version leaves one, which may be the version it recycled:
+        left there, it would hold a version's worth of space that the next pull needs on a DEST disk sized for
+        two versions. Only real directories of deltafs's staging pattern go (lstat: a planted link is left)."""
+        try:
+            self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
+        except FileNotFoundError:
+            return []
+        stale = [n for n in os.listdir(self.sidecar) if STAGING_DIR.match(n)
+                 and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode)]
+        _remove_trees([os.path.join(self.sidecar, n) for n in stale])
+        return stale
+
+    def cleanup(self, keep: int = 2, *, background: bool = False, also_keep: str | None = None) -> list[str]:
         """Remove stale staging dirs and all but the newest `keep` versions (the current one always stays).
 
         Only entries deltafs provably made go: a name of its own pattern, the right type (lstat, so a
@@ -377,6 +394,10 @@ class LocalCheckpoint:
         for the kernel to free them (~0.5 s per GB on ext4 when the cache held the only link). The thread is
         not a daemon: the interpreter waits for it at exit. A process killed meanwhile leaves a staging
         directory, which the next cleanup removes.
+
+        also_keep: the name of a version directory that stays whatever the mtimes say (a pull passes the version
+        DEST pointed to before it: an engine may still be reading it, and a touched older directory must not
+        outrank it).
         """
         try:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
@@ -385,9 +406,11 @@ class LocalCheckpoint:
         entries = {n: os.lstat(os.path.join(self.sidecar, n)) for n in os.listdir(self.sidecar)}
         versions = self._versions_by_age(entries)
         keep_names = set(versions[-keep:]) if keep > 0 else set()
-        linked = self._linked_name()  # the current version, also when its record is damaged: engines may read it
+        linked = self.linked_name()  # the current version, also when its record is damaged: engines may read it
         if linked is not None:
             keep_names.add(linked)
+        if also_keep is not None:
+            keep_names.add(also_keep)
         removed, doomed = [], []
         for n, st in entries.items():
             full = os.path.join(self.sidecar, n)
@@ -433,6 +456,26 @@ class LocalCheckpoint:
             return []
         return sorted(os.path.join(self.sidecar, n) for n in os.listdir(self.sidecar)
                       if VERSION_DIR.match(n) and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode))
+
+
+def extra_entries(root: str, paths: set[str]) -> list[str]:
+    """Entries under a version directory that are not its files ('/'-separated, sorted): anything but the listed
+    files and the directories that hold them (a planted file, a link, an extra .safetensors an engine would glob).
+    Links are listed, never followed."""
+    dirs: set[str] = set()
+    for p in paths:
+        parts = p.split("/")[:-1]
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    extra: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        extra += [prefix + name for name in filenames if prefix + name not in paths]
+        for name in list(dirnames):
+            if prefix + name not in dirs:
+                extra.append(prefix + name)
+                dirnames.remove(name)  # reported whole (os.walk would not enter a linked one anyway)
+    return sorted(extra)
 
 
 def _remove_trees(paths: list[str]) -> None:
@@ -537,6 +580,24 @@ def _file_stamps(directory: str, manifest: Manifest) -> dict[str, list[int]]:
     return out
 
 
+def refuse_nested(local: LocalCheckpoint, store_root: str | None) -> None:
+    """Refuse a DEST inside the store it reads (its sidecar would be a foreign key there: gc stops on it, verify
+    fails) or inside a deltafs sidecar (another DEST's verified versions, which nothing may write into), whatever
+    --force says."""
+    where = os.path.realpath(os.path.dirname(local.dest))
+    if store_root is not None:
+        root = os.path.realpath(store_root)
+        if where == root or where.startswith(root.rstrip(os.sep) + os.sep):
+            raise DestinationError(f"{local.dest} is inside the store {store_root}; pull into a directory outside it")
+    parts = where.split(os.sep)
+    for i in range(1, len(parts)):
+        if parts[i].endswith(SIDECAR_SUFFIX) and len(parts[i]) > len(SIDECAR_SUFFIX):
+            sidecar = os.sep.join(parts[:i + 1])
+            if os.path.islink(sidecar[:-len(SIDECAR_SUFFIX)]) or os.path.lexists(os.path.join(sidecar, "lock")):
+                raise DestinationError(f"{local.dest} is inside {sidecar}, where deltafs keeps the versions of "
+                                       f"{sidecar[:-len(SIDECAR_SUFFIX)]}; pull into a directory outside it")
+
+
 def precheck(local: LocalCheckpoint, force: bool) -> None:
     """Refuse, before anything is created beside DEST, what is certainly not deltafs's to replace.
 
@@ -563,7 +624,7 @@ def refuse_foreign(local: LocalCheckpoint, store_id: str, force: bool) -> LocalS
     state = local.state()
     if state is not None and state.store_id != store_id:
         if not force:
-            raise DestinationError(
+            raise ForeignStoreError(
                 f"{local.dest} holds a checkpoint of another store ({state.store_url}, id {state.store_id[:8]}); use --force to replace it"
             )
         return None

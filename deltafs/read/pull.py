@@ -26,7 +26,7 @@ from deltafs.errors import (
     local_write_error,
 )
 from deltafs.format.manifest import Head
-from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, precheck, refuse_foreign
+from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, precheck, refuse_foreign, refuse_nested
 from deltafs.progress import Progress
 from deltafs.read.chain import MAX_BRIDGES, Chain, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource, LocalBaseError
@@ -103,9 +103,12 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
     t0 = time.monotonic()
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     local = LocalCheckpoint(dest)
+    refuse_nested(local, repo.objects.local_root)
     precheck(local, force)  # before the lock creates anything beside DEST
     with local.lock(wait=wait_lock):
         state = refuse_foreign(local, repo.store_id, force)
+        previous = local.linked_name()  # kept by the cleanup below whatever the mtimes say: engines may read it
+        local.remove_stale_staging()  # a killed pull's: it may hold the space of the version it was recycling
         target = resolve_version(repo, version)
         repaired = None
         if state is not None and state.version == target:
@@ -136,7 +139,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
                 raise _name_version(exc2, target) from None
             fallback = True
         local.drop_chunk_cache()
-        local.cleanup(keep=keep)
+        local.cleanup(keep=keep, also_keep=previous)
         log.info("pulled version %d into %s from %s (%d bytes read)", target, dest,
                  "a full version" if chain.local is None else f"version {chain.local.version}", source.bytes_read)
         return PullResult(
@@ -197,14 +200,16 @@ def _materialize(repo: Repository, local: LocalCheckpoint, chain: Chain, progres
             if not chunk_cache or exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 local.drop_chunk_cache()
             raise local_write_error(exc, exc.filename or f"version {chain.target.version} into {staging}",
-                                    hint=_space_hint(chain, chunk_cache)) from None
+                                    hint=_space_hint(chain, chunk_cache and repo.objects.local_root is None)) from None
         raise
     return path, source, None
 
 
 def _space_hint(chain: Chain, chunk_cache: bool) -> str:
+    """chunk_cache: fetched chunks are kept beside DEST (a remote store's pull)."""
     need = chain.target.raw_bytes
-    return (f" (a pull of version {chain.target.version} needs about {need / 2**30:.2f} GiB free beside DEST"
+    amount = f"{need / 2**30:.2f} GiB" if need >= 2**30 else f"{max(need / 2**20, 0.1):.1f} MiB"
+    return (f" (a pull of version {chain.target.version} needs about {amount} free beside DEST"
             f"{', plus the fetched chunks; --no-chunk-cache avoids those' if chunk_cache else ''})")
 
 

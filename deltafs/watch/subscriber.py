@@ -29,6 +29,7 @@ from deltafs.errors import (
     DeltafsError,
     DestinationError,
     EngineError,
+    ForeignStoreError,
     FormatError,
     IntegrityError,
     LockHeldError,
@@ -429,9 +430,15 @@ class Subscriber:
                 pass
         try:
             return pull(self.repo, self.dest, **kwargs)
-        except DestinationError as exc:
-            log.warning("%s; replacing it with a full version of %s (the old content is moved aside)", exc, self.store_url)
+        except ForeignStoreError as exc:
+            # Only a checkpoint deltafs pulled from another store is replaced unasked (a host moved to a new run);
+            # anything else at DEST (a file, a directory of other files, a link deltafs did not make: often a
+            # typo in a unit file) is refused like pull refuses it, and nothing is moved.
+            log.warning("%s; replacing it with a full version of %s (the old checkpoint is moved aside)", exc,
+                        self.store_url)
             return pull(self.repo, self.dest, force=True, **kwargs)
+        except DestinationError:
+            raise
         except (LockHeldError, StoreError, VersionNotFoundError):
             raise
         except DeltafsError as exc:

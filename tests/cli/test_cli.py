@@ -84,6 +84,57 @@ def test_bad_inputs_get_one_line_errors(tmp_path, maker):
     _one_line_error(run_cli("push", src, "nosuchproto://x/y"), 3, "nosuchproto")
 
 
+def _header_file(path, header: bytes, data: bytes = b"") -> str:
+    import struct
+
+    header += b" " * (-len(header) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return str(path.parent)
+
+
+def test_headers_safetensors_loaders_refuse_are_refused(tmp_path):
+    """What the safetensors format does not allow is refused at push (exit 2, one line, nothing written): a header
+    nested too deeply for the JSON parser (was exit 1, a RecursionError), a tensor name given twice (json keeps the
+    last one silently: the version held one of them), metadata values that are not strings."""
+    store = tmp_path / "store"
+    deep = _header_file(tmp_path / "deep" / "model.safetensors", b'{"a":' + b"[" * 100000 + b"]" * 100000 + b"}")
+    _one_line_error(run_cli("push", deep, store), 2, "header is not JSON")
+    entry = b'{"dtype":"F32","shape":[4],"data_offsets":[0,16]}'
+    dup = _header_file(tmp_path / "dup" / "model.safetensors", b'{"a":' + entry + b',"a":' + entry + b"}", b"\0" * 16)
+    _one_line_error(run_cli("push", dup, store), 2, "names 'a' twice")
+    meta = _header_file(tmp_path / "meta" / "model.safetensors",
+                        b'{"__metadata__":{"step":1},"a":' + entry + b"}", b"\0" * 16)
+    _one_line_error(run_cli("push", meta, store), 2, "__metadata__ must map names to strings")
+    assert not store.exists()
+    ok = _header_file(tmp_path / "ok" / "model.safetensors", b'{"__metadata__":{"step":"1"},"a":' + entry + b"}",
+                      b"\0" * 16)
+    assert run_cli("push", ok, store).returncode == 0
+
+
+def test_a_linked_folder_in_the_checkpoint_is_published(tmp_path, maker):
+    """A folder linked into the checkpoint (a shared tokenizer) is published like a linked file (it was silently
+    left out); a link back up the tree is not walked twice, with a warning."""
+    src = tmp_path / "ck"
+    os.makedirs(src)
+    data = open(os.path.join(maker.write(), "model.safetensors"), "rb").read()
+    (src / "model.safetensors").write_bytes(data)
+    shared = tmp_path / "shared"
+    os.makedirs(shared)
+    (shared / "tokenizer.json").write_text('{"vocab": {}}')
+    os.symlink(shared, src / "tok")
+    os.symlink(src, shared / "loop")
+    store = tmp_path / "store"
+    proc = run_cli("push", src, store, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "a link cycle" in proc.stderr
+    dest = tmp_path / "dest"
+    run_cli("pull", store, dest, check=0)
+    assert sorted(os.listdir(dest)) == ["model.safetensors", "tok"]
+    assert os.listdir(dest / "tok") == ["tokenizer.json"]
+    assert (dest / "tok" / "tokenizer.json").read_text() == '{"vocab": {}}'
+
+
 def _cli_without(module, *args):
     """The CLI in a process where `module` cannot be imported, as on a host without that extra."""
     code = f"import sys; sys.modules[{module!r}] = None; sys.argv = ['deltafs'] + sys.argv[1:]; from deltafs.cli.main import main; main()"

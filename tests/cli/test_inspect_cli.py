@@ -46,6 +46,14 @@ def test_log_limit_since_and_metadata(tmp_path, maker):
     since = json.loads(run_cli("log", store, "--since", "2", "--json", check=0).stdout)["versions"]
     assert [v["version"] for v in since] == [2, 3]
     assert json.loads(run_cli("log", store, "--since", "2999-01-01", "--json", check=0).stdout)["versions"] == []
+    for prefix in ("2000-01", "2000-01-01 08:00", "2000-01-01T08:00:00Z"):  # digits alone are a version
+        out = json.loads(run_cli("log", store, "--since", prefix, "--json", check=0).stdout)["versions"]
+        assert [v["version"] for v in out] == [1, 2, 3], prefix
+    # What matches nothing by accident (a typo, a month 13) or everything (a negative number) is refused, exit 2,
+    # before the store is read.
+    for bad in ("garbage", "2026-13-45", "2026-02-30", "-3", "2026-12-01T25:00", "12-01"):
+        proc = run_cli("log", tmp_path / "no-store", "--since", bad)
+        assert proc.returncode == 2 and "--since must be a version number or a UTC time" in proc.stderr, (bad, proc.stderr)
     human = run_cli("log", store, check=0).stdout
     assert "created (UTC)" in human and "step=200" in human
 

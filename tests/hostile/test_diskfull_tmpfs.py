@@ -113,6 +113,38 @@ def test_recycling_pulls_into_the_space_of_the_version_it_replaces(tmp_path, sma
     assert len([n for n in os.listdir(dest + ".deltafs") if n.startswith("v") and not n.endswith(".json")]) == 2
 
 
+def test_a_pull_killed_while_recycling_does_not_leave_the_disk_too_full_for_the_next(tmp_path, small_disk):
+    """The same disk for two versions: a pull killed while it rewrote the oldest version leaves that version as a
+    staging directory. The next pull removes it before it writes (it used to be removed only after a successful
+    pull, so every retry ran out of space, exit 12, until someone deleted it by hand)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.read.test_crash import DRIVER
+
+    store = str(tmp_path / "store")
+    rng = np.random.default_rng(6)
+    sources = []
+    for v in range(3):
+        src = tmp_path / f"src{v}"
+        n = 6 * MiB // 4
+        write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (n,), random_bytes(rng, n * 4))})
+        push(store, str(src))
+        sources.append(src)
+    disk = small_disk(13 * MiB + MiB // 2)
+    dest = os.path.join(disk, "dest")
+    deltafs("pull", store, dest, "--version", "1", check=0)
+    deltafs("pull", store, dest, "--version", "2", check=0)
+    killed = subprocess.run([sys.executable, "-c", DRIVER, "fetch", "1", "pull", store, dest, "-q"],
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [n for n in os.listdir(dest + ".deltafs") if n.startswith("staging-")]  # the recycled version, half new
+    assert files_of(dest) == files_of(sources[1])
+    deltafs("pull", store, dest, check=0)
+    assert files_of(dest) == files_of(sources[2]) and _leftovers(disk) == []
+
+
 def test_a_keyframe_push_that_runs_out_of_space_publishes_all_or_nothing(tmp_path, small_disk):
     """A full version (with its bridge) pushed onto a store disk left with just about its own size free, for a
     range of free space around the edge: wherever ENOSPC strikes (a chunk, the bridge, the manifest, HEAD), a

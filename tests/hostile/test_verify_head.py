@@ -29,3 +29,11 @@ def test_head_whose_digest_matches_no_manifest(tmp_path, store):
     assert proc.returncode == 6 and "HEAD names version 1 with digest sha256:" + "ab" * 32 in proc.stdout
     one_line(deltafs("pull", store, tmp_path / "dest"), 5, "HEAD", "digest")
     assert not os.path.lexists(tmp_path / "dest")
+
+
+def test_verify_of_a_version_that_does_not_exist_is_exit_4(store):
+    """As show, diff and pull say it (the README's exit code for a version that is not in the store); a version
+    that exists and fails its checks stays exit 6."""
+    one_line(deltafs("verify", store, "--version", "99"), 4, "version 99 is not in")
+    one_line(deltafs("show", store, "--version", "99"), 4, "version 99 is not in")
+    assert deltafs("verify", store, "--version", "1").returncode == 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 
 import numpy as np
 
 from deltafs.publish import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, PushOptions, push
+from deltafs.publish.commit import referenced_bytes
 from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, perturb, run_cli, write_safetensors
@@ -43,8 +45,30 @@ def test_a_full_version_once_the_chain_exceeds_the_budget(tmp_path, maker):
         over = prev.stats["chain_bytes"] >= 0.2 * man.stats["full_bytes"]
         assert (man.kind == "full") == over, (man.version, prev.stats, man.stats)
     for prev, man in zip(mans, mans[1:], strict=False):  # chain_bytes: the deltas' bytes since the last full version
-        want = 0 if man.kind == "full" else prev.stats["chain_bytes"] + man.stats["chunk_bytes_stored"]
+        want = 0 if man.kind == "full" else prev.stats["chain_bytes"] + referenced_bytes(man.files)
         assert man.stats["chain_bytes"] == want
+
+
+def test_chain_bytes_count_what_readers_fetch_after_a_killed_push(tmp_path, maker):
+    """A push killed after storing its chunks, then run again, finds them stored already: it writes (and reports as
+    written) few bytes, but the delta a reader fetches is as large as ever, and the keyframe budget must count
+    that (it bounds what a reader starting from nothing reads)."""
+    import shutil
+
+    store, again = str(tmp_path / "store"), str(tmp_path / "again")
+    cache, cache_again = str(tmp_path / "cache"), str(tmp_path / "cache-again")
+    push(store, maker.write(), cache_dir=cache)
+    shutil.copytree(store, again, symlinks=True)  # the same store before version 2, with its own push cache
+    shutil.copytree(cache, cache_again, symlinks=True)
+    maker.advance()
+    src = maker.write()
+    first = push(store, src, cache_dir=cache)
+    # What a killed attempt leaves: every chunk of version 2 stored, no manifest.
+    shutil.copytree(os.path.join(store, "chunks"), os.path.join(again, "chunks"), dirs_exist_ok=True)
+    retried = push(again, src, cache_dir=cache_again)
+    one, two = Repository.open(store).manifest(2), Repository.open(again).manifest(2)
+    assert retried.bytes_written < first.bytes_written and two.stats["chunk_bytes_stored"] == 0
+    assert two.stats["chain_bytes"] == one.stats["chain_bytes"] == referenced_bytes(one.files) > 0
 
 
 def test_defaults_are_documented_values_in_api_and_cli(tmp_path):

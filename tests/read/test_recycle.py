@@ -199,3 +199,49 @@ def test_keep_follows_pull_order_when_every_file_is_rewritten_in_place(tmp_path)
         kept = {os.path.basename(p) for p in LocalCheckpoint(dest).version_dirs()}
         assert kept == {os.path.basename(paths[v])} | ({os.path.basename(paths[v - 1])} if v > 1 else set()), v
         assert files_of(dest) == files_of(src)
+
+
+def test_a_killed_pulls_staging_directory_is_removed_before_anything_else(tmp_path):
+    """A pull killed while it rewrote the oldest version leaves that version as a staging directory. The next pull
+    removes it first, also when DEST is already current (on a disk sized for two versions, its space is what the
+    next version needs)."""
+    store, src, dest, _v1, v2 = _at_version_2(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, "fetch", "3", "pull", store, dest, "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    sidecar = dest + ".deltafs"
+    assert [n for n in os.listdir(sidecar) if n.startswith("staging-")]
+    res = pull(store, dest, version=2)  # already current: nothing to build, the leftover goes all the same
+    assert not res.updated and local_version(dest).path == v2
+    assert not [n for n in os.listdir(sidecar) if n.startswith("staging-")]
+    assert files_of(dest) == files_of(src[1]) and verify(store, local=dest).ok
+
+
+@pytest.mark.parametrize("recycle", [True, False])
+def test_the_version_dest_pointed_to_is_kept_whatever_the_mtimes(tmp_path, recycle):
+    """Cleanup keeps the newest versions by mtime; an older directory touched since (a backup tool, a watcher
+    protecting what its engine served) must not push out the version DEST pointed to before the pull, which an
+    engine may still be reading."""
+    store, src, dest, v1, v2 = _at_version_2(tmp_path)
+    future = os.stat(v2).st_mtime + 3600
+    os.utime(v1, (future, future))
+    pull(store, dest, version=3, recycle=recycle)
+    assert files_of(dest) == files_of(src[2])
+    assert os.path.isdir(v2) and files_of(v2) == files_of(src[1])
+
+
+@pytest.mark.parametrize("verify_files", [False, True])
+def test_an_extra_file_in_dest_is_found_and_the_version_rebuilt_without_it(tmp_path, verify_files):
+    """A file planted in the version DEST points to (an extra .safetensors an engine would glob, a link) is not
+    part of the version: pull repairs DEST as for an edited file, and verify --local reports it meanwhile."""
+    store, src, dest, _v1, _v2 = _at_version_2(tmp_path)
+    with open(os.path.join(dest, "evil.safetensors"), "wb") as fh:
+        fh.write(b"\0" * 64)
+    os.symlink("/etc/passwd", os.path.join(dest, "link.json"))
+    report = verify(store, local=dest)
+    assert not report.ok and any("evil.safetensors is not part of version 2" in p for p in report.problems)
+    assert any("link.json is not part of version 2" in p for p in report.problems)
+    res = pull(store, dest, version=2, verify_files=verify_files)
+    assert res.updated and res.repaired == "evil.safetensors is not part of version 2"
+    assert files_of(dest) == files_of(src[1]) and sorted(os.listdir(dest)) == sorted(os.listdir(src[1]))
+    assert verify(store, local=dest).ok

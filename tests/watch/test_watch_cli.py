@@ -136,3 +136,23 @@ def test_engineless_watch_says_so_and_writes_metrics(trainer, tmp_path):
     assert "deltafs_watch_switches_total{" in text and "deltafs_watch_served_version{" in text
     served = [ln for ln in text.splitlines() if ln.startswith("deltafs_watch_served_version{")]
     assert served and served[0].endswith(" 2")
+
+
+def test_watch_refuses_a_dest_that_is_not_a_deltafs_checkpoint(trainer, tmp_path):
+    """Only another store's deltafs checkpoint is replaced unasked; a directory of other files, a file, or a link
+    deltafs did not make (a typo in a unit file) is refused as pull refuses it (exit 9), and nothing is moved."""
+    trainer.push()
+    project = tmp_path / "project"
+    (project / "sub").mkdir(parents=True)
+    (project / "sub" / "notes.txt").write_text("mine\n")
+    plain = tmp_path / "outside.txt"
+    plain.write_text("mine\n")
+    for dest in (project, plain):
+        result = deltafs("watch", trainer.store, str(dest), "--engine", "none", "--once")
+        assert result.returncode == 9, result.stderr
+        assert "use --force to move it aside" in result.stderr
+        sidecar = str(dest) + ".deltafs"
+        assert not os.path.islink(dest)
+        assert not os.path.isdir(sidecar) or not [n for n in os.listdir(sidecar) if n.startswith("displaced-")]
+    assert (project / "sub" / "notes.txt").read_text() == "mine\n" and plain.read_text() == "mine\n"
+    assert sorted(os.listdir(project)) == ["sub"]
