@@ -275,11 +275,17 @@ class Encoder:
             new = reader.read(seg.offset + start, size)
         if len(new) != size:
             raise _shrank(reader, seg)
+        # A host tensor is read in place (a view, no copy): one written meanwhile (an optimizer step overlapping
+        # push_tensors) would leave a payload and a digest of different bytes, a version no reader can rebuild. Its
+        # digest is taken before the encode and again after the last use of its bytes; they must agree.
+        before = digests.chunk_digest(new) if given is None and not isinstance(reader, DiskReader) \
+            and not reader.copies(seg.offset + start) else None
         enc = codec.encode(np.frombuffer(new, np.uint8), None if old is None else np.frombuffer(old, np.uint8),
                            seg.itemsize, level=self.level, known=known, full_level=self.full_level)
         # Digests per chunk, here in the workers: nothing hashes a whole file serially (format v2). The base's
         # digest is taken before a patch overwrites it.
-        digest, base_digest = digests.chunk_digest(new), digests.chunk_digest(old) if old is not None else None
+        digest = before if before is not None else digests.chunk_digest(new)
+        base_digest = digests.chunk_digest(old) if old is not None else None
         _check_views(reader, seg, new, old)  # nothing above is used if a mapped file was cut short meanwhile
         if stage_fd is not None and not (self.patch and old is not None and enc.changed == 0):
             try:
@@ -288,6 +294,9 @@ class Encoder:
                 if exc.errno == errno.EFAULT and is_mapped(new):
                     raise _shrank(reader, seg) from None
                 raise
+        if before is not None and digests.chunk_digest(new) != before:  # once more, after the encode and the copy
+            raise SourceError(f"tensor {seg.key[2:]} changed while it was being pushed (chunk {i}): the tensors "
+                              "must not change until push_tensors returns (push a copy, or push between steps)")
         return _Chunk(new, old, enc, held, digest, base_digest)
 
     def _chunks(self, reader: FileReader, run: list[tuple[SourceSegment, int, int | None, int]], stage_fd: int | None,

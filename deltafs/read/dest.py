@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from deltafs.buffers import aligned_empty, pread_aligned
-from deltafs.errors import DestinationError, ForeignStoreError, FormatError, LockHeldError
+from deltafs.errors import DestinationError, ForeignStoreError, FormatError, LockHeldError, local_write_error
 from deltafs.format import digests
 from deltafs.format.manifest import FileEntry, Manifest, Segment
 from deltafs.format.records import (DEST_STATE_MAX_BYTES, dest_state_bytes, dest_state_record, embedded_manifest_span,
@@ -146,10 +146,16 @@ class LocalCheckpoint:
         return True
 
     def ensure_sidecar(self) -> str:
-        """Create (or check) DEST.deltafs: a real directory of this user, never a symlink."""
+        """Create (or check) DEST.deltafs: a real directory of this user, never a symlink. A directory that cannot
+        be made there (no permission, a /proc or /sys path) is a local write failure (exit 12) naming it."""
         parent = os.path.dirname(self.dest)
-        os.makedirs(parent, exist_ok=True)
-        self._own_dir(self.sidecar, create=True)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self._own_dir(self.sidecar, create=True)
+        except DestinationError:
+            raise
+        except OSError as exc:
+            raise local_write_error(exc, exc.filename or self.sidecar) from None
         return self.sidecar
 
     def check_safe(self) -> None:
@@ -395,9 +401,9 @@ class LocalCheckpoint:
         not a daemon: the interpreter waits for it at exit. A process killed meanwhile leaves a staging
         directory, which the next cleanup removes.
 
-        also_keep: the name of a version directory that stays whatever the mtimes say (a pull passes the version
-        DEST pointed to before it: an engine may still be reading it, and a touched older directory must not
-        outrank it).
+        also_keep: with keep >= 2, the name of a version directory that is one of the `keep` kept whatever the
+        mtimes say (a pull passes the version DEST pointed to before it: an engine may still be reading it, and an
+        older directory touched since must not outrank it); the rest are the newest by mtime.
         """
         try:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
@@ -405,12 +411,14 @@ class LocalCheckpoint:
             return []
         entries = {n: os.lstat(os.path.join(self.sidecar, n)) for n in os.listdir(self.sidecar)}
         versions = self._versions_by_age(entries)
-        keep_names = set(versions[-keep:]) if keep > 0 else set()
         linked = self.linked_name()  # the current version, also when its record is damaged: engines may read it
+        keep_names = {n for n in (linked, also_keep if keep >= 2 else None) if n is not None and n in versions}
+        for n in reversed(versions):  # then the newest by mtime, up to keep in all
+            if len(keep_names) >= keep:
+                break
+            keep_names.add(n)
         if linked is not None:
             keep_names.add(linked)
-        if also_keep is not None:
-            keep_names.add(also_keep)
         removed, doomed = [], []
         for n, st in entries.items():
             full = os.path.join(self.sidecar, n)

@@ -197,11 +197,11 @@ class Repository:
                 data = self.objects.get(key, referenced=True, limit=size)
             except ObjectNotFoundError:
                 raise ChunkNotFoundError(f"chunk {oid} is missing from {self.url}") from None
-            except FormatError:  # larger than the manifest says: not the chunk it names
-                data = b""
-                actual = "an object larger than " + str(size) + " bytes"
-            else:
-                actual = hashlib.sha256(data).hexdigest()
+            except FormatError as exc:
+                # Larger than the manifest says, a link or not a file: not the chunk it names, and no transfer
+                # error either (fetching again would find the same), so said at once, as what the store holds.
+                raise IntegrityError(f"chunk {oid} in {self.url} is not the object its name says: {exc}") from None
+            actual = hashlib.sha256(data).hexdigest()
             if actual == oid and (size is None or len(data) == size):
                 return data
             if attempt + 1 < attempts:

@@ -41,3 +41,12 @@ def test_a_dest_inside_the_store_or_inside_a_sidecar_is_refused(tmp_path, store)
         assert not os.path.lexists(inner) and not os.path.lexists(inner + ".deltafs")
     assert deltafs("verify", store, "--local", dest).returncode == 0
     assert deltafs("gc", store, "--keep-last", "1").returncode == 0
+
+
+def test_a_dest_where_no_directory_can_be_made_is_a_local_write_failure(store):
+    """(was exit 1, "internal error"): a path under /proc, where mkdir fails, is exit 12 naming the sidecar."""
+    if not os.path.isdir("/proc/self"):
+        import pytest
+
+        pytest.skip("no /proc")
+    one_line(deltafs("pull", store, "/proc/deltafs-dest"), 12, "cannot write /proc/deltafs-dest.deltafs")

@@ -26,3 +26,26 @@ def test_damaged_chunk_is_retried_then_an_integrity_failure(tmp_path, maker):
     assert victim in proc.stderr and "corrupt" in proc.stderr and "checked 3 times" in proc.stderr, proc.stderr
     assert proc.stderr.count("arrived damaged") == 2, proc.stderr  # fetched 3 times in all
     assert not os.path.lexists(tmp_path / "dest")
+
+
+def test_a_chunk_that_is_a_link_or_too_large_is_reported_at_once(tmp_path, maker):
+    """What the store holds under a chunk's name is not that chunk and never will be (a link, a FIFO, more bytes
+    than the manifest says): exit 6 saying what it is, without the retries meant for transfer errors (it used to
+    be retried and then called "an object larger than N bytes", also for a link to a byte-identical copy)."""
+    url = str(tmp_path / "store")
+    push(url, maker.write())
+    man = Repository.open(url).manifest(1)
+    victim = next(c.object for f in man.files for s in f.segments for c in s.chunks if c.object)
+    path = os.path.join(url, "chunks", victim[:2], victim)
+    copy = str(tmp_path / "copy")
+    os.replace(path, copy)
+    os.symlink(copy, path)
+    proc = run_cli("pull", url, tmp_path / "dest", "--storage-options", FAST)
+    assert proc.returncode == 6 and "arrived damaged" not in proc.stderr, proc.stderr
+    assert victim in proc.stderr and "is a symbolic link, not an object deltafs wrote" in proc.stderr, proc.stderr
+    os.unlink(path)
+    with open(path, "wb") as fh:
+        fh.write(open(copy, "rb").read() + b"\0" * 4096)
+    proc = run_cli("pull", url, tmp_path / "dest", "--storage-options", FAST)
+    assert proc.returncode == 6 and "arrived damaged" not in proc.stderr, proc.stderr
+    assert "is larger than the" in proc.stderr and not os.path.lexists(tmp_path / "dest")

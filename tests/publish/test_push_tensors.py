@@ -132,3 +132,37 @@ def test_kept_plain_files_stay_right_when_the_cache_is_patched(tmp_path):
         got = load_file(str(tmp_path / "dest" / "model.safetensors"))
         assert all(torch.equal(got[k], v) for k, v in _near(step).items())
     assert res.fold_bytes > 0  # the fold read the kept file from the installed cache, not the stage it left
+
+
+@pytest.mark.parametrize("when", ["encode", "copy"])
+def test_a_tensor_written_while_it_is_pushed_is_refused(tmp_path, monkeypatch, when):
+    """An optimizer step overlapping push_tensors (a host tensor is read in place) used to publish a version whose
+    payload and digest came from different bytes: reported as a success, unpullable, and every later push built on
+    it. Now the push fails (SourceError, exit 2, as for a file rewritten while pushed), the store stays at the
+    previous version, and the next push is whole."""
+    from deltafs.errors import SourceError
+    from deltafs.maintenance.verify import verify
+    from deltafs.publish import encode as encode_mod
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    w = {"w": torch.zeros(1 << 16), "b": torch.ones(64)}
+    push_tensors(store, w)
+    w["w"][0] = 1.0
+    real = encode_mod.codec.encode if when == "encode" else encode_mod.pwrite_all
+
+    def racing(*args, **kwargs):
+        out = real(*args, **kwargs)
+        w["w"][1] += 2.0  # the trainer's next step lands on the tensor being pushed
+        return out
+
+    monkeypatch.setattr(encode_mod.codec if when == "encode" else encode_mod,
+                        "encode" if when == "encode" else "pwrite_all", racing)
+    with pytest.raises(SourceError, match="tensor w changed while it was being pushed"):
+        push_tensors(store, w)
+    monkeypatch.undo()
+    assert Repository.open(store).versions() == [1] and verify(store, all_versions=True).ok
+    res = push_tensors(store, w)
+    assert res.version == 2 and verify(store, all_versions=True).ok
+    pull(store, dest)
+    got = load_file(os.path.join(dest, "model.safetensors"))
+    assert torch.equal(got["w"], w["w"]) and torch.equal(got["b"], w["b"])
