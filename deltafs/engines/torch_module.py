@@ -21,6 +21,7 @@ Works wherever the tensors live (CUDA, ROCm, XPU, CPU): everything on the device
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -28,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -166,6 +167,21 @@ class StagedVersion:
         return [n for g in self.groups for n in g.names] + [w.name for w in self.whole] + [s.name for s in self.swaps]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _in_module_mode(method: _F) -> _F:
+    """Run an applier method in the module's own inference mode, whatever the caller's: a switch made inside
+    `torch.inference_mode()` (the usual serving loop) would otherwise make the engine's buffers inference tensors,
+    which its scatter threads (outside that thread-local mode) cannot write, and would swap inference tensors
+    into the module as its spares (no backward through them, no later in-place update outside the mode)."""
+    @functools.wraps(method)
+    def run(self: ModuleApplier, *args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(self.inference):
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
 class ModuleApplier:
     """Keeps what each module tensor holds (digest, checksum, source file) so the next apply scatters only the delta.
 
@@ -195,7 +211,12 @@ class ModuleApplier:
         self._expected: set[str] = set()  # the tensors of the version applied last
         self._generation = 0  # commits so far (see StagedVersion.generation)
         self._pool: ThreadPoolExecutor | None = None  # scatter threads, started at the first CPU pause that uses them
+        first = next(iter(module_tensors(module).values()), None)
+        # Whether the module's tensors are inference tensors (it was built under torch.inference_mode): the
+        # applier's work then runs in that mode, else outside it, so what it writes and swaps in is of their kind.
+        self.inference = bool(first is not None and first.is_inference())
 
+    @_in_module_mode
     def apply(self, version_dir: str, manifest: Manifest | None = None) -> ApplyReport:
         """Stage and commit in one go (no lock): make the module hold the version, verified."""
         staged = self.stage(version_dir, manifest)
@@ -205,6 +226,7 @@ class ModuleApplier:
             self.undo(staged)
             raise
 
+    @_in_module_mode
     def verify(self) -> list[str]:
         """Tensors of the version applied last that the module does not hold (by device checksum), or holds unknown bytes.
 
@@ -216,6 +238,7 @@ class ModuleApplier:
         bad = [n for n, s in zip(names, sums, strict=True) if s != self._held[n].checksum]
         return sorted(bad + [n for n in self._expected if n not in self._held or n not in live])
 
+    @_in_module_mode
     def stage(self, version_dir: str, manifest: Manifest | None = None) -> StagedVersion:
         """Everything before the pause: read and check the new bytes, diff them, move the delta to the devices."""
         t0 = time.monotonic()
@@ -239,6 +262,10 @@ class ModuleApplier:
                 todo.append((f, seg, target))
         if skipped and self.strict:
             raise EngineError(f"the module has no tensor(s) {', '.join(sorted(skipped)[:5])} of version {man.version}")
+        if not todo and live:
+            # Nothing to apply and nothing to check: the module would keep its weights under the new version's
+            # name (an empty or wrong-rank state dict pushed by mistake).
+            raise EngineError(f"version {man.version} holds none of the module's tensors")
         _check_tied(todo, man.version)
         known, module_sums = self._module_matches(todo)
         repaired = tuple(sorted(n for n, ok in known.items() if ok is False))
@@ -310,6 +337,7 @@ class ModuleApplier:
             int_view(buf).index_copy_(0, idx, vals)
         return _Swap(p.name, target, buf, sparse=True, elements=int(p.diff[0].size))
 
+    @_in_module_mode
     def commit(self, staged: StagedVersion) -> ApplyReport:
         """The pause: scatter, copy, verify on the device. Raises IntegrityError if the module does not hold the version."""
         t0 = time.monotonic()
@@ -361,10 +389,12 @@ class ModuleApplier:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(workers, thread_name_prefix="deltafs-scatter")
             step = -(-len(cpu) // workers)
-            list(self._pool.map(_scatter_blocks, [cpu[i:i + step] for i in range(0, len(cpu), step)]))
+            scatter = functools.partial(_scatter_blocks, inference=torch.is_inference_mode_enabled())
+            list(self._pool.map(scatter, [cpu[i:i + step] for i in range(0, len(cpu), step)]))
             blocks = [b for b in blocks if b[0].device.type != "cpu"]
         _scatter_blocks(blocks)
 
+    @_in_module_mode
     def undo(self, staged: StagedVersion) -> None:
         """After a failed commit: put the previous values back where they were scattered; whole copies stay unknown."""
         if not staged.committed:
@@ -459,8 +489,10 @@ def _read_at(fd: int, offset: int, size: int) -> np.ndarray | None:
     return buf if buf.size == size else None
 
 
-def _scatter_blocks(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
+def _scatter_blocks(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], *,
+                    inference: bool = False) -> None:
+    """inference: the caller's inference mode (thread-local: a pool thread must enter it itself)."""
+    with torch.inference_mode(inference), torch.no_grad():
         for flat, idx, vals, back in blocks:  # each block is read back while its cache lines are hot
             flat.scatter_(0, idx, vals)
             torch.index_select(flat, 0, idx, out=back)

@@ -16,7 +16,9 @@ VERSION_DIGITS = 10
 
 def check_version(version: int, what: str = "version") -> int:
     """version itself if it is in MIN_VERSION..MAX_VERSION; UsageError (exit 2) otherwise."""
-    if isinstance(version, bool) or not isinstance(version, int) or not MIN_VERSION <= version <= MAX_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise UsageError(f"{what} must be an integer, got {version!r} ({type(version).__name__})")
+    if not MIN_VERSION <= version <= MAX_VERSION:
         raise UsageError(f"{what} {version!r} is outside {MIN_VERSION}..{MAX_VERSION} "
                          f"(at most {VERSION_DIGITS} digits; put timestamps in --meta)")
     return version

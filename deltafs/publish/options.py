@@ -46,8 +46,9 @@ class PushOptions:
             raise UsageError(f"metadata is not JSON: {exc}") from None
         if self.link not in LINK_MODES:
             raise UsageError(f"link must be one of {', '.join(LINK_MODES)}, not {self.link!r}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError("threads must be at least 1")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise UsageError(f"threads must be an integer of at least 1, got {self.threads!r}")
         for name in ("level", "full_level"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not MIN_LEVEL <= value <= MAX_LEVEL:

@@ -54,6 +54,10 @@ def push_tensors(store: str | Repository, tensors: Mapping[str, Any], options: P
     """
     t0 = time.monotonic()
     opts = PushOptions.of(options, **kw)
+    if not isinstance(tensors, Mapping):
+        raise UsageError(f"push_tensors takes a mapping of names to tensors (a state dict), got {type(tensors).__name__}")
+    if not tensors:
+        raise UsageError("push_tensors got no tensors (an empty state dict would publish a model of nothing)")
     _refuse_sharded_dtensors(tensors)
     with baseline_push(device_baseline):
         plan = plan_checkpoint(tensors, max_shard_bytes=max_shard_bytes, extra_files=extra_files,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -21,11 +22,13 @@ from deltafs.errors import (
     FormatError,
     IntegrityError,
     ObjectNotFoundError,
+    UsageError,
     VersionNotFoundError,
     is_local_write_failure,
     local_write_error,
 )
 from deltafs.format.manifest import Head
+from deltafs.format.versions import check_version
 from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, precheck, refuse_foreign, refuse_nested
 from deltafs.progress import Progress
 from deltafs.read.chain import MAX_BRIDGES, Chain, plan_chain
@@ -101,6 +104,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
     gone after a failed one, and a process still reading it sees its bytes change.
     """
     t0 = time.monotonic()
+    _check_arguments(dest, version, threads, keep, storage_options)
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     local = LocalCheckpoint(dest)
     refuse_nested(local, repo.objects.local_root)
@@ -153,6 +157,20 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             from_full=chain.local is None,
             repaired=repaired,
         )
+
+
+def _check_arguments(dest: Any, version: Any, threads: Any, keep: Any, storage_options: Any) -> None:
+    """UsageError (exit 2) for arguments of the wrong type or range, before anything is read or written."""
+    if not isinstance(dest, (str, os.PathLike)):
+        raise UsageError(f"dest must be a path, got {type(dest).__name__}")
+    if version is not None:
+        check_version(version)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise UsageError(f"threads must be an integer of at least 1, got {threads!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise UsageError(f"keep must be an integer >= 0, got {keep!r}")
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise UsageError(f"storage_options must be a dict, got {type(storage_options).__name__}")
 
 
 def _plan(repo: Repository, target: int, state: LocalState | None, repair: bool) -> Chain:

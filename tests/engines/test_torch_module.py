@@ -447,3 +447,49 @@ def test_spare_mode_refuses_a_version_whose_spares_a_later_staging_overwrote(ver
     assert_module_holds(module, weights[1])
     applier.commit(applier.stage(paths[2]))
     assert_module_holds(module, weights[2])
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_switches_made_inside_inference_mode(publish, spare):
+    """A serving loop usually runs under torch.inference_mode(), switches included. In place, every switch used to
+    fail (the engine's buffers became inference tensors, which its scatter threads cannot write) and roll back;
+    with spares, inference tensors were swapped into the module (no backward through it, no later update outside
+    the mode). The applier now works in the module's own mode."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])  # enough blocks for the scatter pool
+    v1 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    v2 = changed(v1, 0.02, seed=3)
+    v3 = changed(v2, 0.02, seed=4)
+    weights = [v1, v2, v3]
+    paths = [publish(v) for v in weights]
+    engine = TorchModuleEngine(model, spare=spare)
+    previous = None
+    with torch.inference_mode():
+        for n in (0, 1, 2, 1):
+            target = Target(paths[n], str(n))
+            engine.switch(target, previous)
+            previous = target
+            assert_module_holds(model, weights[n])
+    assert not any(t.is_inference() for t in model.state_dict().values())
+    model(torch.randn(2, 256)).sum().backward()  # the parameters still train
+    engine.switch(Target(paths[2], "2"), previous)  # and a switch outside the mode works
+    assert_module_holds(model, v3)
+    assert engine.applier.verify() == []
+
+
+def test_a_version_holding_none_of_the_modules_tensors_is_refused(tmp_path):
+    """An empty or wrong-rank state dict pushed by mistake used to switch "successfully": the module kept its
+    weights, served under the new version's name. Refused before the pause; the module stays on its version."""
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    model = torch.nn.Linear(8, 8)
+    v1 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    push_tensors(store, v1, cache_dir=str(tmp_path / "cache"))
+    p1 = pull(store, dest, keep=5).path
+    push_tensors(store, {"other.weight": torch.ones(3)}, cache_dir=str(tmp_path / "cache"))
+    p2 = pull(store, dest, keep=5).path
+    engine = TorchModuleEngine(model, strict=False)
+    engine.switch(Target(p1, "1"), None)
+    with pytest.raises(SwitchError, match="holds none of the module's tensors"):
+        engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert engine.served_version() == "1"
+    assert_module_holds(model, v1)
