@@ -90,13 +90,13 @@ def test_no_chunk_cache_pulls_where_the_cache_does_not_fit(tmp_path, small_disk,
     assert files_of(dest) == files_of(src)
 
 
-def test_recycling_pulls_into_the_space_of_the_version_it_replaces(tmp_path, small_disk):
-    """A disk that holds two versions: the third pull fits by rewriting the oldest one; --no-recycle needs room
-    for a third copy first, fails with exit 12, and leaves DEST on its version with nothing half-written."""
+def _at_version_2_on_a_disk_for_two(tmp_path, small_disk, seed: int):
+    """Three versions of 6 MiB, every byte new each version (nothing shared by hard link), and a DEST on a disk
+    that holds two of them, at version 2 after pulling 1 and 2: (store, sources, disk, dest)."""
     store = str(tmp_path / "store")
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     sources = []
-    for v in range(3):  # every byte new each version: nothing is shared by hard link
+    for v in range(3):
         src = tmp_path / f"src{v}"
         n = 6 * MiB // 4
         write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (n,), random_bytes(rng, n * 4))})
@@ -106,6 +106,13 @@ def test_recycling_pulls_into_the_space_of_the_version_it_replaces(tmp_path, sma
     dest = os.path.join(disk, "dest")
     deltafs("pull", store, dest, "--version", "1", check=0)
     deltafs("pull", store, dest, "--version", "2", check=0)
+    return store, sources, disk, dest
+
+
+def test_recycling_pulls_into_the_space_of_the_version_it_replaces(tmp_path, small_disk):
+    """A disk that holds two versions: the third pull fits by rewriting the oldest one; --no-recycle needs room
+    for a third copy first, fails with exit 12, and leaves DEST on its version with nothing half-written."""
+    store, sources, disk, dest = _at_version_2_on_a_disk_for_two(tmp_path, small_disk, seed=5)
     one_line(deltafs("pull", store, dest, "--no-recycle"), 12, "No space left", disk)
     assert files_of(dest) == files_of(sources[1]) and _leftovers(disk) == []
     deltafs("pull", store, dest, check=0)
@@ -123,19 +130,7 @@ def test_a_pull_killed_while_recycling_does_not_leave_the_disk_too_full_for_the_
 
     from tests.read.test_crash import DRIVER
 
-    store = str(tmp_path / "store")
-    rng = np.random.default_rng(6)
-    sources = []
-    for v in range(3):
-        src = tmp_path / f"src{v}"
-        n = 6 * MiB // 4
-        write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (n,), random_bytes(rng, n * 4))})
-        push(store, str(src))
-        sources.append(src)
-    disk = small_disk(13 * MiB + MiB // 2)
-    dest = os.path.join(disk, "dest")
-    deltafs("pull", store, dest, "--version", "1", check=0)
-    deltafs("pull", store, dest, "--version", "2", check=0)
+    store, sources, disk, dest = _at_version_2_on_a_disk_for_two(tmp_path, small_disk, seed=6)
     killed = subprocess.run([sys.executable, "-c", DRIVER, "fetch", "1", "pull", store, dest, "-q"],
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
