@@ -173,6 +173,8 @@ def render_fleet(report: Any) -> str:
         named = "is missing" if report.head_object is None else f"still names version {report.head_object}"
         lines[0] += (f" (the HEAD object {named}: a push committed version {report.head} but did not move it;"
                      " the next push does)")
+    if report.head_problem:
+        lines.append(f"problem: {report.head_problem}")
     if not report.hosts:
         lines.append("no watcher has reported yet")
         return "\n".join(lines)

@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 from deltafs.defaults import DEFAULT_GRACE
 from deltafs.errors import DeltafsError, FormatError, IntegrityError, ObjectNotFoundError, UsageError
-from deltafs.format.keys import BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_fold_key
+from deltafs.format.keys import (BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_chunk_key,
+                                 parse_fold_key)
 from deltafs.read.chain import plan_chain
 from deltafs.store.accelerators import load_bridge, load_fold
 from deltafs.format.manifest import Manifest, chunk_key, manifest_key, parse_manifest_key
@@ -171,9 +172,9 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
     plan.manifest_bytes = {v: repo.manifest_size(v) for v in plan.remove}
     protect_since = _read_markers(repo, plan, now)  # before the chunk listing: a push starting later writes after it
     for key in repo.objects.list("chunks"):
-        oid = key.rsplit("/", 1)[-1]
-        if key != chunk_key(oid) or oid in referenced:
-            continue  # not a chunk object (foreign file), or still needed
+        oid = parse_chunk_key(key)
+        if oid is None or oid in referenced:
+            continue  # not a chunk object (a foreign file: never touched, as FORMAT.md says), or still needed
         try:
             size, mtime = stat(repo.objects, key)
         except ObjectNotFoundError:

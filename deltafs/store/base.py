@@ -53,6 +53,11 @@ class RetryPolicy:
     base_delay: float = 0.2  # seconds; doubled each retry
     max_delay: float = 5.0
     visibility_timeout: float = 10.0  # how long a referenced key may take to appear
+    # Seconds one call to an object store (a read, a write, a stat, a delete; not a listing, which pages) may take
+    # in all: the HTTP clients' own timeouts do not cover every wait (an S3 PUT waiting for "100 Continue" from a
+    # server that stopped answering waits forever, and gcsfs sets none). Past it the call is abandoned and counts as
+    # a transient failure. 0: no limit.
+    request_timeout: float = 120.0
 
     def delay(self, attempt: int) -> float:
         return backoff(attempt, self.base_delay, self.max_delay)

@@ -21,20 +21,27 @@ class FsspecObjectStore(ObjectStore):
     def path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
 
+    def deadline(self) -> dict[str, float]:
+        """fsspec's `timeout` keyword for one call of an async filesystem (its sync wrapper then abandons the call
+        after RetryPolicy.request_timeout seconds: FSTimeoutError, a TimeoutError, retried as transient); {} for a
+        synchronous one or no limit."""
+        seconds = self.retry.request_timeout
+        return {"timeout": seconds} if seconds and getattr(self.fs, "async_impl", False) else {}
+
     def _read(self, key: str, limit: int | None) -> bytes:
         if limit is None:
-            return bytes(self.fs.cat_file(self.path(key)))
-        return bytes(self.fs.cat_file(self.path(key), start=0, end=limit + 1))
+            return bytes(self.fs.cat_file(self.path(key), **self.deadline()))
+        return bytes(self.fs.cat_file(self.path(key), start=0, end=limit + 1, **self.deadline()))
 
     def _write(self, key: str, data: bytes) -> None:
-        self.fs.pipe_file(self.path(key), data)
+        self.fs.pipe_file(self.path(key), data, **self.deadline())
 
     def _isfile(self, key: str) -> bool:
         # isfile, not exists: on object stores a key prefix looks like a directory.
-        return bool(self.fs.isfile(self.path(key)))
+        return bool(self.fs.isfile(self.path(key), **self.deadline()))
 
     def _stat(self, key: str) -> tuple[int, float | None]:
-        info = self.fs.info(self.path(key))
+        info = self.fs.info(self.path(key), **self.deadline())
         if info.get("type") == "directory":
             raise FileNotFoundError(key)
         return int(info.get("size") or 0), _timestamp(info)
@@ -54,4 +61,4 @@ class FsspecObjectStore(ObjectStore):
         return keys
 
     def _remove(self, key: str) -> None:
-        self.fs.rm_file(self.path(key))
+        self.fs.rm_file(self.path(key), **self.deadline())

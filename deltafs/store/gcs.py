@@ -88,7 +88,7 @@ class GCSObjectStore(FsspecObjectStore):
     def _check_bucket(self) -> None:
         from fsspec.asyn import sync
 
-        if not sync(self.fs.loop, self._abucket_exists):
+        if not sync(self.fs.loop, self._abucket_exists, **self.deadline()):
             raise self._no_bucket()
 
     def get(self, key: str, *, referenced: bool = False, limit: int | None = None) -> bytes:
@@ -102,7 +102,7 @@ class GCSObjectStore(FsspecObjectStore):
     def _meta(self, key: str) -> dict[str, Any]:
         from fsspec.asyn import sync
 
-        return dict(sync(self.fs.loop, self.fs._get_object, self.path(key)))
+        return dict(sync(self.fs.loop, self.fs._get_object, self.path(key), **self.deadline()))
 
     def _isfile(self, key: str) -> bool:
         # gcsfs's isfile lists the prefix after a 404; one GET answers the question.
@@ -146,7 +146,7 @@ class GCSObjectStore(FsspecObjectStore):
             return super()._create(key, data)
         from fsspec.asyn import sync
 
-        return bool(sync(self.fs.loop, self._acreate, key, data))
+        return bool(sync(self.fs.loop, self._acreate, key, data, **self.deadline()))
 
 
 def _filesystem_class() -> Any:
@@ -178,6 +178,9 @@ def open_gcs(url: str, options: dict[str, Any], *, retry: RetryPolicy, workers: 
     options = dict(options)
     # Listings are our source of truth for versions: never answer them from a cache.
     options.setdefault("use_listings_cache", False)
+    # gcsfs sets no timeout on its HTTP requests: one a server stops answering would wait forever (a listing page
+    # too, which RetryPolicy.request_timeout does not cover). 60 s per request, as s3fs's read_timeout here.
+    options.setdefault("requests_timeout", 60)
     try:
         fs = GCSFileSystem(**options)
     except TypeError as exc:

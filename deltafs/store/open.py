@@ -30,6 +30,8 @@ DELTAFS_OPTIONS = {
     "base_delay": "first backoff in seconds, doubled per retry (default 0.2)",
     "max_delay": "largest backoff in seconds (default 5)",
     "visibility_timeout": "seconds a referenced key may take to appear on an eventually consistent store (default 10)",
+    "request_timeout": "seconds one read, write, stat or delete of an object store may take in all before it is "
+                       "abandoned and retried (default 120; 0: no limit)",
     "max_workers": "parallel requests to the store (default: cores for a local path, 16-32 remote)",
     "read_after_write": "false for a store whose new objects may be invisible for a while",
     "atomic_create": "false for an S3-compatible server that ignores If-None-Match",
@@ -46,7 +48,8 @@ def _split_tuning(options: dict[str, Any]) -> tuple[RetryPolicy, dict[str, Any],
                          f'(known: {", ".join(DELTAFS_OPTIONS)})')
     try:
         retry = RetryPolicy(**{k: type(getattr(RetryPolicy(), k))(tuning[k])
-                               for k in ("attempts", "base_delay", "max_delay", "visibility_timeout") if k in tuning})
+                               for k in ("attempts", "base_delay", "max_delay", "visibility_timeout",
+                                         "request_timeout") if k in tuning})
         workers = {"max_workers": int(tuning["max_workers"])} if "max_workers" in tuning else {}
     except (TypeError, ValueError) as exc:
         raise UsageError(f'bad value in storage option "deltafs": {exc}') from None
@@ -79,6 +82,10 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
     """An ObjectStore for url; local paths get atomic rename-based writes."""
     options = dict(storage_options or {})
     protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
+    if protocol not in ("file", "local") and "//" in rest.strip("/"):
+        # An object store keeps the empty component ("bucket//run" stores "/run/HEAD"), and listings then miss the
+        # store's own keys: log shows nothing, gc and verify stop. A local path means the same with one slash.
+        raise UsageError(f"{url} has an empty path component (//); write it with single slashes")
     check_option_names(protocol, options)
     retry, workers, flags = _split_tuning(options)
     store: ObjectStore

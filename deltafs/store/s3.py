@@ -46,11 +46,11 @@ class S3ObjectStore(FsspecObjectStore):
     def _read(self, key: str, limit: int | None) -> bytes:
         if limit is not None:
             return super()._read(key, limit)  # a ranged GET
-        return bytes(self.fs.cat_file(self.path(key), max_concurrency=1))
+        return bytes(self.fs.cat_file(self.path(key), max_concurrency=1, **self.deadline()))
 
     def _head(self, key: str) -> dict[str, Any]:
         bucket, name, _ = self.fs.split_path(self.path(key))
-        return dict(self.fs.call_s3("head_object", Bucket=bucket, Key=name))
+        return dict(self.fs.call_s3("head_object", Bucket=bucket, Key=name, **self.deadline()))
 
     def _isfile(self, key: str) -> bool:
         # One HEAD; s3fs's exists/isfile also list the prefix when the key is missing.
@@ -84,7 +84,7 @@ class S3ObjectStore(FsspecObjectStore):
         if not self.capabilities.atomic_create:
             return super()._create(key, data)
         try:
-            self.fs.pipe_file(self.path(key), data, mode="create")
+            self.fs.pipe_file(self.path(key), data, mode="create", **self.deadline())
             return True
         except FileExistsError:
             return self._ours(key, data)

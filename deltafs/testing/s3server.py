@@ -129,15 +129,19 @@ class FlakyProxy:
     The first `drop` connections are closed as soon as the client has sent its request (a server
     that drops connections); the next `cut` are forwarded but closed after `cut_after` bytes of
     the answer (a transfer that breaks mid-way). Later connections are passed through, each block
-    of an answer `delay` seconds late (a slow server).
+    of an answer `delay` seconds late (a slow server). With `stall_puts_to`, a PUT whose request line
+    holds that marker is swallowed and its connection held open with no answer until close() (a server
+    that stopped answering in the middle of uploads); `stalled` counts them.
     """
 
     def __init__(self, upstream_url: str, *, drop: int = 0, cut: int = 0, cut_after: int = 2048,
-                 delay: float = 0.0) -> None:
+                 delay: float = 0.0, stall_puts_to: bytes | None = None) -> None:
         host_port = upstream_url.split("://", 1)[-1].rstrip("/")
         host, _, port = host_port.partition(":")
         self.upstream = (host, int(port))
         self.drop, self.cut, self.cut_after, self.delay = drop, cut, cut_after, delay
+        self.stall_puts_to = stall_puts_to
+        self.stalled = 0
         self.connections = 0
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -174,21 +178,37 @@ class FlakyProxy:
         except OSError:
             client.close()
             return
-        threading.Thread(target=_pipe, args=(client, upstream, None), daemon=True).start()
+        threading.Thread(target=_pipe, args=(client, upstream, None, 0.0, self._stalls), daemon=True).start()
         _pipe(upstream, client, limit, self.delay)
+
+    def _stalls(self, block: bytes) -> bool:
+        """Whether a block the client sends starts a request this proxy never answers (it then holds the line)."""
+        if self.stall_puts_to is None or not block.startswith(b"PUT "):
+            return False
+        if self.stall_puts_to not in block.split(b"\r\n", 1)[0]:
+            return False
+        with self._lock:
+            self.stalled += 1
+        while not self._closed:
+            time.sleep(0.05)
+        return True
 
     def close(self) -> None:
         self._closed = True
         self._listener.close()
 
 
-def _pipe(src: socket.socket, dst: socket.socket, limit: int | None, delay: float = 0.0) -> None:
-    """Copy src to dst until EOF, or until limit bytes, then close both."""
+def _pipe(src: socket.socket, dst: socket.socket, limit: int | None, delay: float = 0.0,
+          stalls: Any = None) -> None:
+    """Copy src to dst until EOF, or until limit bytes, then close both; stalls(block): True to stop there (the
+    block is not forwarded)."""
     sent = 0
     try:
         while limit is None or sent < limit:
             data = src.recv(65536 if limit is None else min(65536, limit - sent))
             if not data:
+                break
+            if stalls is not None and stalls(data):
                 break
             if delay:
                 time.sleep(delay)

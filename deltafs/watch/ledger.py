@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deltafs.defaults import DEFAULT_HOST_STALE_AFTER
-from deltafs.errors import DeltafsError, UsageError
+from deltafs.errors import DeltafsError, UsageError, VersionNotFoundError
 from deltafs.format.keys import FLEET_PREFIX, check_host_id, fleet_key
 from deltafs.format.records import FLEET_FORMAT, FLEET_MAX_BYTES, HostStatus, parse_timestamp, utcnow
 from deltafs.store.base import ObjectStore
@@ -119,20 +119,29 @@ class FleetReport:
     hosts: list[FleetRow]
     head_object: int | None = None  # the version the HEAD object names: below head while it lags (a push that
     #                                  committed but died or could not write HEAD after its manifest)
+    head_problem: str | None = None  # HEAD names a version that is not in the store, or another manifest's digest
 
     @property
     def healthy(self) -> bool:
-        return all(r.problem is None for r in self.hosts)
+        return self.head_problem is None and all(r.problem is None for r in self.hosts)
 
     def to_json(self) -> dict[str, Any]:
-        return {"store": self.store_url, "head": self.head, "head_object": self.head_object, "healthy": self.healthy,
-                "hosts": [r.to_json() for r in self.hosts]}
+        return {"store": self.store_url, "head": self.head, "head_object": self.head_object,
+                "head_problem": self.head_problem, "healthy": self.healthy, "hosts": [r.to_json() for r in self.hosts]}
 
 
 def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_HOST_STALE_AFTER, now: _dt.datetime | None = None) -> FleetReport:
     """Every host's ledger entry compared with HEAD."""
     head, stored = repo.heads()
     head_version = head.version if head else None
+    head_problem = None
+    if head is not None:  # as pull checks it (exit 4 or 5 there): a fleet cannot follow a HEAD that is wrong
+        try:
+            if repo.manifest(head.version).digest != head.digest:
+                head_problem = (f"HEAD names version {head.version} with a digest that is not its manifest's; "
+                                "run deltafs verify --all")
+        except VersionNotFoundError:
+            head_problem = f"HEAD names version {head.version}, which is not in the store; run deltafs verify --all"
     now = now or _dt.datetime.now(_dt.timezone.utc)
     rows = []
     statuses = read_statuses(repo.objects)
@@ -158,7 +167,7 @@ def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_HOST_STALE_AF
             problem = disagree[st.host_id]
         rows.append(FleetRow(st, key, lag, stale, problem))
     rows.sort(key=lambda r: r.status.host_id if r.status else r.key)
-    return FleetReport(repo.url, head_version, rows, stored.version if stored else None)
+    return FleetReport(repo.url, head_version, rows, stored.version if stored else None, head_problem)
 
 
 def _checksum_disagreements(statuses: list[HostStatus]) -> dict[str, str]:

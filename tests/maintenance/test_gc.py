@@ -236,9 +236,13 @@ def test_gc_on_s3(s3_url, s3_options, tmp_path, maker):
     orphan, _ = repo.put_chunk(b"young orphan")
     young = gc(s3_url, keep_last=1, grace=600, storage_options=s3_options)
     assert repo.has_chunk(orphan) and young.plan.chunks_too_young >= 1  # S3 LastModified is read
+    # A foreign object under chunks/ (a readme an operator left) is never touched, and stops nothing (gc used to
+    # exit 5 on it: "bad chunk object id").
+    repo.objects.put("chunks/readme", b"not a chunk")
     res = gc(s3_url, keep_last=1, grace=0, storage_options=s3_options, settle=0)
     assert res.versions_removed == [2, 1]
     assert not repo.has_chunk(orphan)
+    assert repo.objects.get("chunks/readme") == b"not a chunk"
     assert verify(s3_url, all_versions=True, storage_options=s3_options).ok
 
 

@@ -216,3 +216,35 @@ def test_conditional_create_whose_reply_was_lost_is_still_ours(s3_server: S3Serv
         assert store.put_if_absent("manifests/v0000000001.json", b"theirs") is False
     finally:
         other.close()
+
+
+def test_uploads_to_a_server_that_stops_answering_time_out(s3_server: S3Server, s3_url: str,
+                                                          s3_options: dict[str, Any]) -> None:
+    """A PUT whose server stops answering (frozen, blackholed) waited forever: s3fs's read timeout does not cover
+    a client waiting for "100 Continue". Every call now has a deadline (storage option request_timeout), past
+    which it is a transient failure: retried, then exit 3 naming the key."""
+    proxy = FlakyProxy(s3_server.endpoint_url, stall_puts_to=b"/chunks/")
+    try:
+        store = open_objects(s3_url, {**s3_options, "endpoint_url": proxy.endpoint_url,
+                                      "deltafs": {**FAST, "attempts": 2, "request_timeout": 2}})
+        store.put("HEAD", b"{}")  # what is not stalled goes through
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="chunks/ab/blob.*after 2 attempts"):
+            store.put("chunks/ab/blob", os.urandom(2 << 20))
+        assert proxy.stalled == 2 and time.monotonic() - started < 30
+    finally:
+        proxy.close()
+
+
+def test_request_timeout_is_a_deltafs_option() -> None:
+    store = open_objects("memory://deadline", {"deltafs": {"request_timeout": 7.5}})
+    assert store.retry.request_timeout == 7.5
+    with pytest.raises(UsageError, match="bad value in storage option"):
+        open_objects("memory://deadline", {"deltafs": {"request_timeout": "soon"}})
+
+
+@pytest.mark.parametrize("url", ["s3://bucket//run", "gs://bucket/a//b", "memory://x//y"])
+def test_an_empty_path_component_in_a_store_url_is_refused(url: str) -> None:
+    """s3://bkt//run pushed and pulled, but its keys began with "/": log showed no versions, gc and verify stopped."""
+    with pytest.raises(UsageError, match="empty path component"):
+        open_objects(url, {})

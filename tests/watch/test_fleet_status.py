@@ -108,6 +108,21 @@ def test_status_says_when_the_head_object_lags(fleet):
     assert json.loads(status_cli(fleet.url, "--json").stdout)["head_object"] is None
 
 
+def test_status_flags_a_head_naming_a_missing_version(fleet):
+    """pull exits 4 on such a HEAD; status said "HEAD is version 99" and exit 0."""
+    from deltafs.format.keys import HEAD_KEY
+    from deltafs.format.records import Head
+
+    fleet.objects.delete(ledger_key("rollout-b"))
+    assert status_cli(fleet.url).return_value == 0
+    fleet.objects.put(HEAD_KEY, Head(99, fleet.manifest(3).digest).to_bytes())
+    result = status_cli(fleet.url)
+    assert result.return_value == 1
+    assert "problem: HEAD names version 99, which is not in the store" in result.stdout
+    data = json.loads(status_cli(fleet.url, "--json").stdout)
+    assert data["healthy"] is False and "version 99" in data["head_problem"]
+
+
 def test_status_cli_healthy_fleet_exits_zero(fleet):
     fleet.objects.delete(ledger_key("rollout-b"))
     assert status_cli(fleet.url).return_value == 0
