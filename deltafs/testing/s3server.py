@@ -129,18 +129,19 @@ class FlakyProxy:
     The first `drop` connections are closed as soon as the client has sent its request (a server
     that drops connections); the next `cut` are forwarded but closed after `cut_after` bytes of
     the answer (a transfer that breaks mid-way). Later connections are passed through, each block
-    of an answer `delay` seconds late (a slow server). With `stall_puts_to`, a PUT whose request line
-    holds that marker is swallowed and its connection held open with no answer until close() (a server
-    that stopped answering in the middle of uploads); `stalled` counts them.
+    of an answer `delay` seconds late (a slow server). With `stall_puts_to`, a request of method
+    `stall_method` (PUT) whose request line holds that marker is swallowed and its connection held open
+    with no answer until close() (a server that stopped answering in the middle of uploads); `stalled`
+    counts them.
     """
 
     def __init__(self, upstream_url: str, *, drop: int = 0, cut: int = 0, cut_after: int = 2048,
-                 delay: float = 0.0, stall_puts_to: bytes | None = None) -> None:
+                 delay: float = 0.0, stall_puts_to: bytes | None = None, stall_method: bytes = b"PUT") -> None:
         host_port = upstream_url.split("://", 1)[-1].rstrip("/")
         host, _, port = host_port.partition(":")
         self.upstream = (host, int(port))
         self.drop, self.cut, self.cut_after, self.delay = drop, cut, cut_after, delay
-        self.stall_puts_to = stall_puts_to
+        self.stall_puts_to, self.stall_method = stall_puts_to, stall_method + b" "
         self.stalled = 0
         self.connections = 0
         self._lock = threading.Lock()
@@ -183,7 +184,7 @@ class FlakyProxy:
 
     def _stalls(self, block: bytes) -> bool:
         """Whether a block the client sends starts a request this proxy never answers (it then holds the line)."""
-        if self.stall_puts_to is None or not block.startswith(b"PUT "):
+        if self.stall_puts_to is None or not block.startswith(self.stall_method):
             return False
         if self.stall_puts_to not in block.split(b"\r\n", 1)[0]:
             return False

@@ -164,6 +164,21 @@ def test_dropped_connections_are_retried(gcs_server: gcsserver.GCSServer, gcs_ur
         flaky.close()
 
 
+def test_a_server_that_stops_answering_times_out(gcs_server: gcsserver.GCSServer, gcs_url: str) -> None:
+    """gcsfs sets no timeout: an upload to a server that froze waited forever. Now each call has a deadline
+    (request_timeout), then deltafs's retries, then exit 3 naming the key."""
+    flaky = FlakyProxy(gcs_server.endpoint_url, stall_puts_to=b"/upload/", stall_method=b"POST")
+    try:
+        store = open_objects(gcs_url, gcs_server.storage_options(
+            endpoint_url=flaky.endpoint_url, deltafs={"attempts": 2, "base_delay": 0.05, "request_timeout": 2}))
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="after 2 attempts"):
+            store.put_if_absent("chunks/ab/blob", b"x" * 1000)
+        assert flaky.stalled == 2 and time.monotonic() - started < 30
+    finally:
+        flaky.close()
+
+
 def test_url_without_bucket_is_a_usage_error(gcs_options: dict[str, Any]) -> None:
     with pytest.raises(UsageError, match="names no bucket"):
         open_objects("gs://", gcs_options)
