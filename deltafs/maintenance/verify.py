@@ -67,7 +67,7 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
             report.fail(f"version {v} is not in {repo.url} (removed since it was listed)")
             continue
         except DeltafsError as exc:
-            report.fail(f"version {v}: {exc}")
+            report.fail(_about(v, exc))
             continue
         try:
             check_layout(man)
@@ -94,7 +94,7 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
             Builder(repo, chain, source, threads=threads).build(None)
             report.files_checked += len(man.files)
         except DeltafsError as exc:
-            report.fail(f"version {v}: {exc}")
+            report.fail(_about(v, exc))
         if all_versions and man.kind == "full" and man.parent is not None:
             _check_bridge(repo, man, source, threads, report)
     return report
@@ -168,7 +168,7 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
     try:
         man = repo.manifest(v)
     except DeltafsError as exc:
-        report.fail(f"version {v}: {exc}")
+        report.fail(_about(v, exc))
         return
     if man.digest != state.digest:
         report.fail(f"{dest}: version {v} in the store is not the one that was pulled (manifest digest differs)")
@@ -186,6 +186,12 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
             report.fail(f"{dest}: {f.path}: digest {digest[:24]}… differs from version {v}'s {f.digest[:24]}…")
     for rel in extra_entries(state.path, listed):
         report.fail(f"{dest}: {rel} is not part of version {v}")
+
+
+def _about(version: int, exc: BaseException) -> str:
+    """exc's message, starting with the version it is about (once: many messages name it already)."""
+    text = str(exc)
+    return text if text.startswith(f"version {version}:") else f"version {version}: {text}"
 
 
 def _seg_name(key: str) -> str:

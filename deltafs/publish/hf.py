@@ -64,7 +64,10 @@ def _plain_tensor(t: Any) -> Any:
         t = t.full_tensor()
     if not isinstance(t, lazy_torch().Tensor):
         raise UsageError(f"expected a torch.Tensor, got {type(t).__name__}")
-    return t.detach()
+    t = t.detach()
+    # A lazily conjugated or negated view (x.conj(), x.neg() of a view) has no bytes of its own to view:
+    # materialize them (a copy only for such a view).
+    return t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t
 
 
 class DeviceBytes:
@@ -241,6 +244,10 @@ def plan_checkpoint(tensors: Mapping[str, Any] | list[HfTensor], *, max_shard_by
         size += t.nbytes
     meta = dict(metadata) if metadata is not None else {"format": "pt"}
     extra = dict(extra_files or {})
+    for rel, data in extra.items():
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise UsageError(f"extra file {rel!r} must be bytes, got {type(data).__name__} (encode it: "
+                             f"json.dumps(config).encode())")
     shards: tuple[HfShard, ...]
     if len(groups) == 1:
         shards = (make_shard(SINGLE_FILE, groups[0], meta),)

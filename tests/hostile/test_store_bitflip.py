@@ -26,6 +26,19 @@ def test_damaged_chunk_is_retried_then_an_integrity_failure(tmp_path, maker):
     assert victim in proc.stderr and "corrupt" in proc.stderr and "checked 3 times" in proc.stderr, proc.stderr
     assert proc.stderr.count("arrived damaged") == 2, proc.stderr  # fetched 3 times in all
     assert not os.path.lexists(tmp_path / "dest")
+    report = run_cli("verify", url, "--storage-options", FAST)
+    assert report.returncode == 6 and victim in report.stdout
+
+
+def test_verify_names_the_version_once():
+    """Many messages name their version already ("version 2: model.safetensors: tensor w digest mismatch"); verify
+    printed "version 2: version 2: ..."."""
+    from deltafs.errors import IntegrityError
+    from deltafs.maintenance.verify import _about
+
+    assert _about(2, IntegrityError("version 2: f: tensor w digest mismatch")) == "version 2: f: tensor w digest mismatch"
+    assert _about(2, IntegrityError("chunk ab is corrupt")) == "version 2: chunk ab is corrupt"
+    assert _about(2, IntegrityError("version 21: x")) == "version 2: version 21: x"
 
 
 def test_a_chunk_that_is_a_link_or_too_large_is_reported_at_once(tmp_path, maker):

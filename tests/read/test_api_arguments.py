@@ -50,3 +50,17 @@ def test_push_tensors_refuses_nothing_to_push_and_the_wrong_container(tmp_path):
     with pytest.raises(UsageError, match="threads must be an integer"):
         push_tensors(store, {"w": torch.zeros(4)}, threads=0)
     assert not os.path.exists(store)
+
+
+def test_push_tensors_takes_conjugate_views_and_refuses_text_for_extra_files(tmp_path):
+    """A lazily conjugated view has no bytes of its own (a RuntimeError before): its values are pushed. A str where
+    bytes are expected was a bare TypeError."""
+    from safetensors.torch import load_file
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    x = torch.randn(6, dtype=torch.complex64)
+    push_tensors(store, {"c": x.conj(), "w": torch.ones(3)})
+    pull(store, dest)
+    assert torch.equal(load_file(os.path.join(dest, "model.safetensors"))["c"], x.conj().resolve_conj())
+    with pytest.raises(UsageError, match="extra file 'config.json' must be bytes, got str"):
+        push_tensors(store, {"w": torch.ones(3)}, extra_files={"config.json": "{}"})
