@@ -188,8 +188,10 @@ class Head:
         if raw.get("format_version") != HEAD_FORMAT_VERSION:
             raise FormatError(f"unknown HEAD format version {raw.get('format_version')!r}")
         v, d = raw.get("version"), raw.get("digest")
-        if not is_valid_version(v) or not is_manifest_digest(d):
-            raise FormatError("HEAD is malformed")
+        if not is_valid_version(v):
+            raise FormatError(f"HEAD is malformed: version {v!r} is not a version number")
+        if not is_manifest_digest(d):
+            raise FormatError(f"HEAD is malformed: digest {str(d)[:80]!r} is not sha256:<64 hex digits>")
         return cls(version=v, digest=d)  # type: ignore[arg-type]
 
 

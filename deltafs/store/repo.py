@@ -64,6 +64,11 @@ class Repository:
         except ObjectNotFoundError:
             if not create:
                 raise StoreNotFoundError(f"no deltafs store at {url} (push to it first)") from None
+            if objects.exists(HEAD_KEY):
+                # A HEAD but no deltafs.json: another tool's prefix, or a store whose config was deleted. Making a
+                # config there would claim it (and gc would then call it an empty store).
+                raise FormatError(f"{url} holds a HEAD but no deltafs.json: not a deltafs store (or a damaged one); "
+                                 "push to an empty prefix") from None
             config = StoreConfig(store_id=uuid.uuid4().hex, chunk_bytes=chunk_bytes, created=utcnow())
             objects.put_if_absent(CONFIG_KEY, config.to_bytes())
             data = objects.get(CONFIG_KEY, referenced=True, limit=CONFIG_MAX_BYTES)  # another writer may have been first
@@ -75,6 +80,8 @@ class Repository:
             return Head.from_bytes(self.objects.get(HEAD_KEY, limit=HEAD_MAX_BYTES))
         except ObjectNotFoundError:
             return None
+        except FormatError as exc:
+            raise FormatError(f"{exc} (in {self.url})") from None
 
     def head(self) -> Head | None:
         """The newest committed version.

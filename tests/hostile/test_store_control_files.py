@@ -10,6 +10,8 @@ import pytest
 from deltafs.publish import push
 from deltafs.testing.checkpoints import run_cli
 
+from .conftest import deltafs, one_line
+
 
 @pytest.fixture
 def two_versions(tmp_path, maker) -> str:
@@ -71,3 +73,20 @@ def test_oversized_head_and_config_are_refused(tmp_path, two_versions):
     with open(config, "wb") as fh:
         fh.write(data + b" " * (1 << 20))
     _assert_corrupt(run_cli("log", two_versions, timeout=120), "deltafs.json", "larger than")
+
+
+def test_a_push_does_not_claim_a_prefix_that_holds_a_foreign_head(tmp_path, maker):
+    """A prefix with a HEAD but no deltafs.json (another tool's, or a store whose config was deleted): the push
+    refused it only after writing deltafs.json there, which made gc call it an empty store. Now nothing is written."""
+    store = tmp_path / "other"
+    store.mkdir()
+    (store / "HEAD").write_text("ref: refs/heads/main\n")
+    one_line(deltafs("push", maker.write(), store), 5, "holds a HEAD but no deltafs.json")
+    assert sorted(os.listdir(store)) == ["HEAD"]
+
+
+def test_a_malformed_head_names_the_store_and_the_field(tmp_path, store):
+    with open(os.path.join(store, "HEAD"), "w") as fh:
+        fh.write('{"format": "deltafs.head", "format_version": 1, "version": 2, "digest": "sha256:xyz"}')
+    line = one_line(deltafs("pull", store, tmp_path / "dest"), 5, "HEAD is malformed: digest", store)
+    assert "sha256:xyz" in line
