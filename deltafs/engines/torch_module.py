@@ -129,6 +129,7 @@ class _Whole:
     name: str
     target: torch.Tensor
     source: torch.Tensor  # the verified new bytes, on the host (pinned for an accelerator)
+    old: torch.Tensor | None = None  # stage(keep_old=True): a host copy of what the module held, for undo
 
 
 @dataclass
@@ -161,6 +162,8 @@ class StagedVersion:
     swaps: list[_Swap] = field(default_factory=list)
     staging: int = 0  # the applier's stage count: spares hold the bytes of the latest staging only
     committed: bool = False
+    prior: dict[str, _Held] = field(default_factory=dict)  # what commit() forgot of the tensors it writes
+    restored: bool = False  # undo() put back every byte the commit wrote (the module holds what it held before)
 
     @property
     def touched(self) -> list[str]:
@@ -239,8 +242,11 @@ class ModuleApplier:
         return sorted(bad + [n for n in self._expected if n not in self._held or n not in live])
 
     @_in_module_mode
-    def stage(self, version_dir: str, manifest: Manifest | None = None) -> StagedVersion:
-        """Everything before the pause: read and check the new bytes, diff them, move the delta to the devices."""
+    def stage(self, version_dir: str, manifest: Manifest | None = None, *, keep_old: bool = False) -> StagedVersion:
+        """Everything before the pause: read and check the new bytes, diff them, move the delta to the devices.
+
+        keep_old: also keep a host copy of each tensor that will be copied whole, so that undo() can put it back
+        without the previous version's files (the engine asks for it when those files are gone)."""
         t0 = time.monotonic()
         man = manifest or read_version_manifest(version_dir)
         self._chunk_bytes = man.chunk_bytes  # a store's chunk size never changes; v2 digests depend on it
@@ -297,7 +303,8 @@ class ModuleApplier:
                 swaps.append(self._prepare_spare(p, target))
             elif p.new is not None:
                 held[p.name] = p.held
-                whole.append(_Whole(p.name, target, _host_source(p.new, target)))
+                old = target.detach().to("cpu", copy=True) if keep_old else None
+                whole.append(_Whole(p.name, target, _host_source(p.new, target), old))
             elif p.diff is None:  # unknown before, and the module turned out to hold it
                 self._held[p.name] = p.held
                 unchanged += 1
@@ -349,7 +356,9 @@ class ModuleApplier:
                               "overwrote them; stage it again")
         self._generation += 1
         for name in staged.touched:
-            self._held.pop(name, None)  # unknown until verified below
+            held = self._held.pop(name, None)  # unknown until verified below
+            if held is not None:
+                staged.prior[name] = held
         staged.committed = True
         bad: list[str] = []
         with torch.no_grad():
@@ -396,17 +405,26 @@ class ModuleApplier:
 
     @_in_module_mode
     def undo(self, staged: StagedVersion) -> None:
-        """After a failed commit: put the previous values back where they were scattered; whole copies stay unknown."""
+        """After a failed commit: put the previous values back where they were scattered (and where whole copies were
+        made, if their old bytes were kept: stage(keep_old=True)); other whole copies stay unknown."""
         if not staged.committed:
             return
         with torch.no_grad():
-            for w in staged.swaps:
-                if w.old is not None:  # swapped: point the tensor back at its previous bytes
-                    w.target.data = w.old
-                    w.old = None
+            for sw in staged.swaps:
+                if sw.old is not None:  # swapped: point the tensor back at its previous bytes
+                    sw.target.data = sw.old
+                    sw.old = None
             for g in staged.groups:
                 for flat, idx, old in zip(g.flats, g.idx_dev, g.old, strict=True):
                     flat.index_copy_(0, idx, torch.from_numpy(old).to(g.device))
+            for w in staged.whole:  # only where the pause wrote: the copy that failed may be into a tensor that
+                # cannot be written at all (an expanded view)
+                if w.old is not None and not torch.equal(int_view(w.target).cpu(), int_view(w.old)):
+                    w.target.copy_(w.old)
+        if all(w.old is not None for w in staged.whole):
+            # Every byte written is back: what was known of those tensors before holds again (verify() checks it).
+            self._held.update(staged.prior)
+            staged.restored = True
 
     # -- helpers of stage() --
 
@@ -624,7 +642,10 @@ class TorchModuleEngine:
 
     def switch(self, target: Target, previous: Target | None) -> SwitchResult:
         try:  # outside the pause: parse, read, check and diff; the module is not touched yet
-            staged = self.applier.stage(target.path, read_version_manifest(target.path))
+            # Without the previous version's files a failed pause could not put back the tensors it copies whole
+            # (they are re-read from those files): keep their old bytes then.
+            gone = previous is not None and not os.path.isdir(previous.path)
+            staged = self.applier.stage(target.path, read_version_manifest(target.path), keep_old=gone)
         except Exception as exc:  # the module was not touched
             if previous is None:
                 rolled_back = False
@@ -661,7 +682,13 @@ class TorchModuleEngine:
             if previous is None:
                 self._version = None  # partly applied: what the module holds is no known version
                 return False
-            self.applier.apply(previous.path)
+            if staged is not None and staged.restored and not os.path.isdir(previous.path):
+                # The undo put back every byte (the old bytes were kept because previous's files are gone);
+                # the device checksums confirm it.
+                if self.applier.verify():
+                    raise IntegrityError(f"the module does not hold version {previous.version} after the undo")
+            else:
+                self.applier.apply(previous.path)
         except (DeltafsError, OSError, RuntimeError, ValueError) as exc:
             log.critical("rollback of the module to version %s failed: %s",
                          previous.version if previous else "?", exc)

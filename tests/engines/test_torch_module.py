@@ -493,3 +493,26 @@ def test_a_version_holding_none_of_the_modules_tensors_is_refused(tmp_path):
         engine.switch(Target(p2, "2"), Target(p1, "1"))
     assert engine.served_version() == "1"
     assert_module_holds(model, v1)
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_a_failed_pause_rolls_back_without_the_previous_versions_files(publish, spare):
+    """With the previous version's files gone (a pull with keep=1, a cleanup), every changed tensor is copied whole,
+    and a pause that failed after some of those copies could not put them back: the module was left mixed
+    (rolled_back False, a CRITICAL line). The engine now keeps their old bytes on the host for that case."""
+    import shutil
+
+    v1 = {**mixed_tensors(1), "shared.bias": torch.zeros(4)}
+    v2 = {**changed(mixed_tensors(1), 0.02, seed=7), "shared.bias": torch.ones(4)}
+    p1, p2 = publish(v1), publish(v2)
+    module = module_of(mixed_tensors(1))
+    module.add_module("shared", torch.nn.Module())
+    module.shared.register_buffer("bias", torch.zeros(1).expand(4))  # copy_ into it raises, mid-pause
+    engine = TorchModuleEngine(module, spare=spare)
+    engine.switch(Target(p1, "1"), None)
+    shutil.rmtree(p1)
+    with pytest.raises(SwitchError) as info:
+        engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert info.value.rolled_back and engine.served_version() == "1"
+    assert_module_holds(module, v1)
+    assert engine.applier.verify() == []
