@@ -297,10 +297,9 @@ def log_cmd(
       deltafs log /mnt/ckpt-store --limit 20
       deltafs log s3://bucket/run7 --since 2026-12-01 --json
     """
-    from deltafs.maintenance.log import log, parse_since
+    from deltafs.maintenance.log import log
 
-    since_value = None if since is None else parse_since(since)
-    entries = log(store, storage_options=parse_storage_options(storage_options), limit=limit, since=since_value)
+    entries = log(store, storage_options=parse_storage_options(storage_options), limit=limit, since=since)
     out = Output(json_mode=json_out)
     rows = [f"{'version':>8} {'kind':<6} {'parent':>7} {'changed':>8} {'written':>11} {'ratio':>8}  {'created (UTC)':<19}  metadata"]
     for e in entries:

@@ -152,9 +152,7 @@ class LocalCheckpoint:
         try:
             os.makedirs(parent, exist_ok=True)
             self._own_dir(self.sidecar, create=True)
-        except DestinationError:
-            raise
-        except OSError as exc:
+        except OSError as exc:  # (DestinationError, a refusal of what is there, is no OSError: it passes)
             raise local_write_error(exc, exc.filename or self.sidecar) from None
         return self.sidecar
 
@@ -384,8 +382,7 @@ class LocalCheckpoint:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
         except FileNotFoundError:
             return []
-        stale = [n for n in os.listdir(self.sidecar) if STAGING_DIR.match(n)
-                 and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode)]
+        stale = [n for n in os.listdir(self.sidecar) if _is_staging(n, os.lstat(os.path.join(self.sidecar, n)))]
         _remove_trees([os.path.join(self.sidecar, n) for n in stale])
         return stale
 
@@ -422,7 +419,7 @@ class LocalCheckpoint:
         removed, doomed = [], []
         for n, st in entries.items():
             full = os.path.join(self.sidecar, n)
-            if STAGING_DIR.match(n) and stat.S_ISDIR(st.st_mode):
+            if _is_staging(n, st):
                 doomed.append(full)
             elif n in versions and n not in keep_names:
                 if background:
@@ -464,6 +461,11 @@ class LocalCheckpoint:
             return []
         return sorted(os.path.join(self.sidecar, n) for n in os.listdir(self.sidecar)
                       if VERSION_DIR.match(n) and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode))
+
+
+def _is_staging(name: str, st: os.stat_result) -> bool:
+    """A staging directory deltafs made: its name pattern, and a real directory (lstat: never a planted link)."""
+    return bool(STAGING_DIR.match(name)) and stat.S_ISDIR(st.st_mode)
 
 
 def extra_entries(root: str, paths: set[str]) -> list[str]:
