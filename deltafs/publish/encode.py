@@ -286,7 +286,8 @@ class Encoder:
         # digest is taken before a patch overwrites it.
         digest = before if before is not None else digests.chunk_digest(new)
         base_digest = digests.chunk_digest(old) if old is not None else None
-        _check_views(reader, seg, new, old)  # nothing above is used if a mapped file was cut short meanwhile
+        if given is None:  # (a run's chunks share one mapping, which _chunks checks once for them all)
+            _check_views(reader, seg, new, old)  # nothing above is used if a mapped file was cut short meanwhile
         if stage_fd is not None and not (self.patch and old is not None and enc.changed == 0):
             try:
                 pwrite_all(stage_fd, memoryview(new), seg.offset + start)
@@ -310,6 +311,12 @@ class Encoder:
         pieces = self._run_reads(reader, run)
         out = [self._chunk(reader, seg, i, base_fd, base_offset, stage_fd, pieces[k] if pieces else None)
                for k, (seg, i, base_fd, base_offset) in enumerate(run)]
+        if pieces:
+            # The run's bytes are slices of one span (and its base's of another): one check after their last use
+            # covers every chunk, as each chunk's own check would (one fstat per chunk hands the GIL over and
+            # waits to take it back, a few us each on a model of thousands of tiny tensors). A failure here
+            # discards the whole run, staged copies included: the push fails before anything names them.
+            _check_views(reader, run[-1][0], pieces[0][0], next((old for _, old in pieces if old is not None), None))
         stored = [(c, c.enc.payload) for c in out if c.enc.payload is not None]
         batch: list[tuple[str, bytes]] = []
         if len(stored) == 1:

@@ -146,6 +146,39 @@ def test_a_source_cut_short_while_it_is_pushed_fails_with_a_clear_error_and_comm
     assert Repository.open(store).versions() == [1]
 
 
+@pytest.mark.parametrize("cut", ["first", "last"])
+def test_a_run_of_small_tensors_cut_short_while_it_is_encoded_fails_the_push(tmp_path, monkeypatch, cut):
+    """Small tensors are read as one span per run, through a mapping once the span is large; the run's chunks are
+    checked together after their last use: a cut while any of them is encoded fails the push, commits nothing,
+    and the next push of a whole file works."""
+    rng = np.random.default_rng(6)
+    v = {f"norm.{k:02d}": rng.integers(0, 1 << 16, 40_000, dtype=np.uint16) for k in range(12)}  # 12 x 80 KB
+    store, cache, dest = str(tmp_path / "store"), str(tmp_path / "cache"), str(tmp_path / "dest")
+    push(store, _ckpt(tmp_path / "v1", v), cache_dir=cache)
+    v2 = {n: np.frombuffer(perturb(a.tobytes(), 2, 0.05, rng), np.uint16) for n, a in v.items()}
+    src = _ckpt(tmp_path / "v2", v2)
+    seen = _spy(monkeypatch)
+    real = encode_mod.codec.encode
+    calls = []
+
+    def cut_during_the_run(new, old, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == (1 if cut == "first" else len(v)):
+            os.truncate(os.path.join(src, "model.safetensors"), 4096)  # the trainer rewrites the file
+        return real(new, old, *args, **kwargs)
+
+    monkeypatch.setattr(encode_mod.codec, "encode", cut_during_the_run)
+    with pytest.raises(SourceError, match="model.safetensors shrank while it was being pushed"):
+        push(store, src, cache_dir=cache)
+    assert any(size > encode_mod.SMALL_CHUNK for size, _ in seen)  # the run's span was mapped
+    assert Repository.open(store).versions() == [1]
+    monkeypatch.setattr(encode_mod.codec, "encode", real)
+    src = _ckpt(tmp_path / "v2", v2)  # written whole again
+    assert push(store, src, cache_dir=cache).version == 2
+    pull(store, dest)
+    assert files_of(dest) == files_of(src)
+
+
 def test_without_the_guarded_mappings_every_chunk_is_read(tmp_path, monkeypatch):
     """A build without deltafs._mapped (no C compiler, not Linux) maps nothing: the same versions, through reads."""
     monkeypatch.setitem(buffers._mapping, "ok", False)
