@@ -135,6 +135,14 @@ EXIT_MEANINGS: dict[int, str] = {
 _LOCAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EROFS}
 
 
+def check_count(value: object, what: str, least: int) -> int:
+    """value itself if it is an int (not a bool) of at least `least`; UsageError (exit 2) otherwise. The one check of
+    the API's counts (threads, keep), so push and pull refuse the same values with the same words."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UsageError(f"{what} must be an integer of at least {least}, got {value!r}")
+    return value
+
+
 def exit_code(exc: BaseException) -> int:
     """The exit code of an exception, from the one table."""
     for cls in type(exc).__mro__:

@@ -9,7 +9,7 @@ from typing import Any, TypedDict
 from deltafs.defaults import (DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL,
                               MAX_LEVEL, MIN_LEVEL)
 from deltafs.format.versions import check_version
-from deltafs.errors import UsageError
+from deltafs.errors import UsageError, check_count
 from deltafs.format.manifest import canonical_json
 
 # How the push cache takes a pushed file: "auto" tries a reflink (copy-on-write clone), then a hard
@@ -46,9 +46,8 @@ class PushOptions:
             raise UsageError(f"metadata is not JSON: {exc}") from None
         if self.link not in LINK_MODES:
             raise UsageError(f"link must be one of {', '.join(LINK_MODES)}, not {self.link!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise UsageError(f"threads must be an integer of at least 1, got {self.threads!r}")
+        if self.threads is not None:
+            check_count(self.threads, "threads", 1)
         for name in ("level", "full_level"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not MIN_LEVEL <= value <= MAX_LEVEL:

@@ -24,6 +24,7 @@ from deltafs.errors import (
     ObjectNotFoundError,
     UsageError,
     VersionNotFoundError,
+    check_count,
     is_local_write_failure,
     local_write_error,
 )
@@ -165,10 +166,9 @@ def _check_arguments(dest: Any, version: Any, threads: Any, keep: Any, storage_o
         raise UsageError(f"dest must be a path, got {type(dest).__name__}")
     if version is not None:
         check_version(version)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise UsageError(f"threads must be an integer of at least 1, got {threads!r}")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise UsageError(f"keep must be an integer >= 0, got {keep!r}")
+    if threads is not None:
+        check_count(threads, "threads", 1)
+    check_count(keep, "keep", 0)
     if storage_options is not None and not isinstance(storage_options, dict):
         raise UsageError(f"storage_options must be a dict, got {type(storage_options).__name__}")
 

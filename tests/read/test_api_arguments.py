@@ -19,7 +19,7 @@ from deltafs.read.pull import pull
     ({"threads": -1}, "threads must be an integer of at least 1"),
     ({"threads": 1.5}, "threads must be an integer of at least 1"),
     ({"threads": "4"}, "threads must be an integer of at least 1"),
-    ({"keep": -1}, "keep must be an integer >= 0"),
+    ({"keep": -1}, "keep must be an integer of at least 0"),
     ({"version": "2"}, "version must be an integer"),
     ({"version": True}, "version must be an integer"),
     ({"version": 2.0}, "version must be an integer"),
