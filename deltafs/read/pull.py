@@ -19,7 +19,6 @@ from typing import Any
 
 from deltafs.errors import (
     ChunkNotFoundError,
-    FormatError,
     IntegrityError,
     ObjectNotFoundError,
     UsageError,
@@ -69,14 +68,9 @@ def checked_head(repo: Repository) -> Head | None:
     head = repo.head()
     if head is None:
         return None
-    try:
-        man = repo.manifest(head.version)
-    except VersionNotFoundError:
-        raise VersionNotFoundError(f"HEAD of {repo.url} names version {head.version}, which is not in the store; "
-                                   "run 'deltafs verify --all'") from None
-    if man.digest != head.digest:
-        raise FormatError(f"HEAD of {repo.url} names version {head.version} with digest {head.digest[:16]}..., but that "
-                          f"manifest's digest is {man.digest[:16]}...; run 'deltafs verify --all'")
+    problem = repo.head_error(head)
+    if problem is not None:
+        raise problem
     return head
 
 

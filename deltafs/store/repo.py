@@ -100,6 +100,21 @@ class Repository:
         man = self.manifest(newer[-1])
         return Head(man.version, man.digest), stored
 
+    def head_error(self, head: Head) -> DeltafsError | None:
+        """What is wrong with `head` (the HEAD object, or head()'s answer), or None: VersionNotFoundError (exit 4)
+        when it names a version the store does not hold, FormatError (exit 5) when its digest is not that version's
+        manifest's. Both say it is HEAD that is wrong and how to look further; pull raises them, status shows them.
+        Errors reading the manifest itself propagate."""
+        try:
+            man = self.manifest(head.version)
+        except VersionNotFoundError:
+            return VersionNotFoundError(f"HEAD of {self.url} names version {head.version}, which is not in the store; "
+                                        "run 'deltafs verify --all'")
+        if man.digest != head.digest:
+            return FormatError(f"HEAD of {self.url} names version {head.version} with digest {head.digest[:16]}..., but "
+                               f"that manifest's digest is {man.digest[:16]}...; run 'deltafs verify --all'")
+        return None
+
     def versions(self, after: int | None = None) -> list[int]:
         """Committed version numbers, ascending (from the manifest listing)."""
         found, _strays = self.list_manifests()

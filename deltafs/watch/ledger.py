@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deltafs.defaults import DEFAULT_HOST_STALE_AFTER
-from deltafs.errors import DeltafsError, UsageError, VersionNotFoundError
+from deltafs.errors import DeltafsError, UsageError
 from deltafs.format.keys import FLEET_PREFIX, check_host_id, fleet_key
 from deltafs.format.records import FLEET_FORMAT, FLEET_MAX_BYTES, HostStatus, parse_timestamp, utcnow
 from deltafs.store.base import ObjectStore
@@ -136,12 +136,8 @@ def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_HOST_STALE_AF
     head_version = head.version if head else None
     head_problem = None
     if head is not None:  # as pull checks it (exit 4 or 5 there): a fleet cannot follow a HEAD that is wrong
-        try:
-            if repo.manifest(head.version).digest != head.digest:
-                head_problem = (f"HEAD names version {head.version} with a digest that is not its manifest's; "
-                                "run deltafs verify --all")
-        except VersionNotFoundError:
-            head_problem = f"HEAD names version {head.version}, which is not in the store; run deltafs verify --all"
+        wrong = repo.head_error(head)
+        head_problem = str(wrong) if wrong is not None else None
     now = now or _dt.datetime.now(_dt.timezone.utc)
     rows = []
     statuses = read_statuses(repo.objects)
