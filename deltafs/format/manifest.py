@@ -152,6 +152,19 @@ def payload_bytes(chunks: Iterable[ChunkRef]) -> int:
     return total
 
 
+def referenced_objects(files: Iterable[FileEntry]) -> set[str]:
+    """The objects the chunk records of these files name (what gc keeps, what a reader of them fetches)."""
+    return {ch.object for f in files for seg in f.segments for ch in seg.chunks if ch.object is not None}
+
+
+def referenced_bytes(files: Iterable[FileEntry]) -> int:
+    """Bytes of the distinct objects the chunk records name: what a reader of this version fetches, whoever stored
+    them (a push that reuses the objects of a killed attempt stores few bytes itself)."""
+    sizes = {ch.object: ch.object_bytes for f in files for seg in f.segments for ch in seg.chunks
+             if ch.object is not None}
+    return sum(sizes.values())
+
+
 @dataclass(frozen=True)
 class Segment:
     """A byte range of a file: a safetensors header, one tensor's data, or a whole plain file."""
@@ -659,5 +672,5 @@ def _int(value: Any, what: str) -> int:
 __all__ = [
     "DELTA_CODECS", "FORMAT_VERSION", "HEAD_FORMAT", "MANIFEST_FORMAT", "READ_FORMAT_VERSIONS", "STORE_FORMAT",
     "ChunkRef", "FileEntry", "Head", "Manifest", "Segment", "StoreConfig", "canonical_json", "check_relpath", "chunk_key",
-    "is_manifest_digest", "manifest_json", "manifest_key", "payload_bytes", "stored_manifest", "parse_manifest_key", "sha256_hex", "validate",
+    "is_manifest_digest", "manifest_json", "manifest_key", "payload_bytes", "referenced_bytes", "referenced_objects", "stored_manifest", "parse_manifest_key", "sha256_hex", "validate",
 ]

@@ -30,7 +30,7 @@ from deltafs.format.keys import (BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_ke
                                  parse_fold_key)
 from deltafs.read.chain import plan_chain
 from deltafs.store.accelerators import load_bridge, load_fold
-from deltafs.format.manifest import Manifest, chunk_key, manifest_key, parse_manifest_key
+from deltafs.format.manifest import Manifest, chunk_key, manifest_key, parse_manifest_key, referenced_objects
 from deltafs.format.versions import MAX_VERSION
 from deltafs.store.lock import DEFAULT_STALE_AFTER, StoreLock, read_push_markers
 from deltafs.parallel import ordered_map
@@ -150,11 +150,11 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
             keep.setdefault(step.version, f"chain of {v}")
     plan.keep = keep
     plan.remove = sorted((v for v in versions if v not in keep), reverse=True)
-    referenced = _objects_of(manifests[v] for v in keep)
+    referenced = referenced_objects(f for v in keep for f in manifests[v].files)
     for v, key in _fold_keys(repo):
         fold = load_fold(repo, manifests[v]) if v in keep else None
         if fold is not None:
-            referenced |= _objects_of([fold])
+            referenced |= referenced_objects(fold.files)
         else:  # the fold of a removed version, or one that is unusable anyway
             _plan_removal(repo, key, v, plan.folds)
     for v, key in _bridge_keys(repo):
@@ -165,7 +165,7 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
         # A kept full version keeps its bridge even when its parent goes: a host that holds the parent can use it.
         bridge = load_bridge(repo, manifests[v]) if v in keep else None
         if bridge is not None:
-            referenced |= _objects_of([bridge])
+            referenced |= referenced_objects(bridge.files)
         else:  # the bridge of a removed version, or one that is unusable anyway
             _plan_removal(repo, key, v, plan.bridges)
     plan.chunks_referenced = len(referenced)
@@ -278,7 +278,7 @@ def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:
     new = [v for v in repo.versions() if v not in known]
     for v in new:
         steps = _chain(repo, v)
-        needed = _objects_of(steps)
+        needed = referenced_objects(f for m in steps for f in m.files)
         for step in steps:
             plan.keep.setdefault(step.version, "new" if step.version == v else f"chain of {v}")
         plan.remove = [r for r in plan.remove if r not in plan.keep]
@@ -291,7 +291,7 @@ def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:
             if v in plan.keep and v not in going:
                 extra = load(repo, repo.manifest(v))
                 if extra is not None:
-                    needed = _objects_of([extra])
+                    needed = referenced_objects(extra.files)
                     plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
 
 
@@ -319,11 +319,6 @@ def _chain(repo: Repository, version: int) -> list[Manifest]:
     except DeltafsError as exc:
         # Deleting anything from a store whose chains are already broken could lose more: stop.
         raise IntegrityError(f"gc stopped: version {version} cannot be rebuilt ({exc}); run 'deltafs verify --all'") from None
-
-
-def _objects_of(manifests: Any) -> set[str]:
-    return {ch.object for man in manifests for f in man.files for seg in f.segments for ch in seg.chunks
-            if ch.object is not None}
 
 
 def _created(man: Manifest) -> float:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deltafs.errors import DeltafsError, ObjectNotFoundError, VersionNotFoundError
-from deltafs.format.manifest import Manifest, parse_manifest_key
+from deltafs.format.manifest import Manifest, parse_manifest_key, referenced_objects
 from deltafs.format.versions import MAX_VERSION, VERSION_DIGITS
 from deltafs.format.keys import bridge_key
 from deltafs.read.chain import Chain, plan_chain
@@ -57,6 +57,7 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
     versions = repo.versions() if all_versions else [version if version is not None else head.version]
     report.versions = versions
     seen: set[str] = set()
+    bad: set[str] = set()  # chunks reported corrupt or missing: a rebuild that needs one is not tried (reported once)
     source = ChunkSource(repo, None)
     for v in versions:
         try:
@@ -82,15 +83,23 @@ def verify(store: str | Repository, *, version: int | None = None, all_versions:
                     try:
                         data = repo.get_chunk(ch.object)
                         if len(data) != ch.object_bytes:
+                            bad.add(ch.object)
                             report.fail(f"version {v}: {f.path}: chunk {ch.object} is {len(data)} bytes, manifest says "
                                         f"{ch.object_bytes}")
                     except DeltafsError as exc:
+                        bad.add(ch.object)
                         report.fail(f"version {v}: {f.path}: {_seg_name(seg.key)}: {exc}")
                     report.chunks_checked += 1
         if not deep:
             continue
         try:
             chain = plan_chain(repo, v, None)
+            needs_bad = sorted(referenced_objects(f for m in chain.steps for f in m.files) & bad)
+            if needs_bad:
+                # Fetching them again (with retries) would only report the same chunks a second time.
+                report.fail(f"version {v}: not rebuilt: it needs {len(needs_bad)} chunk(s) reported above "
+                            f"({needs_bad[0][:16]}...)")
+                continue
             Builder(repo, chain, source, threads=threads).build(None)
             report.files_checked += len(man.files)
         except DeltafsError as exc:

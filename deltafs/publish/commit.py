@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from deltafs.errors import LockHeldError, VersionConflictError
-from deltafs.format.manifest import FileEntry, Head, Manifest
+from deltafs.format.manifest import FileEntry, Head, Manifest, referenced_bytes, referenced_objects
 from deltafs.parallel import ordered_map
 from deltafs.publish.encode import EncodeStats
 from deltafs.store.lock import is_stale, read_lock
@@ -33,18 +33,6 @@ class ChunksGoneError(VersionConflictError):
 
 
 ReusedChunksGoneError = ChunksGoneError  # the name before in-flight markers also covered written chunks
-
-
-def referenced_chunks(files: Iterable[FileEntry]) -> set[str]:
-    return {ch.object for f in files for seg in f.segments for ch in seg.chunks if ch.object is not None}
-
-
-def referenced_bytes(files: Iterable[FileEntry]) -> int:
-    """Bytes of the distinct objects the chunk records name: what a reader of this version fetches, whoever stored
-    them (a push that reuses the objects of a killed attempt stores few bytes itself)."""
-    sizes = {ch.object: ch.object_bytes for f in files for seg in f.segments for ch in seg.chunks
-             if ch.object is not None}
-    return sum(sizes.values())
 
 
 def stats_record(stats: EncodeStats, full_bytes: int) -> dict[str, Any]:
@@ -114,7 +102,7 @@ def ensure_chunks(repo: Repository, files: Iterable[FileEntry], stats: EncodeSta
     gc looks at the manifests again no sooner than its settle time after taking its lock, so a
     manifest written right after this check is seen by any gc that starts after it.
     """
-    check = referenced_chunks(files) if lapsed else set(stats.reused)
+    check = referenced_objects(files) if lapsed else set(stats.reused)
     if not check:
         return
     deadline = time.monotonic() + timeout
@@ -129,4 +117,4 @@ def ensure_chunks(repo: Repository, files: Iterable[FileEntry], stats: EncodeSta
 
 
 __all__ = ["GC_WAIT_SECONDS", "ChunksGoneError", "ReusedChunksGoneError", "commit_version", "ensure_chunks",
-           "referenced_chunks", "seal_manifest"]
+           "seal_manifest"]

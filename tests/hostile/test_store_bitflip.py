@@ -28,6 +28,11 @@ def test_damaged_chunk_is_retried_then_an_integrity_failure(tmp_path, maker):
     assert not os.path.lexists(tmp_path / "dest")
     report = run_cli("verify", url, "--storage-options", FAST)
     assert report.returncode == 6 and victim in report.stdout
+    # Named once, fetched once (3 attempts): the rebuild that needs it is not tried again (it was reported twice,
+    # and fetched six times).
+    assert report.stdout.count(victim) == 2 and report.stdout.count("corrupt") == 1, report.stdout  # expected, got
+    assert "version 1: not rebuilt: it needs 1 chunk(s) reported above" in report.stdout, report.stdout
+    assert report.stderr.count("arrived damaged") == 2, report.stderr
 
 
 def test_verify_names_the_version_once():

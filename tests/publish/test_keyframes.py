@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from deltafs.publish import DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, PushOptions, push
-from deltafs.publish.commit import referenced_bytes
+from deltafs.format.manifest import referenced_bytes
 from deltafs.read.pull import pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of, perturb, run_cli, write_safetensors
