@@ -599,6 +599,9 @@ def _check_tied(todo: list[tuple[FileEntry, Segment, torch.Tensor]], version: in
 
 
 def _check_compatible(name: str, target: torch.Tensor, seg: Segment) -> None:
+    if target.is_meta:  # no storage to write (and every meta tensor would look tied to every other)
+        raise EngineError(f"tensor {name} is on the meta device, which holds no bytes: materialize the module "
+                          "first (module.to_empty(device=...)), then apply")
     want_dtype = str(target.dtype).removeprefix("torch.")
     if tuple(target.shape) != tuple(seg.shape or ()):
         raise EngineError(f"tensor {name}: module shape {tuple(target.shape)} != checkpoint shape {seg.shape}")

@@ -265,6 +265,9 @@ def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegmen
     if not isinstance(header, dict):
         raise SourceError(f"{bad}: header is not a JSON object")
     meta = header.get("__metadata__")
+    if isinstance(meta, dict) and "data_offsets" in meta:
+        raise SourceError(f"{bad}: a tensor is named __metadata__, the name safetensors keeps for the file's "
+                          "metadata: rename the tensor")
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise SourceError(f"{bad}: __metadata__ must map names to strings (the safetensors loaders refuse "
                           "anything else)")

@@ -516,3 +516,19 @@ def test_a_failed_pause_rolls_back_without_the_previous_versions_files(publish, 
     assert info.value.rolled_back and engine.served_version() == "1"
     assert_module_holds(module, v1)
     assert engine.applier.verify() == []
+
+
+def test_a_module_on_the_meta_device_is_refused_with_what_to_do(tmp_path):
+    """A module built on the meta device (no storage) was refused as "tied" (every meta tensor has address 0)."""
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    v1 = {k: v.detach().clone() for k, v in torch.nn.Linear(8, 8).state_dict().items()}
+    push_tensors(store, v1, cache_dir=str(tmp_path / "cache"))
+    path = pull(store, dest).path
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 8)
+    engine = TorchModuleEngine(model)
+    with pytest.raises(SwitchError, match=r"on the meta device, which holds no bytes: materialize the module first"):
+        engine.switch(Target(path, "1"), None)
+    model.to_empty(device="cpu")
+    engine.switch(Target(path, "1"), None)
+    assert_module_holds(model, v1)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from deltafs.errors import UsageError
+from deltafs.errors import SourceError, UsageError
 from deltafs.publish import push, push_tensors
 from deltafs.read.pull import pull
 
@@ -64,3 +64,9 @@ def test_push_tensors_takes_conjugate_views_and_refuses_text_for_extra_files(tmp
     assert torch.equal(load_file(os.path.join(dest, "model.safetensors"))["c"], x.conj().resolve_conj())
     with pytest.raises(UsageError, match="extra file 'config.json' must be bytes, got str"):
         push_tensors(store, {"w": torch.ones(3)}, extra_files={"config.json": "{}"})
+
+
+def test_a_tensor_named_like_the_metadata_is_refused_by_that_name(tmp_path):
+    """safetensors keeps `__metadata__` for the file's metadata: such a tensor was refused as bad metadata."""
+    with pytest.raises(SourceError, match="a tensor is named __metadata__, the name safetensors keeps"):
+        push_tensors(str(tmp_path / "store"), {"__metadata__": torch.zeros(3), "w": torch.ones(2)})
