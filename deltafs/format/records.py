@@ -29,6 +29,9 @@ def hostname() -> str:
 # Size limits of control files, in bytes (stored and, for compressed manifests, decoded).
 HEAD_MAX_BYTES = 4 << 10
 CONFIG_MAX_BYTES = 64 << 10
+# The largest chunk a store may declare: a reader holds a chunk-sized buffer per thread and decodes into it, so a
+# store claiming more (a damaged or hostile deltafs.json) is refused before any allocation. The default is 4 MiB.
+MAX_CHUNK_BYTES = 256 << 20
 LOCK_MAX_BYTES = 64 << 10
 FLEET_MAX_BYTES = 1 << 20
 MANIFEST_MAX_BYTES = 256 << 20  # decoded canonical JSON; a 70B model at 4 MiB chunks needs ~10 MiB
@@ -163,8 +166,9 @@ class StoreConfig:
         if fv not in STORE_FORMAT_VERSIONS or isinstance(fv, bool):
             raise FormatError(f"unknown store format version {fv!r} (this deltafs reads {', '.join(map(str, STORE_FORMAT_VERSIONS))})")
         cb = raw.get("chunk_bytes")
-        if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or cb % 8:
-            raise FormatError("deltafs.json: chunk_bytes must be a positive multiple of 8")
+        if not isinstance(cb, int) or isinstance(cb, bool) or cb <= 0 or cb % 8 or cb > MAX_CHUNK_BYTES:
+            raise FormatError(f"deltafs.json: chunk_bytes must be a positive multiple of 8 of at most {MAX_CHUNK_BYTES} "
+                              f"(256 MiB), got {cb!r}")
         sid = raw.get("store_id")
         if not isinstance(sid, str) or not sid:
             raise FormatError("deltafs.json: store_id must be a non-empty string")

@@ -413,7 +413,12 @@ class Builder:
         failure: list[BaseException] = []
 
         def worker() -> None:
-            buf = aligned_empty(self.chunk_bytes)  # this worker's chunk, reused for every task (deltafs.buffers)
+            try:
+                buf = aligned_empty(self.chunk_bytes)  # this worker's chunk, reused for every task (deltafs.buffers)
+            except BaseException as exc:  # (MemoryError: a chunk size this host cannot hold) fails the build
+                with lock:
+                    failure.append(exc)
+                return
             while True:
                 with lock:
                     if failure:
@@ -465,6 +470,10 @@ class Builder:
                 w.join()
             if failure:
                 raise failure[0]
+            unfinished = [o.entry.path for o in outs if o.left]
+            if unfinished:  # never install what no worker wrote: a worker that stopped without a failure is a bug
+                raise IntegrityError(f"{unfinished[0]} was not rebuilt completely ({len(unfinished)} file(s)); nothing "
+                                     "was installed")
         finally:
             for out in outs:
                 if out.fd is not None:

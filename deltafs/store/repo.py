@@ -15,6 +15,7 @@ from deltafs.errors import (
     IntegrityError,
     ObjectNotFoundError,
     StoreNotFoundError,
+    UsageError,
     VersionConflictError,
     VersionNotFoundError,
 )
@@ -70,6 +71,10 @@ class Repository:
                 raise FormatError(f"{url} holds a HEAD but no deltafs.json: not a deltafs store (or a damaged one); "
                                  "push to an empty prefix") from None
             config = StoreConfig(store_id=uuid.uuid4().hex, chunk_bytes=chunk_bytes, created=utcnow())
+            try:
+                StoreConfig.from_bytes(config.to_bytes())  # a chunk size readers would refuse is never written
+            except FormatError as exc:
+                raise UsageError(str(exc).removeprefix("deltafs.json: ")) from None
             objects.put_if_absent(CONFIG_KEY, config.to_bytes())
             data = objects.get(CONFIG_KEY, referenced=True, limit=CONFIG_MAX_BYTES)  # another writer may have been first
         return cls(objects, StoreConfig.from_bytes(data))
