@@ -56,7 +56,17 @@ def check_relpath(path: str) -> str:
     norm = posixpath.normpath(path)
     if norm != path or norm in (".", "..") or norm.startswith("../") or "/../" in f"/{norm}/":
         raise FormatError(f"unsafe file path {path!r}")
+    try:
+        encoded = path.encode("utf-8")  # a lone surrogate (a name that was not UTF-8) cannot be stored or created
+    except UnicodeEncodeError:
+        raise FormatError(f"file path {path!r} is not valid Unicode (not UTF-8 on disk)") from None
+    if len(encoded) >= PATH_MAX:
+        raise FormatError(f"file path {path[:60]!r}... is {len(encoded)} bytes, longer than the {PATH_MAX - 1} a "
+                          "file system path allows")
     return path
+
+
+PATH_MAX = 4096  # Linux's limit on a path, its terminating NUL included; DEST's own path comes on top
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,23 @@ def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth
         raise FormatError(f"{what} is not valid JSON: {exc}") from None
     if text_depth(data, max_depth) > max_depth:
         raise FormatError(f"{what} is nested more than {max_depth} levels deep")
+    if _SURROGATE_ESCAPE.search(data) and not _encodable(value):
+        # JSON may escape a lone UTF-16 surrogate (\ud800), which no UTF-8 text holds (json.loads also takes one
+        # encoded as if it could be): a file name or metadata
+        # value that cannot be created, printed or written back. Checked only where an escape of one occurs.
+        raise FormatError(f"{what} holds a string that is not valid Unicode (a lone surrogate escape)")
     return value
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped, or encoded as UTF-8 would not
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')

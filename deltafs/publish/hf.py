@@ -200,8 +200,17 @@ def check_tensor(name: Any, t: Any) -> str:
 
     if not isinstance(name, str) or not name:
         raise UsageError(f"tensor names must be non-empty strings, got {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"tensor name {name!r} is not valid Unicode (a lone surrogate)") from None
+    if name == "__metadata__":
+        raise UsageError("a tensor cannot be named __metadata__, the name safetensors keeps for the file's metadata")
     if not isinstance(t, torch.Tensor):
         raise UsageError(f"{name} is not a torch.Tensor")
+    if t.is_nested or t.layout != torch.strided:
+        raise UsageError(f"{name} is a {'nested' if t.is_nested else str(t.layout).removeprefix('torch.')} tensor: "
+                         "safetensors stores dense tensors only (push t.to_dense(), or its parts by name)")
     dtype = torch_dtype_name(t.dtype)
     if dtype is None:
         raise UsageError(f"{name} has dtype {t.dtype}, which safetensors cannot store")

@@ -136,8 +136,8 @@ def memory_source(files: Mapping[str, Sequence[tuple[int, Any]]]) -> list[Source
         size = sum(d.nbytes for _, d in pieces)
         try:
             check_relpath(rel)
-        except FormatError:
-            raise SourceError(f"unsupported file name {rel!r}") from None
+        except FormatError as exc:
+            raise SourceError(f"unsupported file name {rel!r} ({exc})") from None
         if rel.endswith(".safetensors"):
             out.append(SourceFile(rel, f"<memory>/{rel}", size, "safetensors",
                                   safetensors_segments(rel, bytes(pieces[0][1]), size), pieces))
@@ -211,8 +211,8 @@ def scan_file(rel: str, full: str) -> SourceFile:
     """One file on disk as a SourceFile (safetensors split into header and tensors, anything else one blob)."""
     try:
         check_relpath(rel)
-    except FormatError:
-        raise SourceError(f"unsupported file name {rel!r}") from None
+    except FormatError as exc:
+        raise SourceError(f"unsupported file name {rel!r} ({exc})") from None
     try:
         size = os.path.getsize(full)
         if rel.endswith(".safetensors"):
@@ -248,6 +248,19 @@ def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _count(value: object) -> bool:
+    """A dimension or offset as safetensors stores them: an unsigned 64-bit integer (a JSON true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegment, ...]:
     """Split a safetensors file into its header and one segment per tensor, in file order."""
     bad = f"{rel} is not a valid safetensors file"
@@ -256,8 +269,12 @@ def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegmen
     (hlen,) = struct.unpack("<Q", head[:8])
     if hlen > MAX_HEADER_BYTES or 8 + hlen > size or 8 + hlen > len(head):
         raise SourceError(f"{bad}: header length {hlen} does not fit the file")
+    # Strict UTF-8 without a byte-order mark, as the safetensors loaders read it (json.loads of bytes would take a
+    # BOM, UTF-16 and encoded surrogates).
+    if bytes(head[8:11]) == b"\xef\xbb\xbf":
+        raise SourceError(f"{bad}: the header starts with a byte-order mark")
     try:
-        header = json.loads(head[8 : 8 + hlen], object_pairs_hook=_unique_members)
+        header = json.loads(bytes(head[8 : 8 + hlen]).decode("utf-8"), object_pairs_hook=_unique_members)
     except _DuplicateName as exc:
         raise SourceError(f"{bad}: the header names {exc.args[0]!r} twice") from None
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -268,7 +285,8 @@ def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegmen
     if isinstance(meta, dict) and "data_offsets" in meta:
         raise SourceError(f"{bad}: a tensor is named __metadata__, the name safetensors keeps for the file's "
                           "metadata: rename the tensor")
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) and _encodable(k + v)
+                                                                 for k, v in meta.items())):
         raise SourceError(f"{bad}: __metadata__ must map names to strings (the safetensors loaders refuse "
                           "anything else)")
     data_start = 8 + hlen
@@ -280,11 +298,13 @@ def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegmen
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise SourceError(f"{bad}: entry {name!r} lacks dtype, shape or data_offsets") from None
-        if dtype not in DTYPE_SIZES:
+        if not _encodable(name):
+            raise SourceError(f"{bad}: a tensor name is not valid Unicode (a lone surrogate): {name!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise SourceError(f"{rel}: tensor {name} has dtype {dtype!r}, which deltafs does not know")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
             raise SourceError(f"{bad}: tensor {name} has a bad shape")
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+        if not (_count(begin) and _count(end) and begin <= end):
             raise SourceError(f"{bad}: tensor {name} has bad data offsets")
         if end - begin != nbytes(dtype, shape):
             raise SourceError(f"{bad}: tensor {name} occupies {end - begin} bytes, its dtype and shape need {nbytes(dtype, shape)}")

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from deltafs.errors import SourceError, UsageError
+from deltafs.errors import UsageError
 from deltafs.publish import push, push_tensors
 from deltafs.read.pull import pull
 
@@ -68,5 +68,5 @@ def test_push_tensors_takes_conjugate_views_and_refuses_text_for_extra_files(tmp
 
 def test_a_tensor_named_like_the_metadata_is_refused_by_that_name(tmp_path):
     """safetensors keeps `__metadata__` for the file's metadata: such a tensor was refused as bad metadata."""
-    with pytest.raises(SourceError, match="a tensor is named __metadata__, the name safetensors keeps"):
+    with pytest.raises(UsageError, match="cannot be named __metadata__, the name safetensors keeps"):
         push_tensors(str(tmp_path / "store"), {"__metadata__": torch.zeros(3), "w": torch.ones(2)})

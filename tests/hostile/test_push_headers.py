@@ -1,0 +1,84 @@
+"""Headers the safetensors loaders refuse are refused by push too (exit 2) before anything is written: a version
+holding them could be committed and then read by no one (a JSON `true` as a dimension stuck the store), or the
+push stopped late with an internal error (found by an adversarial pass)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from deltafs.errors import UsageError
+from deltafs.format.records import load_json
+from deltafs.errors import FormatError
+from deltafs.publish import push_tensors
+from tests.hostile.conftest import deltafs, one_line
+
+
+def _raw(path, header_text: bytes, data: bytes) -> str:
+    os.makedirs(path, exist_ok=True)
+    body = header_text + b" " * (-len(header_text) % 8)
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body + data)
+    return str(path)
+
+
+def _header(**entries) -> bytes:
+    return json.dumps(entries).encode()
+
+
+CASES = {
+    "boolean dimension": (_header(w={"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}), 16, "bad shape"),
+    "boolean offsets": (_header(w={"dtype": "U8", "shape": [1], "data_offsets": [False, True]}), 1, "bad data offsets"),
+    "dimension past 64 bits": (_header(w={"dtype": "U8", "shape": [1 << 64], "data_offsets": [0, 0]}), 0, "bad shape"),
+    "dtype as a list": (_header(w={"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}), 4, "does not know"),
+    "byte-order mark": (b"\xef\xbb\xbf" + _header(w={"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}), 1,
+                        "byte-order mark"),
+    "lone surrogate name": (b'{"a\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', 1, "not valid Unicode"),
+    "tensor named __metadata__": (_header(__metadata__={"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}), 1,
+                                  "a tensor is named __metadata__"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_header_the_loaders_refuse_is_exit_2_and_writes_nothing(tmp_path, case):
+    header, nbytes, words = CASES[case]
+    src = _raw(tmp_path / "src", header, b"\x00" * nbytes)
+    store = tmp_path / "store"
+    one_line(deltafs("push", src, store), 2, words)
+    assert not store.exists()
+
+
+def test_a_file_name_that_is_not_utf8_is_exit_2_and_writes_nothing(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(os.path.join(os.fsencode(src), b"bad\xff\xfe.json"), "wb") as f:
+        f.write(b"{}")
+    store = tmp_path / "store"
+    one_line(deltafs("push", src, store), 2, "unsupported file name", "not valid Unicode")
+    assert not store.exists()
+
+
+@pytest.mark.parametrize("tensors, words", [
+    ({"a\ud800": torch.zeros(2)}, "not valid Unicode"),
+    ({"__metadata__": torch.zeros(2)}, "cannot be named __metadata__"),
+    ({"s": torch.eye(3).to_sparse()}, "s is a sparse_coo tensor"),
+    ({"n": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])}, "n is a nested tensor"),
+], ids=["surrogate", "metadata-name", "sparse", "nested"])
+def test_push_tensors_refuses_what_safetensors_cannot_hold_by_name(tmp_path, tensors, words):
+    with pytest.raises(UsageError, match=words):
+        push_tensors(str(tmp_path / "store"), tensors)
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_record_holding_a_lone_surrogate_is_a_format_error():
+    """A manifest path or metadata value "\\ud800" (sealed over the stored text) crashed pull, show and log with an
+    internal error; every record the store holds is parsed by load_json."""
+    with pytest.raises(FormatError, match="not valid Unicode"):
+        load_json(b'{"path": "bad\\ud800.txt"}', "manifest")
+    with pytest.raises(FormatError, match="not valid Unicode"):
+        load_json(b'{"path": "bad\xed\xa0\x80.txt"}', "manifest")
+    assert load_json(b'{"m": "\\ud83d\\ude00"}', "manifest") == {"m": "\U0001f600"}  # a pair is a character
