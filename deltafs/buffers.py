@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 import numpy as np
 
@@ -46,6 +47,20 @@ def pread_aligned(fd: int, size: int, offset: int, buf: np.ndarray | None = None
             break
         got += n
     return out[:got]
+
+
+def open_regular(path: str) -> int:
+    """A read-only fd of path, which must be a regular file (links followed): opened without blocking, then checked,
+    so a FIFO or device planted where a file belongs (in DEST, in a push cache) is an OSError here, not an open or
+    a read that blocks forever. Reads of a regular file do not heed O_NONBLOCK."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def mapped_range(fd: int, size: int, offset: int) -> memoryview | None:

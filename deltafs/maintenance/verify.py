@@ -187,11 +187,13 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
         report.files_checked += 1
         try:
             size = os.path.getsize(path)
-            digest = file_digest_on_disk(path, f, man.chunk_bytes) or "size differs"
+            digest = file_digest_on_disk(path, f, man.chunk_bytes)
         except OSError as exc:
             report.fail(f"{dest}: {f.path}: {exc.strerror or exc}")
             continue
-        if size != f.size or digest != f.digest:
+        if size != f.size or digest is None:
+            report.fail(f"{dest}: {f.path}: {size} bytes, version {v} has {f.size}")
+        elif digest != f.digest:
             report.fail(f"{dest}: {f.path}: digest {digest[:24]}… differs from version {v}'s {f.digest[:24]}…")
     for rel in extra_entries(state.path, listed):
         report.fail(f"{dest}: {rel} is not part of version {v}")

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from deltafs.buffers import aligned_empty, pread_aligned
+from deltafs.buffers import aligned_empty, open_regular, pread_aligned
 from deltafs.errors import DestinationError, ForeignStoreError, FormatError, LockHeldError, local_write_error
 from deltafs.format import digests
 from deltafs.format.manifest import FileEntry, Manifest, Segment
@@ -514,7 +514,7 @@ def _prune_for_reuse(root: str, paths: set[str]) -> None:
 
 def file_sha256(path: str, block: int = 8 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with os.fdopen(open_regular(path), "rb") as fh:
         while data := fh.read(block):
             h.update(data)
     return h.hexdigest()
@@ -530,7 +530,7 @@ def file_digest_on_disk(path: str, entry: FileEntry, chunk_bytes: int) -> str | 
     if not digests.is_tree_digest(entry.digest):
         return "sha256:" + file_sha256(path)
     seg_digests = []
-    with open(path, "rb") as fh:
+    with os.fdopen(open_regular(path), "rb") as fh:
         for seg in entry.segments:
             digest = _tree_segment_digest(fh.fileno(), seg, chunk_bytes)
             if digest is None:
@@ -541,7 +541,7 @@ def file_digest_on_disk(path: str, entry: FileEntry, chunk_bytes: int) -> str | 
 
 def segment_digest_on_disk(path: str, seg: Segment, chunk_bytes: int) -> str | None:
     """A format-v2 segment digest computed from a file on disk, or None if the file is too short."""
-    with open(path, "rb") as fh:
+    with os.fdopen(open_regular(path), "rb") as fh:
         return _tree_segment_digest(fh.fileno(), seg, chunk_bytes)
 
 

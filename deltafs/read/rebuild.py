@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Iterator
 import numpy as np
 import xxhash
 
-from deltafs.buffers import aligned_empty, pread_aligned
+from deltafs.buffers import aligned_empty, open_regular, pread_aligned
 from deltafs import codec
 from deltafs.errors import ChunkNotFoundError, DeltafsError, IntegrityError, ObjectNotFoundError
 from deltafs.format import digests
@@ -198,7 +198,7 @@ class Builder:
             fd = self._local_fds.get(path)
             if fd is None:
                 try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    fd = open_regular(path)
                 except OSError as exc:
                     raise LocalBaseError(f"local base file {path} unreadable: {exc}") from None
                 self._local_fds[path] = fd

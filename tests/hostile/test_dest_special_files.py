@@ -1,0 +1,28 @@
+"""A FIFO planted in DEST's version directory where a file belongs: pull opened the local base with a blocking
+open() and hung forever holding DEST's lock (a watcher too); verify --local did the same (adversarial pass)."""
+
+from __future__ import annotations
+
+import os
+
+from deltafs.publish import push
+from deltafs.testing.checkpoints import files_of
+
+from .conftest import deltafs
+
+
+def test_a_fifo_in_the_served_version_is_a_damaged_base_not_a_hang(tmp_path, store, maker):
+    dest = tmp_path / "dest"
+    deltafs("pull", store, dest, check=0)
+    victim = max((p for p in os.listdir(dest) if os.path.isfile(dest / p)), key=lambda p: os.path.getsize(dest / p))
+    real = os.path.realpath(dest / victim)
+    os.unlink(real)
+    os.mkfifo(real)
+    proc = deltafs("verify", store, "--local", dest, timeout=60)
+    assert proc.returncode == 6 and victim in proc.stdout, (proc.stdout, proc.stderr)
+    maker.advance()
+    src = maker.write()
+    push(store, src)
+    deltafs("pull", store, dest, check=0, timeout=60)  # rebuilt from a full version (a TimeoutExpired before)
+    assert files_of(dest) == files_of(src)
+    deltafs("verify", store, "--local", dest, check=0, timeout=60)
