@@ -13,6 +13,7 @@ it served (or sends it back there) and is retried later with backoff.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from deltafs.errors import (
     ForeignStoreError,
     FormatError,
     IntegrityError,
+    LocalWriteError,
     LockHeldError,
     StoreError,
     StoreNotFoundError,
@@ -140,6 +142,7 @@ class Subscriber:
         self._group_since: dict[int, float] = {}
         self._relearn = False  # the engine was lost mid-switch: ask it again what it serves
         self._unconfirmed = False  # served was inferred from DEST's link: reload once to be sure
+        self._checked_store: str | None = None  # the store id whose checkpoint DEST was last found to hold
         self.status = HostStatus(host_id=check_host_id(host_id or default_host_id()), dest=self.dest,
                                  engine=engine.kind if engine else "none",
                                  engine_url=getattr(engine, "url", None), engine_group=engine_group,
@@ -229,6 +232,18 @@ class Subscriber:
                 raise StoreNotFoundError(f"the store at {self.store_url} has disappeared (no {CONFIG_KEY})")
             return None
         served = int(self.served.version) if self.served and not self._unconfirmed else None
+        if served is not None and self._checked_store != self.repo.store_id:
+            # Once per store opened: a version number says nothing across stores. A store deleted and pushed again
+            # at the same URL (a new run) starts over at version 1, and DEST's version 3 of the old run must not
+            # count as newer than it.
+            state = LocalCheckpoint(self.dest).state()
+            if state is not None and state.store_id != self.repo.store_id:
+                log.warning("%s holds version %s of another store (%s); the store at %s is %s now: replacing it with "
+                            "this store's newest version", self.dest, state.version, state.store_id[:8],
+                            self.store_url, self.repo.store_id[:8])
+                served = None
+            else:
+                self._checked_store = self.repo.store_id
         if served is not None and head.version <= served:
             return None
         if self.staged is not None and self.staged.version >= head.version and os.path.isdir(self.staged.path):
@@ -429,7 +444,15 @@ class Subscriber:
             except OSError:
                 pass
         try:
-            return pull(self.repo, self.dest, **kwargs)
+            try:
+                return pull(self.repo, self.dest, **kwargs)
+            except LocalWriteError as exc:
+                if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) or self.keep <= 2:
+                    raise
+                # The watcher keeps three versions; a DEST disk with room for two (enough for pull) still takes
+                # the update when the oldest kept version, never the served one, gives its files to the new one.
+                log.warning("%s; pulling again keeping two versions (the served one and the new one)", exc)
+                return pull(self.repo, self.dest, **{**kwargs, "keep": 2})
         except ForeignStoreError as exc:
             # Only a checkpoint deltafs pulled from another store is replaced unasked (a host moved to a new run);
             # anything else at DEST (a file, a directory of other files, a link deltafs did not make: often a
@@ -437,8 +460,8 @@ class Subscriber:
             log.warning("%s; replacing it with a full version of %s (the old checkpoint is moved aside)", exc,
                         self.store_url)
             return pull(self.repo, self.dest, force=True, **kwargs)
-        except DestinationError:
-            raise
+        except (DestinationError, LocalWriteError):
+            raise  # DEST's own problems (exit 9, 12): no other version would fare better
         except (LockHeldError, StoreError, VersionNotFoundError):
             raise
         except DeltafsError as exc:

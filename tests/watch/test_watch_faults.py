@@ -138,3 +138,70 @@ def test_dest_of_another_store_is_replaced_from_a_full_version(trainer, tmp_path
     assert same_weights(engine_server.state_dict(), trainer.weights[1])
     assert CONFIG  # the store's checkpoint, with its config.json, is what DEST holds now
     assert os.path.exists(os.path.join(str(tmp_path / "dest"), "config.json"))
+
+
+def test_a_store_recreated_at_the_same_url_replaces_the_old_runs_checkpoint(tmp_path):
+    """A store deleted and pushed again (a new run) starts at version 1: the watcher kept serving the old run's
+    version 3, newer by number only, logged it healthy and status showed a lag of -1 (adversarial pass)."""
+    from deltafs.read.pull import local_version
+    from watch_helpers import Trainer
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    old = Trainer(store, str(tmp_path / "cache-old"))
+    for _ in range(3):
+        old.push()
+    sub = Subscriber(store, dest, None, host_id="pull-only", **FAST)
+    sub.start()
+    assert sub.sync().version == 3
+    shutil.rmtree(store)
+    new = Trainer(store, str(tmp_path / "cache-new"))
+    new.push()
+    new.push()
+    sub._forget_store()  # as after the store failed while it was gone
+    applied = sub.sync()
+    assert applied is not None and applied.version == 2
+    state = local_version(dest)
+    assert state.version == 2 and state.store_id == Repository.open(store).store_id
+    assert sub.status.served_version == 2 and sub.status.store_id == state.store_id
+    sub.close()
+
+
+def test_a_dest_disk_for_two_versions_still_takes_updates(tmp_path, monkeypatch):
+    """The watcher keeps three versions; where the third does not fit (ENOSPC) it pulls again keeping two, as pull
+    does by default (it failed every retry, and called the full disk an integrity failure, exit 6)."""
+    import errno as errno_mod
+
+    import deltafs.watch.subscriber as subscriber
+    from deltafs.errors import LocalWriteError
+    from watch_helpers import Trainer
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    trainer = Trainer(store, str(tmp_path / "cache"))
+    trainer.push()
+    sub = Subscriber(store, dest, None, host_id="pull-only", **FAST)
+    sub.start()
+    assert sub.sync().version == 1
+    real = subscriber.pull
+    keeps = []
+
+    def small_disk(repo, dest, **kw):
+        keeps.append(kw["keep"])
+        if kw["keep"] > 2:
+            err = LocalWriteError(f"cannot write {dest}: No space left on device")
+            err.errno = errno_mod.ENOSPC
+            raise err
+        return real(repo, dest, **kw)
+
+    monkeypatch.setattr(subscriber, "pull", small_disk)
+    trainer.push()
+    assert sub.sync().version == 2 and keeps == [3, 2]
+    monkeypatch.setattr(subscriber, "pull", lambda *a, **k: (_ for _ in ()).throw(
+        LocalWriteError("cannot write x: Read-only file system")))
+    trainer.push()
+    try:
+        sub.sync()
+        raise AssertionError("a DEST that cannot be written must fail the sync")
+    except LocalWriteError as exc:  # its own exit code (12), not an integrity failure of the version (6)
+        from deltafs.errors import exit_code
+        assert exit_code(exc) == 12
+    sub.close()
