@@ -342,4 +342,41 @@ class HostStatus:
         if not isinstance(raw, dict) or raw.get("format") != FLEET_FORMAT:
             raise ValueError("not a deltafs fleet record")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        values = {k: v for k, v in raw.items() if k in known}
+        for name, kinds in _HOST_STATUS_TYPES.items():
+            if name in values and not _is_of(values[name], kinds):
+                want = kinds.replace(" required", "").replace(" none", " or null")
+                raise ValueError(f"fleet record field {name} is {type(values[name]).__name__}, not {want}")
+            if name not in values and "required" in kinds:
+                raise ValueError(f"fleet record lacks {name}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in values.get("checksums", {}).items()):
+            raise ValueError("fleet record checksums must map versions to strings")
+        sync = values.get("last_sync")
+        if sync is not None and not (_is_of(sync.get("version"), "int") and all(
+                isinstance(sync.get(k), (int, float)) and not isinstance(sync.get(k), bool) for k in ("pause_s", "sync_s"))):
+            raise ValueError("fleet record last_sync needs an integer version and numbers pause_s and sync_s")
+        restart = values.get("needs_restart")
+        if restart is not None and not (_is_of(restart.get("version"), "int") and _is_of(restart.get("reason"), "str")):
+            raise ValueError("fleet record needs_restart needs an integer version and a reason")
+        return cls(**values)
+
+
+# What each HostStatus member may hold in a record another host wrote (a wrong type crashed status and the group
+# watchers that compare versions): "int" is never a bool; "none" allows null.
+_HOST_STATUS_TYPES: dict[str, str] = {
+    "host_id": "str required", "dest": "str required", "engine": "str required", "engine_url": "str none",
+    "store_id": "str none", "state": "str", "served_version": "int none", "staged_version": "int none",
+    "last_error": "str none", "last_error_at": "str none", "failures": "int", "last_sync": "dict none",
+    "engine_group": "str none", "engine_hosts": "int", "group_wait": "str none", "needs_restart": "dict none",
+    "checksums": "dict", "started_at": "str", "updated_at": "str", "hostname": "str", "pid": "int",
+}
+
+
+def _is_of(value: Any, kinds: str) -> bool:
+    if value is None:
+        return "none" in kinds
+    if "int" in kinds.split():
+        return isinstance(value, int) and not isinstance(value, bool)
+    if "str" in kinds.split():
+        return isinstance(value, str)
+    return isinstance(value, dict)

@@ -187,3 +187,18 @@ def test_our_words_stay_in_front_of_a_shortened_connection_error():
            "retries exceeded with url: /model_info (Caused by NewConnectionError('x: Failed to establish a new "
            "connection: [Errno 111] Connection refused'))")
     assert short_problem(EngineError(raw)) == "cannot reach SGLang at http://127.0.0.1:30000: connection refused"
+
+
+@pytest.mark.parametrize("field", [
+    '"served_version":"5"', '"staged_version":true', '"checksums":[]', '"needs_restart":"yes"', '"store_id":5',
+    '"host_id":5', '"last_sync":"x"', '"last_sync":{"version":"x","pause_s":"y","sync_s":1}',
+    '"needs_restart":{"version":[1]}', '"engine_hosts":"2"',
+])
+def test_a_record_of_the_wrong_types_is_an_unreadable_entry_not_a_crash(fleet, field):
+    """Anyone with write access to the store can write fleet/; a wrong type crashed status ("internal error") and
+    the group watchers that compare versions (adversarial pass)."""
+    fleet.objects.put("fleet/h2.json", ('{"format":"deltafs.fleet","format_version":1,"host_id":"h2","dest":"/d",'
+                                        '"engine":"sglang","state":"serving",' + field + "}").encode())
+    result = status_cli(fleet.url)
+    assert result.return_value == 1 and "fleet/h2.json" in result.stdout and "unreadable ledger entry" in result.stdout
+    assert json.loads(status_cli(fleet.url, "--json").stdout)["healthy"] is False
