@@ -175,7 +175,9 @@ class Subscriber:
         """Find out what the engine serves, un-pause it if a killed watcher left it paused."""
         if self.engine is not None:
             try:
-                self.engine.resume()
+                self._resume_unless_switching()
+            except LockHeldError:
+                log.warning("another deltafs process is switching the engine of %s; not resuming it", self.dest)
             except EngineError as exc:
                 log.error("cannot resume the engine: %s", exc)
             self._learn_served(first=True)
@@ -185,6 +187,22 @@ class Subscriber:
                 self.served = Target(state.path, weight_version(state.version))
         self.status.served_version = int(self.served.version) if self.served else None
         self._set_state("serving" if self.served else "starting")
+
+    def _resume_unless_switching(self) -> None:
+        """Un-pause the engine (a killed watcher may have left it paused), but not while another process switches
+        this DEST's engine (a cron `pull --engine`): its load may be running, and a resume would let generation go
+        on mid-load. A DEST whose lock cannot be made yet (nothing pulled, no sidecar) has no such process."""
+        assert self.engine is not None
+        try:
+            lock = LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock")
+            lock.__enter__()
+        except (DestinationError, OSError):
+            self.engine.resume()
+            return
+        try:
+            self.engine.resume()
+        finally:
+            lock.__exit__(None, None, None)
 
     def _learn_served(self, *, first: bool = False) -> None:
         """Ask the engine what it serves (weight_version, else model_path) and record its checksum."""
@@ -281,7 +299,10 @@ class Subscriber:
                     previous = Target(stable_path(self.dest, int(previous.version), previous.path), previous.version)
             self._set_state("switching")
             try:
-                result = switch_engine(self.engine, target, previous)
+                # One switch per DEST's engine at a time, as reload_engine (cron mode) takes it: SGLang cannot take
+                # two updates at once, and the other's resume would end this one's pause mid-load.
+                with LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"):
+                    result = switch_engine(self.engine, target, previous)
             except NeedsRestartError as exc:
                 self.status.needs_restart = {"version": staged.version, "reason": exc.reason}
                 self._set_state("needs-restart")

@@ -205,3 +205,31 @@ def test_a_dest_disk_for_two_versions_still_takes_updates(tmp_path, monkeypatch)
         from deltafs.errors import exit_code
         assert exit_code(exc) == 12
     sub.close()
+
+
+def test_the_watcher_never_switches_while_another_process_switches_the_same_engine(trainer, tmp_path, engine_server):
+    """A cron `pull --once --engine` (reload_engine, which holds DEST's engine.lock) and a watcher on one DEST and
+    engine sent two updates at once, and each one's resume ended the other's pause mid-load (adversarial pass)."""
+    import pytest
+
+    from deltafs.errors import LockHeldError
+    from deltafs.read.dest import LocalCheckpoint
+
+    trainer.push()
+    sub = make(trainer, tmp_path, engine_server)
+    sub.start()
+    assert sub.sync().version == 1
+    trainer.push()
+    assert sub.poll().version == 2
+    updates = engine_server.updates if hasattr(engine_server, "updates") else None
+    with LocalCheckpoint(sub.dest).lock(wait=False, name="engine.lock"):  # the cron run's switch
+        with pytest.raises(LockHeldError):
+            sub.apply()
+        assert engine_server.weight_version == "1"
+        assert updates is None or engine_server.updates == updates
+        engine_server.paused = True  # the cron run paused it for its load: a restarting watcher must not resume
+        sub.start()
+        assert engine_server.paused
+        engine_server.paused = False
+    assert sub.apply().version == 2 and engine_server.weight_version == "2"
+    sub.close()
