@@ -148,7 +148,7 @@ def pull_cmd(
     full_check: Annotated[bool, typer.Option("--verify", help="Re-hash every file of the current DEST (default: compare sizes and mtimes recorded at install).")] = False,
     no_chunk_cache: Annotated[bool, typer.Option("--no-chunk-cache", help="Do not keep fetched chunks beside DEST (less disk; a killed pull refetches).")] = False,
     no_recycle: Annotated[bool, typer.Option("--no-recycle", help="Write the new version into new files; by default the files of the oldest version that falls out of the kept two are rewritten (faster, but a process still reading that version sees it change).")] = False,
-    engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine: sglang, vllm, one an installed package registers, or none (see `deltafs watch --help`).")] = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="After an update, reload this engine: sglang, vllm, one an installed package registers, or none (default: sglang when --engine-url is given; see `deltafs watch --help`).")] = None,
     engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     threads: Threads = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be read and from where; change nothing.")] = False,
@@ -167,6 +167,9 @@ def pull_cmd(
     out = Output(json_mode=json_out, quiet=quiet)
     if dry_run:
         return _pull_dry_run(out, store, dest, version, parse_storage_options(storage_options))
+    engine = engine or ("sglang" if engine_url else None)  # as `deltafs watch` reads --engine-url alone
+    if engine == "none":
+        engine = None
     if engine:
         # Before anything is pulled: a misspelled engine or a missing extra must not leave DEST updated
         # and the engine behind.

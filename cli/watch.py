@@ -92,6 +92,8 @@ def watch_cmd(
             raise UsageError(f"--verify-rollback works with --engine vllm only, not {kind}")
         options["verify_rollback"] = True
     eng = make_engine(kind, engine_url, **options) if kind != "none" else None
+    if engine_hosts < 1:
+        raise UsageError(f"--engine-hosts must be at least 1, not {engine_hosts}")
     if engine_hosts > 1 and not engine_group:
         raise UsageError("--engine-hosts needs --engine-group NAME (the same on every host of the engine)")
     bound = make_boundary(boundary.value, max_wait=max_wait, file=boundary_file, port=boundary_port)

@@ -171,6 +171,14 @@ _ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\"\)\]]+)")
 _URL = re.compile(r"host='([^']+)', port=(\d+)")
 
 
+def connection_reason(exc: BaseException) -> str:
+    """Why a connection failed, in a few words ("connection refused", "name or service not known", "timed out"),
+    from the errno text urllib3 buries in its nested message."""
+    text = str(exc)
+    why = _ERRNO.search(text)
+    return why.group(1).strip().lower() if why else ("timed out" if "Timeout" in text else "connection failed")
+
+
 def short_problem(exc: BaseException, limit: int = 160) -> str:
     """One short line for a status table: what went wrong, without an HTTP library's nested reprs.
 
@@ -179,8 +187,7 @@ def short_problem(exc: BaseException, limit: int = 160) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "Max retries exceeded" in text or "NewConnectionError" in text or "ConnectTimeout" in text:
         where = _URL.search(text)
-        why = _ERRNO.search(text)
-        reason = why.group(1).strip().lower() if why else ("timed out" if "Timeout" in text else "connection failed")
+        reason = connection_reason(exc)
         cut = min((i for i in (text.find("HTTPConnectionPool("), text.find("HTTPSConnectionPool(")) if i >= 0),
                   default=-1)
         prefix = text[:cut].rstrip(" :(") if cut > 0 else ""

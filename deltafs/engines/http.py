@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
 from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
-from deltafs.errors import EngineError, UsageError
+from deltafs.errors import EngineError, UsageError, connection_reason
 
 
 def import_requests(engine: str, extra: str) -> Any:
@@ -79,7 +79,7 @@ class HttpEngine:
         except self._requests.Timeout:
             raise EngineError(f"{method} {url} timed out after {timeout:g}s") from None
         except self._requests.ConnectionError as exc:
-            raise EngineUnreachableError(f"cannot reach {self.engine_name} at {self.url} ({short(exc)})") from None
+            raise EngineUnreachableError(f"cannot reach {self.engine_name} at {self.url}: {connection_reason(exc)}") from None
         except self._requests.RequestException as exc:
             raise EngineError(f"{method} {url} failed: {short(exc)}") from None
 

@@ -172,7 +172,12 @@ def _serve(boundary: Signal, port: int) -> ThreadingHTTPServer:
             self.wfile.write(body)
 
     # Loopback only: anyone who can reach the port can make the engine switch now.
-    httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise UsageError(f"--boundary-port must be a port number, 1..65535, not {port!r}")
+    try:
+        httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    except OSError as exc:  # in use (another watcher's?): a unit file restarting on failure would loop on it
+        raise UsageError(f"--boundary-port {port}: cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}") from None
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="deltafs-boundary", daemon=True).start()
     return httpd

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import os
 import signal
 import subprocess
@@ -53,7 +54,45 @@ def test_once_with_the_engine_down_fails_with_the_engine_exit_code(trainer, tmp_
     engine_server.stop()
     result = deltafs("watch", trainer.store, str(tmp_path / "dest"), "--engine-url", engine_server.url, "--once")
     assert result.returncode == 10
-    assert "cannot reach SGLang" in result.stderr.splitlines()[-1]
+    # One line with the reason, not urllib3's nested repr cut at 200 characters (as the README promises).
+    assert result.stderr.splitlines()[-1].endswith(f"cannot reach SGLang at {engine_server.url}: connection refused")
+
+
+def test_pull_with_an_engine_url_alone_reloads_sglang_as_watch_does(trainer, tmp_path, engine_server):
+    """`pull --engine-url URL` without --engine pulled and never touched the engine (exit 0, nothing said)."""
+    trainer.push()
+    dest = str(tmp_path / "dest")
+    result = deltafs("pull", trainer.store, dest, "--engine-url", engine_server.url)
+    assert result.returncode == 0, result.stderr
+    assert engine_server.weight_version == "1" and engine_server.count("update") == 1
+    engine_server.stop()
+    trainer.push()
+    down = deltafs("pull", trainer.store, dest, "--engine-url", engine_server.url)
+    assert down.returncode == 10 and "cannot reach SGLang" in down.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--boundary", "signal", "--boundary-port", "99999"], "--boundary-port must be a port number, 1..65535, not 99999"),
+    (["--boundary", "signal", "--boundary-port", "-1"], "--boundary-port must be a port number"),
+    (["--engine-group", "g", "--engine-hosts", "0"], "--engine-hosts must be at least 1, not 0"),
+])
+def test_bad_watch_numbers_are_usage_errors(trainer, tmp_path, args, words):
+    trainer.push()
+    result = deltafs("watch", trainer.store, str(tmp_path / "dest"), "--once", *args)
+    assert result.returncode == 2 and words in result.stderr.splitlines()[-1], result.stderr
+
+
+def test_a_boundary_port_in_use_is_a_usage_error_naming_it(trainer, tmp_path):
+    import socket
+
+    trainer.push()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = deltafs("watch", trainer.store, str(tmp_path / "dest"), "--boundary", "signal", "--boundary-port",
+                         str(port), "--once")
+    assert result.returncode == 2 and f"--boundary-port {port}: cannot listen on 127.0.0.1:{port}" in result.stderr
 
 
 def test_sigterm_during_a_switch_finishes_it_and_resumes_the_engine(trainer, tmp_path, engine_server):
