@@ -225,14 +225,16 @@ class LockRecord:
     pid: int
     created: float
     purpose: str
+    ns: str | None = None  # which processes pid names (boot and pid namespace; store.lock.process_space)
 
     @classmethod
-    def mine(cls, owner: str, purpose: str) -> LockRecord:
-        return cls(owner, hostname(), os.getpid(), time.time(), purpose)
+    def mine(cls, owner: str, purpose: str, ns: str | None = None) -> LockRecord:
+        return cls(owner, hostname(), os.getpid(), time.time(), purpose, ns)
 
     def to_bytes(self) -> bytes:
         return canonical_json({"format": LOCK_FORMAT, "owner": self.owner, "host": self.host, "pid": self.pid,
-                               "created": self.created, "purpose": self.purpose})
+                               "created": self.created, "purpose": self.purpose,
+                               **({"ns": self.ns} if self.ns else {})})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> LockRecord:
@@ -240,8 +242,9 @@ class LockRecord:
         if not isinstance(raw, dict):
             raise FormatError("lock record is not a JSON object")
         try:
+            ns = raw.get("ns")
             return cls(str(raw["owner"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]),
-                       str(raw.get("purpose", "?")))
+                       str(raw.get("purpose", "?")), ns if isinstance(ns, str) else None)
         except (KeyError, TypeError, ValueError):
             raise FormatError("lock record is malformed") from None
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from deltafs.defaults import DEFAULT_GRACE
-from deltafs.errors import DeltafsError, FormatError, IntegrityError, ObjectNotFoundError, UsageError
+from deltafs.errors import DeltafsError, FormatError, IntegrityError, LockHeldError, ObjectNotFoundError, UsageError
 from deltafs.format.keys import (BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_chunk_key,
                                  parse_fold_key)
 from deltafs.read.chain import plan_chain
@@ -244,9 +244,10 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
             on_delete(key)
         repo.objects.delete(key)
         result.versions_removed.append(v)
-    # Last look at the manifests, no sooner than `settle` after taking the lock (see DEFAULT_SETTLE).
+    # Last look at the manifests, no sooner than `settle` after taking the lock (see DEFAULT_SETTLE), and after every
+    # push that marked itself committing has committed (it checked its chunks before this gc took its lock).
     time.sleep(max(0.0, settle - (time.monotonic() - locked_at)))
-    _absorb_new_versions(repo, plan)
+    _wait_for_commits(repo, plan)
     # ... and at the pushes: one that began since planning (or whose marker came back) keeps its chunks.
     since = _read_markers(repo, plan, time.time())
     spared = [oid for oid, mtime in plan.chunk_mtimes.items() if mtime >= since and oid in plan.chunks]
@@ -270,6 +271,31 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
         repo.objects.delete(key)
     result.bytes_freed = plan.bytes_freed
     return result
+
+
+COMMIT_WAIT = 120.0  # how long gc waits for pushes that are committing before it gives up (exit 8), deleting no chunk
+
+
+def _wait_for_commits(repo: Repository, plan: GcPlan, wait: float = COMMIT_WAIT) -> None:
+    """Absorb the versions committed since planning, once no live push marker says "committing".
+
+    A push marks itself committing before it checks the gc lock and its reused chunks, and keeps the mark until it
+    ends; a push that sees this gc's lock unmarks itself and waits. So a marked push checked its chunks before this
+    gc took its lock, and its manifest (which may be slow to write, or its process frozen) is seen here once it
+    is written: waiting for it is what keeps its reused chunks (FORMAT.md, "Pushes and gc").
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        _absorb_new_versions(repo, plan)
+        now = time.time()
+        committing = [m for m in read_push_markers(repo.objects) if m.committing and m.live(now)]
+        if not committing:
+            return
+        if time.monotonic() > deadline:
+            raise LockHeldError(f"gc stopped before removing chunks: a push has been committing to {repo.url} for "
+                                f"more than {wait:.0f}s (pid {committing[0].pid} on {committing[0].host}); run gc "
+                                "again later")
+        time.sleep(0.5)
 
 
 def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:

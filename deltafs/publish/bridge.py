@@ -21,6 +21,7 @@ from deltafs.publish.encode import EncodeStats, Encoder
 from deltafs.publish.source import SourceFile
 from deltafs.store.accelerators import is_bridge_of
 from deltafs.read.dest import LocalState
+from deltafs.store.lock import PushGuard
 from deltafs.store.repo import Repository
 
 log = logging.getLogger("deltafs")
@@ -38,7 +39,7 @@ def encode_bridge_part(repo: Repository, base: LocalState, files: list[SourceFil
 
 
 def write_bridge(repo: Repository, man: Manifest, files: list[FileEntry], stats: EncodeStats, *,
-                 lapsed: bool) -> int:
+                 lapsed: bool, guard: PushGuard | None = None) -> int:
     """Root, before `man` (a full version) is committed: its bridge manifest, after its chunks. Returns bytes written.
 
     Written with a plain put: a bridge left by a push of the same version number that never committed names
@@ -50,7 +51,7 @@ def write_bridge(repo: Repository, man: Manifest, files: list[FileEntry], stats:
                                   created=man.created)
     if not is_bridge_of(bridge, man):
         raise DeltafsError("the bridge's files differ from the full version's (a source changed during the push)")
-    ensure_chunks(repo, bridge.files, stats, lapsed=lapsed)
+    ensure_chunks(repo, bridge.files, stats, lapsed=lapsed, guard=guard)
     data = bridge.encode()
     repo.objects.put(bridge_key(man.version), data)
     return stats.stored + len(data)

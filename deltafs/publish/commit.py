@@ -12,6 +12,7 @@ A chunk found missing makes the push encode again (ChunksGoneError, retried by t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -20,9 +21,11 @@ from deltafs.errors import LockHeldError, VersionConflictError
 from deltafs.format.manifest import FileEntry, Head, Manifest, referenced_bytes, referenced_objects
 from deltafs.parallel import ordered_map
 from deltafs.publish.encode import EncodeStats
-from deltafs.store.lock import is_stale, read_lock
+from deltafs.store.lock import PushGuard, is_stale, read_lock
 from deltafs.format.records import utcnow
 from deltafs.store.repo import Repository
+
+log = logging.getLogger("deltafs")
 
 # How long a push waits for a running gc before giving up (a gc of a large store takes minutes).
 GC_WAIT_SECONDS = 900.0
@@ -81,12 +84,12 @@ def seal_manifest(repo: Repository, *, version: int, kind: str, parent: Manifest
 
 
 def commit_version(repo: Repository, man: Manifest, *, head_seen: Head | None, stats: EncodeStats,
-                   lapsed: bool) -> int:
+                   lapsed: bool, guard: PushGuard | None = None) -> int:
     """Check the chunks (see the module docstring), refuse if HEAD moved, then commit. Returns the manifest's size.
 
     lapsed: some rank's in-flight marker may have expired while it wrote, so check every chunk.
     """
-    ensure_chunks(repo, man.files, stats, lapsed=lapsed)
+    ensure_chunks(repo, man.files, stats, lapsed=lapsed, guard=guard)
     now = repo.head()
     if (now is None) != (head_seen is None) or (now is not None and head_seen is not None and now.digest != head_seen.digest):
         raise VersionConflictError(
@@ -96,19 +99,34 @@ def commit_version(repo: Repository, man: Manifest, *, head_seen: Head | None, s
 
 
 def ensure_chunks(repo: Repository, files: Iterable[FileEntry], stats: EncodeStats, *, lapsed: bool,
-                  timeout: float = GC_WAIT_SECONDS) -> None:
-    """Right before a manifest write: wait out a running gc, then check the chunks gc may have removed.
+                  timeout: float = GC_WAIT_SECONDS, guard: PushGuard | None = None) -> None:
+    """Right before a manifest write: mark the push as committing, wait out a running gc, then check the chunks gc
+    may have removed (FORMAT.md, "Pushes and gc").
 
-    gc looks at the manifests again no sooner than its settle time after taking its lock, so a
-    manifest written right after this check is seen by any gc that starts after it.
+    With a guard, its marker says "committing" from here until the push ends: a gc that reads the markers after
+    that waits for the commit and then sees the manifest, whatever time the write takes; a gc that took its lock
+    before is waited out here, and what it removed is found by the check. While a gc holds the lock the marker
+    says "not committing" again (the gc would otherwise wait for this push as this push waits for it).
     """
     check = referenced_objects(files) if lapsed else set(stats.reused)
     if not check:
         return
     deadline = time.monotonic() + timeout
-    while (holder := read_lock(repo.objects)) is not None and not is_stale(holder):
+    waited = False
+    while True:
+        if guard is not None:
+            guard.committing(True)
+        holder = read_lock(repo.objects)
+        if holder is None or is_stale(holder):
+            break
+        if guard is not None:
+            guard.committing(False)
         if time.monotonic() > deadline:
-            raise LockHeldError(f"a gc has held {repo.url} for {holder.age:.0f}s ({holder.describe()}); push again later")
+            raise LockHeldError(f"a gc holds {repo.url} ({holder.describe()}); push again later")
+        if not waited:
+            log.warning("waiting for a gc of %s to finish before committing (%s; up to %.0fs)", repo.url,
+                        holder.describe(), timeout)
+            waited = True
         time.sleep(0.5)
     ids = sorted(check)
     missing = [oid for oid, ok in zip(ids, ordered_map(repo.has_chunk, ids, 8), strict=True) if not ok]

@@ -24,6 +24,7 @@ from deltafs.format.keys import fold_key
 from deltafs.read.chain import plan_chain
 from deltafs.store.accelerators import is_fold_of
 from deltafs.read.rebuild import LocalBaseError
+from deltafs.store.lock import PushGuard
 from deltafs.store.repo import Repository
 
 
@@ -59,7 +60,7 @@ def encode_fold_part(repo: Repository, man: Manifest, base: LocalState, keyframe
     return FoldPart([e.to_json() for e in entries], enc.stats)
 
 
-def write_fold(repo: Repository, man: Manifest, parts: list[FoldPart]) -> int:
+def write_fold(repo: Repository, man: Manifest, parts: list[FoldPart], guard: PushGuard | None = None) -> int:
     """Root: the fold manifest from every rank's part, after its chunks. Returns the bytes written."""
     full = plan_chain(repo, man.version, None).steps[0]
     stats = EncodeStats()
@@ -69,7 +70,7 @@ def write_fold(repo: Repository, man: Manifest, parts: list[FoldPart]) -> int:
                                   stats, role="fold_of", created=utcnow())
     if not is_fold_of(folded, man):
         raise DeltafsError("the source changed after the version was committed")
-    ensure_chunks(repo, folded.files, stats, lapsed=False)
+    ensure_chunks(repo, folded.files, stats, lapsed=False, guard=guard)
     data = folded.encode()
     repo.objects.put_if_absent(fold_key(man.version), data)  # after its chunks, like a commit
     return stats.stored + len(data)

@@ -396,7 +396,7 @@ class _Rank:
             lapsed = lapsed or self.guard.lapsed
         bridge_bytes = self._write_bridge(man, reports, lapsed) if self.decision.bridge else 0
         try:
-            size = commit_version(repo, man, head_seen=self.decision.head, stats=stats, lapsed=lapsed)
+            size = commit_version(repo, man, head_seen=self.decision.head, stats=stats, lapsed=lapsed, guard=self.guard)
         except ChunksGoneError:
             if last:
                 raise
@@ -427,7 +427,7 @@ class _Rank:
             stats.add(part_stats)
         try:
             return write_bridge(self.open_repo(), man, [f for files, _stats in parts for f in files], stats,
-                                lapsed=lapsed)
+                                lapsed=lapsed, guard=self.guard)
         except (DeltafsError, OSError) as exc:
             log.warning("version %s goes without its bridge: %s", man.version, exc)
             return 0
@@ -457,7 +457,7 @@ class _Rank:
             real = [p for p in parts if p is not None]
             if len(real) != len(parts):
                 return 0  # a full version (the keyframe caches were updated), or nothing to fold
-            return from_root(self.world, "writing the fold", lambda: write_fold(self.open_repo(), man, real))
+            return from_root(self.world, "writing the fold", lambda: write_fold(self.open_repo(), man, real, self.guard))
         except (DeltafsError, OSError) as exc:
             log.warning("version %s is committed, but its fold was not written: %s", man.version, exc)
             return 0

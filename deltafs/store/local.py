@@ -229,7 +229,7 @@ class LocalObjectStore(ObjectStore):
         now = time.time()
         out = {}
         dirs = [self.root]  # HEAD and the store config are written through temp files at the top
-        for top in ("chunks", "manifests", "folds", "locks", "fleet"):
+        for top in ("chunks", "manifests", "folds", "bridges", "locks", "fleet"):
             dirs += [d for d, _sub, _files in os.walk(os.path.join(self.root, top))]
         for directory in dirs:
             try:

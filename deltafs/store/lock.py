@@ -9,6 +9,7 @@ removal re-reads the lock first so a fresh lock taken in between is not deleted 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ from deltafs.errors import FormatError, LockHeldError, ObjectNotFoundError
 from deltafs.format.keys import GC_LOCK_KEY, LOCK_PREFIX
 from deltafs.format.records import LOCK_FORMAT, LOCK_MAX_BYTES, LockRecord, canonical_json, load_json
 from deltafs.store.base import ObjectStore
+log = logging.getLogger("deltafs")
 DEFAULT_STALE_AFTER = 6 * 3600.0  # a gc of a very large store finishes well within this
 
 
@@ -33,12 +35,15 @@ class LockInfo:
     created: float  # seconds since the epoch
     purpose: str
     raw: bytes
+    ns: str | None = None  # process_space() of the holder
 
     @property
     def age(self) -> float:
         return time.time() - self.created
 
     def describe(self) -> str:
+        if self.pid < 0:  # unreadable: its age is unknown
+            return f"an unreadable {self.key} (remove it if no gc is running)"
         return f"{self.purpose} by pid {self.pid} on {self.host}, taken {self.age:.0f}s ago"
 
 
@@ -54,15 +59,31 @@ def read_lock(objects: ObjectStore, key: str = GC_LOCK_KEY) -> LockInfo | None:
         rec = LockRecord.from_bytes(data)
     except FormatError:
         return LockInfo(key, "?", "?", -1, time.time(), "unreadable lock", data)
-    return LockInfo(key, rec.owner, rec.host, rec.pid, rec.created, rec.purpose, data)
+    return LockInfo(key, rec.owner, rec.host, rec.pid, rec.created, rec.purpose, data, rec.ns)
 
 
 def is_stale(info: LockInfo, stale_after: float = DEFAULT_STALE_AFTER) -> bool:
     if info.age > stale_after:
         return True
-    if info.host == socket.gethostname() and info.pid > 0:
-        return not _pid_alive(info.pid)
-    return False
+    return info.pid > 0 and _visible_here(info.host, info.ns) and not _pid_alive(info.pid)
+
+
+def process_space() -> str:
+    """Which processes a pid names: this boot of this kernel and this pid namespace ("" where Linux does not say).
+    Containers on one host often share its hostname (Docker's --network host) but not its pids, so a host name
+    alone does not make another process's pid checkable here."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def _visible_here(host: str, ns: str | None) -> bool:
+    """Whether a lock or marker's pid can be looked up from this process: the same host name, boot and pid
+    namespace. A record without its namespace (an older deltafs) cannot be: it ages out instead."""
+    return host == socket.gethostname() and bool(ns) and ns == process_space()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -88,7 +109,7 @@ class StoreLock:
         self.held = False
 
     def _record(self) -> bytes:
-        return LockRecord.mine(self.owner, self.purpose).to_bytes()
+        return LockRecord.mine(self.owner, self.purpose, process_space()).to_bytes()
 
     def try_acquire(self) -> LockInfo | None:
         """Take the lock; return None on success, else the live holder."""
@@ -134,8 +155,14 @@ class StoreLock:
         self.acquire(wait)
         try:
             yield self
-        finally:
-            self.release()
+        except BaseException:
+            # The job's own failure is the one to report (a store turned read-only fails the release too).
+            try:
+                self.release()
+            except Exception as exc:
+                log.warning("could not release %s: %s", self.key, exc)
+            raise
+        self.release()
 
 
 # --- in-flight push markers ----------------------------------------------------------------------
@@ -157,10 +184,16 @@ class PushMarker:
     ttl: float
     mtime: float | None  # when the store last saw the marker written (None: the backend does not say)
 
+    ns: str | None = None  # process_space() of the pusher
+    committing: bool = False  # between its last chunk check and its commit (see PushGuard.committing)
+
     def live(self, now: float) -> bool:
-        if self.host == socket.gethostname() and self.pid > 0 and not _pid_alive(self.pid):
+        if self.pid > 0 and _visible_here(self.host, self.ns) and not _pid_alive(self.pid):
             return False  # its process is gone (killed): nothing will commit what it wrote
-        return self.mtime is None or now - self.mtime < self.ttl
+        # A committing push may be frozen between its check and its manifest write (SIGSTOP, a suspended VM):
+        # its marker then holds gc's deletions back as long as a gc lock would, not only for its ttl.
+        return self.mtime is None or now - self.mtime < (max(self.ttl, DEFAULT_STALE_AFTER) if self.committing
+                                                         else self.ttl)
 
     @property
     def protects_since(self) -> float:
@@ -177,7 +210,9 @@ def read_push_markers(objects: ObjectStore) -> list[PushMarker]:
         try:
             _size, mtime = objects.stat(key)
             raw = load_json(objects.get(key, limit=LOCK_MAX_BYTES), key, max_bytes=LOCK_MAX_BYTES)
-            out.append(PushMarker(key, str(raw["host"]), int(raw["pid"]), float(raw["elapsed"]), float(raw["ttl"]), mtime))
+            ns = raw.get("ns")
+            out.append(PushMarker(key, str(raw["host"]), int(raw["pid"]), float(raw["elapsed"]), float(raw["ttl"]), mtime,
+                                  ns if isinstance(ns, str) else None, raw.get("committing") is True))
         except ObjectNotFoundError:
             continue  # finished in between
         except (ValueError, KeyError, TypeError, FormatError):
@@ -201,12 +236,22 @@ class PushGuard:
         self._t0 = time.monotonic()
         self._last_ok: float | None = None
         self._lapsed = False
+        self._committing = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _record(self) -> bytes:
         return canonical_json({"format": LOCK_FORMAT, "host": socket.gethostname(), "pid": os.getpid(),
-                               "elapsed": time.monotonic() - self._t0, "ttl": self.ttl, "purpose": "push"})
+                               "ns": process_space(), "elapsed": time.monotonic() - self._t0, "ttl": self.ttl,
+                               "purpose": "push", "committing": self._committing})
+
+    def committing(self, on: bool) -> None:
+        """Say (synchronously) that this push is, or no longer is, between its last chunk check and its commit: a
+        gc holds its chunk deletions back while such a marker is live (FORMAT.md, "Pushes and gc"). Raises if the
+        store refuses the write: the push must not go on to check and commit without it."""
+        self._committing = on
+        self.objects.put(self.key, self._record())
+        self._last_ok = time.monotonic()
 
     def refresh(self) -> None:
         """Rewrite the marker now (it then protects the push for another ttl)."""

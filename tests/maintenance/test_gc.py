@@ -13,7 +13,7 @@ import pytest
 
 from deltafs.errors import LockHeldError, UsageError, VersionNotFoundError
 from deltafs.maintenance.gc import gc, make_plan
-from deltafs.store.lock import GC_LOCK_KEY, StoreLock
+from deltafs.store.lock import process_space, GC_LOCK_KEY, StoreLock
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.store.accelerators import load_bridge
@@ -185,9 +185,10 @@ def test_second_gc_waits_for_the_lock(tmp_path, maker):
     assert res.executed and not repo.objects.exists(GC_LOCK_KEY)
 
 
-def _fake_lock(repo: Repository, *, host: str, pid: int, age: float) -> None:
+def _fake_lock(repo: Repository, *, host: str, pid: int, age: float, ns: str | None = None) -> None:
     repo.objects.put(GC_LOCK_KEY, json.dumps({"format": "deltafs.lock", "owner": "x", "host": host, "pid": pid,
-                                              "created": time.time() - age, "purpose": "gc"}).encode())
+                                              "created": time.time() - age, "purpose": "gc",
+                                              **({"ns": ns} if ns else {})}).encode())
 
 
 def test_stale_locks_are_taken_over(tmp_path, maker):
@@ -195,8 +196,15 @@ def test_stale_locks_are_taken_over(tmp_path, maker):
     push_history(store, maker, 3, keyframe_every=2)
     repo = Repository.open(store)
     # A dead process on this host.
-    _fake_lock(repo, host=socket.gethostname(), pid=2**22 + 12345, age=5)
+    _fake_lock(repo, host=socket.gethostname(), pid=2**22 + 12345, age=5, ns=process_space())
     assert gc(store, keep_last=1, grace=0, settle=0).executed
+    # The same host name in another pid namespace (a container sharing the host's network): its pid cannot be
+    # looked up from here, so it is held (two gcs ran at once, each calling the other's lock stale), and so is a
+    # record without its namespace (an older deltafs).
+    for ns in ("another-boot/pid:[4026531836]", None):
+        _fake_lock(repo, host=socket.gethostname(), pid=2**22 + 12345, age=5, ns=ns)
+        with pytest.raises(LockHeldError):
+            gc(store, keep_last=1, grace=0, settle=0)
     # A live-looking holder on another host, but older than the stale age.
     _fake_lock(repo, host="elsewhere", pid=1, age=10)
     with pytest.raises(LockHeldError):
@@ -246,10 +254,12 @@ def test_gc_on_s3(s3_url, s3_options, tmp_path, maker):
     assert verify(s3_url, all_versions=True, storage_options=s3_options).ok
 
 
-def test_partial_writes_of_killed_processes_are_removed_after_the_grace_period(tmp_path, maker):
+@pytest.mark.parametrize("where", ["chunks/ab", "bridges"])
+def test_partial_writes_of_killed_processes_are_removed_after_the_grace_period(tmp_path, maker, where):
+    """(Bridges are written through temp files too: one left there stayed forever.)"""
     store = str(tmp_path / "store")
     push_history(store, maker, 2)
-    leftover = os.path.join(store, "chunks", "ab", ".tmp-0123456789abcdef")
+    leftover = os.path.join(store, where, ".tmp-0123456789abcdef")
     os.makedirs(os.path.dirname(leftover), exist_ok=True)
     with open(leftover, "wb") as fh:
         fh.write(b"x" * 1000)  # what a push SIGKILLed in the middle of a chunk write leaves
@@ -260,6 +270,32 @@ def test_partial_writes_of_killed_processes_are_removed_after_the_grace_period(t
     gc(store, keep_last=2, grace=0, settle=0)
     assert not os.path.exists(leftover)
     assert verify(store, all_versions=True).ok
+
+
+def test_a_failing_gc_reports_its_own_failure_not_the_lock_release(tmp_path, maker, monkeypatch):
+    """A store turned read-only during gc: the failed release of locks/gc.json hid the failed chunk delete."""
+    from deltafs.errors import StoreError
+    from deltafs.store.local import LocalObjectStore
+
+    store = str(tmp_path / "store")
+    push_history(store, maker, 3, keyframe_every=2)  # versions 1 and 2 can go
+    real = LocalObjectStore._remove
+
+    def read_only(self, key):
+        raise OSError(30, "Read-only file system", key)
+
+    monkeypatch.setattr(LocalObjectStore, "_remove", read_only)
+    with pytest.raises(StoreError) as caught:
+        gc(store, keep_last=1, grace=0, settle=0)
+    assert "cannot delete manifests/" in str(caught.value), caught.value
+    monkeypatch.setattr(LocalObjectStore, "_remove", real)
+
+
+def test_an_unreadable_gc_lock_is_described_without_a_made_up_age(tmp_path):
+    from deltafs.store.lock import LockInfo
+
+    info = LockInfo("locks/gc.json", "?", "?", -1, time.time() - 900, "unreadable lock", b"")
+    assert info.describe() == "an unreadable locks/gc.json (remove it if no gc is running)"
 
 
 def test_gc_refuses_a_store_with_a_broken_chain_and_deletes_nothing(tmp_path, maker):

@@ -110,3 +110,50 @@ def test_gc_removes_the_chunks_of_a_dead_push_once_its_marker_expired(tmp_path, 
     assert _chunks(store) == before
     assert not [k for k in os.listdir(os.path.join(store, "locks")) if k.startswith("push-")]
     assert verify(store, all_versions=True).ok
+
+
+@pytest.mark.parametrize("ttl", [None, "1"], ids=["default-ttl", "short-ttl"])
+def test_a_push_slow_between_its_chunk_check_and_its_commit_keeps_its_reused_chunks(tmp_path, monkeypatch, ttl):
+    """A push reusing old objects (left by a killed attempt) checked them, then took longer than gc's settle time to
+    write its manifest (a slow PUT; or frozen past its marker's ttl): a gc starting in between removed them and the
+    push committed a version that could not be pulled (adversarial pass). Its marker now says "committing" from
+    before the check, and gc waits for such a push before it removes any chunk."""
+    import threading
+
+    import deltafs.store.repo as repo_mod
+
+    if ttl:
+        monkeypatch.setenv("DELTAFS_PUSH_MARKER_TTL", ttl)
+    store, src = str(tmp_path / "store"), _source(str(tmp_path / "v1"), 1)
+    push(store, src, cache_dir=str(tmp_path / "c1"))
+    src2 = _source(str(tmp_path / "v2"), 2)
+    real = repo_mod.Repository.commit
+
+    def killed(self, man):
+        raise KeyboardInterrupt  # the first attempt dies after its chunks, before its manifest
+
+    monkeypatch.setattr(repo_mod.Repository, "commit", killed)
+    with pytest.raises(KeyboardInterrupt):
+        push(store, src2, cache_dir=str(tmp_path / "c2"), full=True, bridge=False)
+    old = time.time() - 7200
+    for name in _chunks(store):
+        os.utime(os.path.join(store, "chunks", name[:2], name), (old, old))  # hours before the next attempt
+    reached = threading.Event()
+
+    def slow(self, man):
+        reached.set()
+        time.sleep(3)  # longer than gc's settle time (2 s), and than a 1 s ttl
+        return real(self, man)
+
+    monkeypatch.setattr(repo_mod.Repository, "commit", slow)
+    done: list[object] = []
+    pusher = threading.Thread(target=lambda: done.append(push(store, src2, cache_dir=str(tmp_path / "c3"), full=True,
+                                                               bridge=False)))
+    pusher.start()
+    assert reached.wait(60)
+    result = gc(store, keep_last=1)  # default grace (1 h): the reused objects are older
+    pusher.join(60)
+    assert done and done[0].version == 2 and result.executed
+    assert verify(store, deep=True).ok
+    pull(store, str(tmp_path / "dest"))
+    assert files_of(str(tmp_path / "dest")) == files_of(src2)
