@@ -66,6 +66,18 @@ def check_relpath(path: str) -> str:
     return path
 
 
+def path_clash(paths: Iterable[str]) -> tuple[str, str] | None:
+    """(a, b) where a is one of paths and also a directory of b (another of them): such files cannot coexist in
+    one directory tree. None when they can."""
+    names = set(paths)
+    for path in sorted(names):
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in names:
+                return "/".join(parts[:i]), path
+    return None
+
+
 PATH_MAX = 4096  # Linux's limit on a path, its terminating NUL included; DEST's own path comes on top
 
 
@@ -682,5 +694,5 @@ def _int(value: Any, what: str) -> int:
 __all__ = [
     "DELTA_CODECS", "FORMAT_VERSION", "HEAD_FORMAT", "MANIFEST_FORMAT", "READ_FORMAT_VERSIONS", "STORE_FORMAT",
     "ChunkRef", "FileEntry", "Head", "Manifest", "Segment", "StoreConfig", "canonical_json", "check_relpath", "chunk_key",
-    "is_manifest_digest", "manifest_json", "manifest_key", "payload_bytes", "referenced_bytes", "referenced_objects", "stored_manifest", "parse_manifest_key", "sha256_hex", "validate",
+    "is_manifest_digest", "manifest_json", "manifest_key", "path_clash", "payload_bytes", "referenced_bytes", "referenced_objects", "stored_manifest", "parse_manifest_key", "sha256_hex", "validate",
 ]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 from deltafs.errors import UsageError
+from deltafs.format.manifest import path_clash
 from deltafs.publish.device_diff import DeviceBaseline, baseline_push
 from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_bytes, make_shard, shard_file_name
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
@@ -146,6 +147,9 @@ def _layout(owned: list[_Owned], world: int) -> _Layout:
                 file_writer[path], file_digest[path] = rank, sha
             elif file_digest[path] != sha:
                 problems.append(f"extra file {path} differs between ranks {file_writer[path]} and {rank}")
+    nested = path_clash(set(file_writer) | set(shard_of.values()) | {INDEX_FILE})
+    if nested is not None:
+        problems.append(f"{nested[0]} would be both a file and the directory of {nested[1]}")
     if not owner:
         problems.append("no rank owns any tensor")
     if problems:

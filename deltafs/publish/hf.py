@@ -20,6 +20,7 @@ import numpy as np
 
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import safetensors_name
+from deltafs.format.manifest import path_clash
 from deltafs.publish.device_diff import DeviceBaseline, Known, VersionId
 from deltafs.publish.devices import lazy_torch, wait_for_devices
 from deltafs.publish.source import Piece, is_range_bytes  # Piece: host bytes, or RangeBytes such as DeviceBytes
@@ -264,9 +265,13 @@ def plan_checkpoint(tensors: Mapping[str, Any] | list[HfTensor], *, max_shard_by
     else:
         shards = tuple(make_shard(shard_file_name(i, len(groups)), g, meta) for i, g in enumerate(groups, 1))
         index = index_bytes({t.name: s.name for s in shards for t in s.tensors}, sum(t.nbytes for t in items))
-    clash = set(extra) & ({s.name for s in shards} | ({INDEX_FILE} if index else set()))
+    own = {s.name for s in shards} | ({INDEX_FILE} if index else set())
+    clash = set(extra) & own
     if clash:
         raise UsageError(f"extra file {sorted(clash)[0]} clashes with a file of the checkpoint")
+    nested = path_clash(set(extra) | own)
+    if nested is not None:
+        raise UsageError(f"{nested[0]} would be both a file and the directory of {nested[1]}")
     return HfCheckpoint(shards, index, extra)
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from deltafs.errors import DeltafsError
-from deltafs.format.manifest import FileEntry, Manifest
+from deltafs.format.manifest import FileEntry, Manifest, path_clash
 from deltafs.parallel import default_threads
 from deltafs.progress import Progress
 from deltafs.publish.bridge import encode_bridge_part, write_bridge
@@ -256,7 +256,17 @@ class _Rank:
         from deltafs.publish.hf import INDEX_FILE
 
         named = {f.path for f in self.files}
-        return [f.path for f in parent.files if f.format == "blob" and f.path != INDEX_FILE and f.path not in named]
+        kept = []
+        for f in parent.files:
+            if f.format != "blob" or f.path == INDEX_FILE or f.path in named:
+                continue
+            clash = path_clash(named | {f.path})
+            if clash is not None:  # this push made a file of its directory, or a directory of it: its own files win
+                log.info("not keeping %s of version %s: %s is now both a file and a directory", f.path,
+                         parent.version, clash[0])
+                continue
+            kept.append(f.path)
+        return kept
 
     def _prepare_base(self) -> tuple[list[SourceFile], bool]:
         """The files to encode (with inherited ones) and the base; rebuilt from the store when needed."""

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 from deltafs.buffers import aligned_empty, open_regular, pread_aligned
 from deltafs.errors import DestinationError, ForeignStoreError, FormatError, LockHeldError, local_write_error
 from deltafs.format import digests
-from deltafs.format.manifest import FileEntry, Manifest, Segment
+from deltafs.format.manifest import FileEntry, Manifest, Segment, path_clash
 from deltafs.format.records import (DEST_STATE_MAX_BYTES, dest_state_bytes, dest_state_record, embedded_manifest_span,
                                     embedded_manifest_text, parse_dest_state)
 SIDECAR_SUFFIX = ".deltafs"
@@ -89,13 +89,13 @@ def check_layout(man: Manifest) -> None:
     """
     files = {f.path for f in man.files}
     for path in sorted(files):
-        parts = path.split("/")
-        for i, part in enumerate(parts):
+        for part in path.split("/"):
             if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX:
                 raise FormatError(f"version {man.version}: file {path[:60]}...: a name component is "
                                   f"{len(part.encode('utf-8', 'surrogatepass'))} bytes, longer than the {NAME_MAX} filesystems allow")
-            if i < len(parts) - 1 and "/".join(parts[: i + 1]) in files:
-                raise FormatError(f"version {man.version}: {'/'.join(parts[: i + 1])} is both a file and the directory of {path}")
+    clash = path_clash(files)
+    if clash is not None:
+        raise FormatError(f"version {man.version}: {clash[0]} is both a file and the directory of {clash[1]}")
 
 
 @dataclass(frozen=True)
