@@ -199,17 +199,26 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
     owned = collective(comm, "checking what each rank owns", lambda: _describe(tensors, extra))
     layout = _layout(owned, comm.world)  # same data on every rank: same result, or the same UsageError
     with baseline_push(device_baseline):
-        files: dict[str, list[tuple[int, Piece]]] = {}
-        if comm.rank in layout.shard_of:
-            shard = make_shard(layout.shard_of[comm.rank], collect_tensors(tensors, device_baseline), {"format": "pt"})
-            files[shard.name] = shard.pieces()
-        for path, data in extra.items():
-            if layout.file_writer.get(path) == comm.rank:
-                files[path] = [(0, memoryview(bytes(data)))]
-        if comm.is_root:
-            files[INDEX_FILE] = [(0, memoryview(index_bytes(layout.weight_map, layout.total_size)))]
-        work = RankWork(memory_source(files), cache_name=f"rank-{comm.rank}")
-        return run(comm, store, work, opts, t0=t0)
+        made: list[RankWork] = []
+
+        def prepare() -> bool:
+            files: dict[str, list[tuple[int, Piece]]] = {}
+            if comm.rank in layout.shard_of:
+                shard = make_shard(layout.shard_of[comm.rank], collect_tensors(tensors, device_baseline),
+                                   {"format": "pt"})
+                files[shard.name] = shard.pieces()
+            for path, data in extra.items():
+                if layout.file_writer.get(path) == comm.rank:
+                    files[path] = [(0, memoryview(bytes(data)))]
+            if comm.is_root:
+                files[INDEX_FILE] = [(0, memoryview(index_bytes(layout.weight_map, layout.total_size)))]
+            made.append(RankWork(memory_source(files), cache_name=f"rank-{comm.rank}"))
+            return True
+
+        # As a collective: a rank whose shard or files cannot be made (an extra file that is no valid safetensors,
+        # say) tells every rank at once; the others waited for it until the process group's timeout.
+        collective(comm, "preparing each rank's files", prepare)
+        return run(comm, store, made[0], opts, t0=t0)
 
 
 __all__ = ["DistributedPushError", "push_distributed", "shard_name"]

@@ -151,7 +151,26 @@ def dtensor_state_dict(rank: int, world: int, args: dict[str, Any]) -> dict[str,
     return {"results": out}
 
 
+def bad_file_on_one_rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 passes an extra file named like a shard that is no valid safetensors, then stays alive (as a trainer
+    rank that logs the error): every rank must fail at once, not wait out the process group's timeout."""
+    import time
+
+    from deltafs.publish.distributed import push_distributed
+
+    extra = {"extra.safetensors": b"not safetensors"} if rank == 1 else {}
+    t0 = time.monotonic()
+    try:
+        push_distributed(args["store"], owned(0, rank, world), extra_files=extra)
+        return {"pushed": True}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}
+    finally:
+        time.sleep(0.5 if rank == 1 else 0)
+
+
 SCENARIOS = {
+    "bad_file_on_one_rank": bad_file_on_one_rank,
     "dtensor_state_dict": dtensor_state_dict,
     "push_steps": push_steps,
     "duplicate_owner": duplicate_owner,

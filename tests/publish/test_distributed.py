@@ -201,3 +201,15 @@ def test_ranks_write_a_keyframes_bridge_that_a_host_at_the_parent_crosses(tmp_pa
     assert not res.from_full and res.bytes_read < results[2]["bytes_written"] / 3
     assert_same(load_pulled(dest), model_at(2))
     assert verify(store, local=str(dest)).ok
+
+
+def test_a_rank_whose_files_cannot_be_made_fails_every_rank_at_once(tmp_path):
+    """Rank 1 failed (SourceError) after the ownership check; rank 0 waited for it until the process group's timeout
+    (30 minutes by default) and then got gloo's "Timed out waiting" (adversarial pass)."""
+    store = tmp_path / "store"
+    reports = run_ranks(tmp_path, 2, "bad_file_on_one_rank", store=str(store), timeout=60)
+    assert all(r and r["ok"] for r in reports), reports
+    assert reports[1]["error"] == "SourceError" and "extra.safetensors" in reports[1]["message"]
+    assert reports[0]["error"] == "DistributedPushError" and "rank 1 failed" in reports[0]["message"], reports[0]
+    assert all(r["seconds"] < 30 for r in reports), reports
+    assert not (store / "manifests").exists()
