@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Annotated, Any, Optional
@@ -38,6 +39,10 @@ def _non_negative(flag: str) -> Callable[[int], int]:
     return check
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _metadata(items: list[str] | None, text: str | None) -> dict[str, Any]:
     meta = json_object(text, "--metadata")
     for item in items or []:
@@ -45,9 +50,11 @@ def _metadata(items: list[str] | None, text: str | None) -> dict[str, Any]:
         if not sep or not key:
             raise UsageError(f"--meta expects KEY=VALUE, got {item!r}")
         try:
-            meta[key] = json.loads(value)
+            parsed = json.loads(value, parse_constant=_no_constant)
         except ValueError:
-            meta[key] = value
+            parsed = value
+        # A number JSON cannot hold (NaN, Infinity, 1e400 read as inf) stays the text it was given.
+        meta[key] = value if isinstance(parsed, float) and not math.isfinite(parsed) else parsed
     return meta
 
 
@@ -96,7 +103,12 @@ def push_cmd(
         human = (f"pushed version {res.version} (full) to {res.store}: {human_bytes(res.bytes_written)} written{with_bridge} "
                  f"for {human_bytes(res.full_bytes)} of checkpoint; {res.seconds:.2f}s")
     else:
-        ratio = f"{res.full_bytes / res.bytes_written:.1f}x smaller than full" if res.bytes_written else ""
+        if not res.bytes_written:
+            ratio = ""
+        elif res.bytes_written <= res.full_bytes:
+            ratio = f"{res.full_bytes / res.bytes_written:.1f}x smaller than full"
+        else:  # (a tiny checkpoint, or one whose every byte changed: the manifest and codec records cost more)
+            ratio = f"{res.bytes_written / res.full_bytes:.1f}x the size of the full checkpoint"
         human = (f"pushed version {res.version} (delta) to {res.store}: {human_bytes(res.bytes_written)} written "
                  f"for {human_bytes(res.full_bytes)} of checkpoint, {ratio}; "
                  f"{res.changed_fraction * 100:.2f}% of tensor elements changed; {res.seconds:.2f}s")

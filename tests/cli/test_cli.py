@@ -213,3 +213,20 @@ def test_pull_no_recycle_leaves_the_oldest_version_to_its_readers(tmp_path, make
         assert files_of(dest) == files_of(sources[version - 1])
     assert readers[3] == files_of(sources[0])["model.safetensors"]  # --no-recycle: the reader kept version 1
     assert readers[4] == files_of(sources[3])["model.safetensors"]  # default: version 2's file became version 4
+
+
+def test_meta_numbers_json_cannot_hold_stay_text_and_a_large_delta_says_so(tmp_path):
+    """--meta loss=NaN failed the whole push ("metadata is not JSON", exit 2) while loss=nan was kept as text; and a
+    delta larger than its checkpoint was reported as "0.2x smaller than full"."""
+    from deltafs.testing.checkpoints import write_safetensors
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (4,), bytes(16))})
+    store = str(tmp_path / "store")
+    out = json.loads(run_cli("push", src, store, "--json", "--meta", "loss=NaN", "--meta", "x=Infinity",
+                             "--meta", "y=1e400", "--meta", "step=12", "--meta", "lr=1e-6", check=0).stdout)
+    assert out["metadata"] == {"loss": "NaN", "x": "Infinity", "y": "1e400", "step": 12, "lr": 1e-6}
+    write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (4,), bytes(range(16)))})
+    second = run_cli("push", src, store, check=0).stdout
+    assert "smaller than full" not in second and "x the size of the full checkpoint" in second, second
