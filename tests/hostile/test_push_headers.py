@@ -82,3 +82,18 @@ def test_a_record_holding_a_lone_surrogate_is_a_format_error():
     with pytest.raises(FormatError, match="not valid Unicode"):
         load_json(b'{"path": "bad\xed\xa0\x80.txt"}', "manifest")
     assert load_json(b'{"m": "\\ud83d\\ude00"}', "manifest") == {"m": "\U0001f600"}  # a pair is a character
+
+
+def test_a_record_of_millions_of_tiny_values_is_refused_before_it_is_parsed():
+    """A 22 KB zstd manifest expanding to 250 MiB of "[[],[],...]" took 6.8 GB and 40 s to refuse; deltafs's own
+    records hold one JSON value per 12-17 bytes of text."""
+    import time
+
+    bomb = b'{"metadata":{"x":[' + b"[]," * (1 << 20) + b'[]]}}'
+    t0 = time.monotonic()
+    with pytest.raises(FormatError, match="JSON values in"):
+        load_json(bomb, "manifest")
+    assert time.monotonic() - t0 < 1
+    ok = b'{"files":[' + b",".join(b'{"path":"f%06d.json","size":1234567,"digest":"xxh3-tree:0123456789abcdef"}' % i
+                                    for i in range(20000)) + b"]}"
+    assert len(ok) > 1 << 20 and len(load_json(ok, "manifest")["files"]) == 20000
