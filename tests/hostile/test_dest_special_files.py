@@ -26,3 +26,20 @@ def test_a_fifo_in_the_served_version_is_a_damaged_base_not_a_hang(tmp_path, sto
     deltafs("pull", store, dest, check=0, timeout=60)  # rebuilt from a full version (a TimeoutExpired before)
     assert files_of(dest) == files_of(src)
     deltafs("verify", store, "--local", dest, check=0, timeout=60)
+
+
+def test_deltafs_own_link_left_dangling_is_replaced_without_force(tmp_path, store):
+    """DEST.deltafs deleted, DEST's link left pointing at nothing: every pull (and a watcher, for ever) refused it
+    as "whose state record is missing" and told the user to use --force, which watch does not have."""
+    dest = tmp_path / "dest"
+    deltafs("pull", store, dest, check=0)
+    import shutil
+
+    shutil.rmtree(str(dest) + ".deltafs")
+    assert os.path.islink(dest) and not os.path.exists(dest)
+    deltafs("pull", store, dest, check=0)
+    deltafs("verify", store, "--local", dest, check=0)
+    # A link to a version directory that is still there but lost its record is not deltafs's to guess about.
+    real = os.path.realpath(dest)
+    os.unlink(real + ".json")
+    assert deltafs("pull", store, dest).returncode == 9
