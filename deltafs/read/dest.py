@@ -23,6 +23,7 @@ import datetime as _dt
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -38,6 +39,8 @@ from deltafs.format import digests
 from deltafs.format.manifest import FileEntry, Manifest, Segment, path_clash
 from deltafs.format.records import (DEST_STATE_MAX_BYTES, dest_state_bytes, dest_state_record, embedded_manifest_span,
                                     embedded_manifest_text, parse_dest_state)
+log = logging.getLogger("deltafs")
+
 SIDECAR_SUFFIX = ".deltafs"
 # Names deltafs gives the entries of its sidecar; cleanup touches nothing else.
 VERSION_DIR = re.compile(r"^v\d{10}-[0-9a-f]{8}$")
@@ -312,6 +315,11 @@ class LocalCheckpoint:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
         except FileNotFoundError:
             return None
+        if self._engine_switching():
+            # An engine is loading one of these versions right now (a watcher's or a cron run's switch holds
+            # engine.lock): which one is not known here, so none is rewritten; the new version gets new files.
+            log.info("an engine switch of %s is in progress: the new version gets new files, none is recycled", self.dest)
+            return None
         versions = self._versions_by_age()
         survivors = set(versions[-(keep - 1):]) if keep > 1 else set()
         linked = self.linked_name()  # what state() reads, whatever its record says
@@ -323,6 +331,20 @@ class LocalCheckpoint:
         staging = self._to_staging(os.path.join(self.sidecar, old[0]))
         _prune_for_reuse(staging, paths)
         return staging
+
+    def _engine_switching(self) -> bool:
+        """Whether another process holds this DEST's engine.lock (see lock(name="engine.lock")) now."""
+        try:
+            fd = os.open(os.path.join(self.sidecar, "engine.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False  # no switch ever ran here (or not one deltafs made the lock of)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # (closing the fd drops the lock taken for the test)
+        return False
 
     @property
     def chunk_cache(self) -> str:

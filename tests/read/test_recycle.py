@@ -245,3 +245,19 @@ def test_an_extra_file_in_dest_is_found_and_the_version_rebuilt_without_it(tmp_p
     assert res.updated and res.repaired == "evil.safetensors is not part of version 2"
     assert files_of(dest) == files_of(src[1]) and sorted(os.listdir(dest)) == sorted(os.listdir(src[1]))
     assert verify(store, local=dest).ok
+
+
+def test_no_version_is_recycled_while_an_engine_switch_holds_the_engine_lock(tmp_path):
+    """A manual pull during a watcher's switch recycled the directory the engine was loading (the watcher's target
+    had fallen out of the kept ones): the engine read changed bytes and the watcher called the version live."""
+    store, src, dest, v1, v2 = _at_version_2(tmp_path, 4)
+    name = max(os.listdir(v1), key=lambda n: os.path.getsize(os.path.join(v1, n)))
+    with open(os.path.join(v1, name), "rb") as loading:  # the engine has the file open, as a load does
+        before = loading.read()
+        with LocalCheckpoint(dest).lock(wait=False, name="engine.lock"):  # ... while its switch holds the lock
+            pull(store, dest, version=3, keep=2)
+        loading.seek(0)
+        assert loading.read() == before  # the bytes it reads were never rewritten in place
+    assert files_of(dest) == files_of(src[2])
+    pull(store, dest, version=4, keep=2)  # no switch: recycling as before
+    assert files_of(dest) == files_of(src[3])
