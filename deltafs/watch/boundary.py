@@ -172,7 +172,7 @@ def _serve(boundary: Signal, port: int) -> ThreadingHTTPServer:
             self.wfile.write(body)
 
     # Loopback only: anyone who can reach the port can make the engine switch now.
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:  # 0: any free port (tests)
         raise UsageError(f"--boundary-port must be a port number, 1..65535, not {port!r}")
     try:
         httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)

@@ -233,3 +233,41 @@ def test_the_watcher_never_switches_while_another_process_switches_the_same_engi
         engine_server.paused = False
     assert sub.apply().version == 2 and engine_server.weight_version == "2"
     sub.close()
+
+
+def test_a_watcher_restarted_while_its_killed_switch_still_loads_waits_for_that_load(trainer, tmp_path, engine_server):
+    """A watcher SIGKILLed during a slow load and restarted at once (Restart=on-failure) resumed the engine and sent
+    a second update for the same version while the first was still loading (adversarial pass). The switch leaves
+    DEST.deltafs/engine-switch.json while it runs; a starting watcher waits until the engine reports that version
+    (or the load's time is up) before it touches the engine."""
+    import json
+    import threading
+    import time
+
+    trainer.push()
+    first = make(trainer, tmp_path, engine_server)
+    first.start()
+    assert first.sync().version == 1
+    trainer.push()
+    staged = first.poll()
+    # What the killed watcher left: the engine paused and loading version 2, the record of that switch.
+    record = os.path.join(str(tmp_path / "dest") + ".deltafs", "engine-switch.json")
+    with open(record, "w") as fh:
+        json.dump({"version": "2", "path": staged.path, "pid": 1, "deadline": time.time() + 20}, fh)
+    engine_server.paused = True
+    updates, continues = engine_server.count("update"), engine_server.count("continue")
+
+    def load_finishes():
+        time.sleep(1.5)
+        engine_server.weight_version = "2"
+
+    threading.Thread(target=load_finishes, daemon=True).start()
+    t0 = time.monotonic()
+    second = make(trainer, tmp_path, engine_server)
+    second.start()
+    assert time.monotonic() - t0 >= 1.0  # it waited for the load
+    assert engine_server.count("update") == updates  # no second update
+    assert engine_server.count("continue") == continues + 1 and not engine_server.paused  # resumed after it
+    assert not os.path.exists(record) and second.status.served_version == 2
+    second.close()
+    first.close()
