@@ -10,6 +10,8 @@ DTYPE_SIZES: dict[str, int] = {
     "F8_E4M3": 1,
     "F8_E5M2": 1,
     "F8_E8M0": 1,
+    "F8_E4M3FNUZ": 1,  # ROCm's fp8 types (safetensors 0.8)
+    "F8_E5M2FNUZ": 1,
     "F4": 1,
     "F6_E2M3": 1,
     "F6_E3M2": 1,
@@ -55,6 +57,8 @@ TORCH_NAMES: dict[str, str] = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "I16": "int16",
     "U16": "uint16",
     "F16": "float16",

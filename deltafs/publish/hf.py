@@ -31,7 +31,7 @@ DEFAULT_SHARD_BYTES = 5 << 30
 
 # safetensors' Dtype enum order (safetensors/src/tensor.rs); shards list tensors by it, descending, so
 # every tensor is aligned to its own item size.
-_DTYPE_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
+_DTYPE_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16",
                 "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
 _RANK = {name: i for i, name in enumerate(_DTYPE_ORDER)}
 
