@@ -25,7 +25,7 @@ from deltafs.cli.options import (
     json_object,
     parse_storage_options,
 )
-from deltafs.cli.output import Output, human_bytes
+from deltafs.cli.output import Output, human_bytes, one_line
 from deltafs.defaults import DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
 from deltafs.errors import EXIT_BUSY, EXIT_CODES, EXIT_CURRENT, EXIT_OK, IntegrityError, LockHeldError, UsageError
 
@@ -286,7 +286,7 @@ def verify_cmd(
             if rep.bridges_checked:
                 human += f"; {rep.bridges_checked} keyframe bridge{'s' if rep.bridges_checked > 1 else ''} rebuilt"
     else:
-        human = "\n".join(f"FAILED: {p}" for p in rep.problems)
+        human = "\n".join(f"FAILED: {one_line(p)}" for p in rep.problems)
     human += "".join(f"\nwarning: {w}" for w in rep.warnings)
     out.result(rep.to_json(), human)
     if not rep.ok and quiet:
@@ -321,7 +321,7 @@ def log_cmd(
         changed = f"{e.changed_fraction * 100:.2f}%" if e.changed_fraction is not None else "-"
         mark = " *" if e.kind == "full" else ""
         created = e.created.replace("T", " ")[:19]
-        meta = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sorted(e.metadata.items()))
+        meta = " ".join(one_line(f"{k}={json.dumps(v) if not isinstance(v, str) else v}") for k, v in sorted(e.metadata.items()))
         bridge = f"bridge {human_bytes(e.bridge_bytes)}  " if e.bridge_bytes is not None else ""
         rows.append(f"{e.version:>8} {e.kind + mark:<6} {e.parent if e.parent is not None else '-':>7} {changed:>8} "
                     f"{human_bytes(e.bytes_written):>11} {(str(e.ratio) + 'x') if e.ratio and e.kind == 'delta' else '-':>8}  {created:<19}"

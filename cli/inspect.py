@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from deltafs.cli.options import Json, StorageOptions, Version, parse_storage_options
-from deltafs.cli.output import Output, human_bytes
+from deltafs.cli.output import Output, human_bytes, one_line
 
 
 def show_cmd(
@@ -31,17 +31,17 @@ def show_cmd(
              f"{' (HEAD)' if info.head else ''}, created {info.created.replace('T', ' ')[:19]} UTC",
              f"digest {info.digest}, chunk size {human_bytes(info.chunk_bytes)}"]
     if info.metadata:
-        lines.append("metadata: " + " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+        lines.append("metadata: " + " ".join(one_line(f"{k}={json.dumps(v) if not isinstance(v, str) else v}")
                                              for k, v in sorted(info.metadata.items())))
     lines.append(f"{len(info.files)} file(s), {len(info.tensors)} tensor(s), "
                  f"{human_bytes(sum(f.size for f in info.files))} in all, {human_bytes(info.stored)} stored by this version")
     for f in info.files:
-        lines.append(f"  {f.path:<48} {human_bytes(f.size):>11}  stored {human_bytes(f.stored):>11}  {f.format}"
+        lines.append(f"  {one_line(f.path):<48} {human_bytes(f.size):>11}  stored {human_bytes(f.stored):>11}  {f.format}"
                      f"{f', {f.tensors} tensors' if f.tensors else ''}")
     if tensors:
         for t in info.tensors:
             codecs = ",".join(f"{k}x{v}" for k, v in sorted(t.codecs.items()))
-            lines.append(f"  {t.name:<56} {t.dtype:<5} {str(list(t.shape)):<16} {human_bytes(t.nbytes):>11}  "
+            lines.append(f"  {one_line(t.name):<56} {t.dtype:<5} {str(list(t.shape)):<16} {human_bytes(t.nbytes):>11}  "
                          f"stored {human_bytes(t.stored):>11}  {codecs}")
     Output(json_mode=json_out).result(info.to_json(), "\n".join(lines))
 

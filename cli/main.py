@@ -16,6 +16,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import typer  # noqa: E402
 
 from deltafs.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MEANINGS, DeltafsError, exit_code
+from deltafs.cli.output import one_line
 
 app = typer.Typer(
     name="deltafs",
@@ -168,7 +169,7 @@ def main() -> None:
         if os.environ.get("DELTAFS_DEBUG"):
             traceback.print_exc()
         message, code = error_line(exc)
-        sys.stderr.write(message.splitlines()[0] + "\n")
+        sys.stderr.write(one_line(message.splitlines()[0] if message.strip() else message) + "\n")
         sys.exit(code)
 
 

@@ -7,6 +7,20 @@ import sys
 from typing import Any
 
 
+# Control characters other than newline and tab, as escapes: text a store controls (file paths, tensor names,
+# metadata) must not move the cursor, clear the screen or set a window title through `show`, `log` or `verify`.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0))}
+
+
+def terminal_safe(text: str) -> str:
+    return text.translate(_CONTROL)
+
+
+def one_line(text: str) -> str:
+    """terminal_safe, with newlines escaped too: for a value that must stay on its line (one problem, one row)."""
+    return terminal_safe(text).replace("\n", "\\n").replace("\t", "\\t")
+
+
 class Output:
     def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
@@ -21,12 +35,12 @@ class Output:
         if self.json_mode:
             sys.stdout.write(json.dumps(data, sort_keys=True) + "\n")
         elif not self.quiet and human is not None:
-            sys.stdout.write(human.rstrip("\n") + "\n")
+            sys.stdout.write(terminal_safe(human.rstrip("\n")) + "\n")
         sys.stdout.flush()
 
     def info(self, message: str) -> None:
         if not self.quiet and not self.json_mode:
-            sys.stderr.write(message + "\n")
+            sys.stderr.write(terminal_safe(message) + "\n")
 
 
 def human_bytes(n: float) -> str:

@@ -230,3 +230,23 @@ def test_meta_numbers_json_cannot_hold_stay_text_and_a_large_delta_says_so(tmp_p
     write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (4,), bytes(range(16)))})
     second = run_cli("push", src, store, check=0).stdout
     assert "smaller than full" not in second and "x the size of the full checkpoint" in second, second
+
+
+def test_store_text_cannot_forge_lines_or_reach_the_terminal(tmp_path):
+    """Paths, tensor names and metadata are the store's: printed raw, a newline forged an "ok: ... verified" line
+    and ESC sequences cleared the screen or set the window title (adversarial pass)."""
+    from deltafs.cli.output import one_line, terminal_safe
+    from deltafs.testing.checkpoints import write_safetensors
+
+    assert terminal_safe("a\x1b[2Jb\x07\tc\nd\x9b") == "a\\x1b[2Jb\\x07\tc\nd\\x9b"
+    assert one_line("x\ny\tz") == "x\\ny\\tz"
+    src = tmp_path / "src"
+    src.mkdir()
+    write_safetensors(str(src / "model.safetensors"), {"w\x1b]0;pwned\x07": ("F32", (2,), bytes(8))})
+    store = str(tmp_path / "store")
+    run_cli("push", src, store, "--meta", "step=1\nok: versions 1, 2 verified\x1b[2J", check=0)
+    log = run_cli("log", store, check=0).stdout
+    assert "\x1b" not in log and "step=1\\nok: versions 1, 2 verified\\x1b[2J" in log
+    assert len(log.strip().splitlines()) == 2  # the header and version 1
+    shown = run_cli("show", store, "--tensors", check=0).stdout
+    assert "\x1b" not in shown and "\x07" not in shown and "w\\x1b]0;pwned\\x07" in shown
