@@ -128,11 +128,15 @@ def _elements(t: TensorInfo) -> int:
 
 
 def _changed_elements(ra: VersionReader, rb: VersionReader, name: str, t: TensorInfo) -> int:
-    """Elements whose bytes differ; compared as unsigned integers of the element size (vectorized)."""
-    da, db = ra.tensor_bytes(name), rb.tensor_bytes(name)
+    """Elements whose bytes differ; compared chunk by chunk (the two versions share the store's chunk grid) as
+    unsigned integers of the element size, vectorized, in the memory of two chunks."""
     elements = _elements(t)
-    width = len(db) // elements if elements else 1
+    total = rb.tensor_size(name)
+    width = total // elements if elements else 1
     view = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(width)
-    if view is None or width * elements != len(db):  # packed sub-byte types: count differing bytes
-        return int(np.count_nonzero(np.frombuffer(da, np.uint8) != np.frombuffer(db, np.uint8)))
-    return int(np.count_nonzero(np.frombuffer(da, view) != np.frombuffer(db, view)))
+    if view is None or width * elements != total:  # packed sub-byte types: count differing bytes
+        view = np.uint8
+    changed = 0
+    for ca, cb in zip(ra.tensor_chunks(name), rb.tensor_chunks(name), strict=True):
+        changed += int(np.count_nonzero(ca.view(view) != cb.view(view)))
+    return changed

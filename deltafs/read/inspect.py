@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,16 @@ class VersionReader:
         """The tensor's raw little-endian bytes, digest-checked."""
         f, seg = self._find(name)
         return self._segment_bytes(f, seg)
+
+    def tensor_size(self, name: str) -> int:
+        """The tensor's size in bytes, as the manifest records it."""
+        return self._find(name)[1].size
+
+    def tensor_chunks(self, name: str) -> Iterator[np.ndarray]:
+        """The tensor's bytes chunk by chunk (see Builder.segment_chunks: each view valid until the next; the digest
+        is checked after the last, so trust what they say only once the iteration ended)."""
+        f, seg = self._find(name)
+        return self._builder.segment_chunks(f, seg)
 
     def tensor(self, name: str, *, framework: str = "numpy") -> Any:
         """The tensor as a numpy array (framework="numpy") or a torch tensor (framework="torch")."""

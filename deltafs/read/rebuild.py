@@ -298,6 +298,32 @@ class Builder:
         assert value is not None
         return value
 
+    def segment_chunks(self, f: FileEntry, seg: Segment) -> Iterator[np.ndarray]:
+        """One segment of the target chunk by chunk, each a view of one reused buffer (valid until the next), and
+        after the last a check against the segment's digest (IntegrityError): the memory of one chunk, not of the
+        segment (a 2 GiB embedding compared by `diff` held two copies of both versions). A caller must use what
+        the chunks say only once the iteration ended without an error."""
+        buf = np.empty(min(self.chunk_bytes, seg.size), np.uint8)
+        v1 = not digests.is_tree_digest(seg.digest)
+        stream = xxhash.xxh3_128() if v1 else None
+        chunk_digests: list[bytes] = []
+        try:
+            for i, rec in enumerate(seg.chunks):
+                out = buf[:rec.size]
+                self._chunk(_Task(f, seg, i), out=out)
+                if stream is not None:
+                    stream.update(out.data)
+                else:
+                    chunk_digests.append(digests.chunk_digest(out.data))
+                yield out
+        finally:
+            self._close_local()
+        actual = (digests.V1_SEGMENT_PREFIX + stream.hexdigest() if stream is not None
+                  else digests.segment_digest(chunk_digests, seg.size))
+        if actual != seg.digest:
+            raise IntegrityError(f"version {self.chain.target.version}: {f.path}: {_what(seg)} digest mismatch",
+                                 expected=seg.digest, actual=actual)
+
     def segment_bytes(self, f: FileEntry, seg: Segment) -> bytes:
         """One segment of the target, rebuilt chunk by chunk and checked against its digest (IntegrityError)."""
         out = bytearray(seg.size)

@@ -67,3 +67,45 @@ def test_pull_dry_run_changes_nothing(tmp_path, maker):
     run_cli("pull", store, dest, "-q", check=0)
     again = json.loads(run_cli("pull", store, dest, "--dry-run", "--json", check=0).stdout)
     assert again["up_to_date"] and again["objects"] == 0
+
+
+def test_diff_counts_across_chunks_in_two_chunks_of_memory_and_checks_digests(tmp_path):
+    """diff rebuilt both versions of a tensor whole (two copies each); now chunk by chunk, each chunk's count kept
+    only once the segment digest matched."""
+    import numpy as np
+
+    from deltafs.errors import IntegrityError
+    from deltafs.maintenance.inspect import diff
+    from deltafs.publish import push
+    from deltafs.store.repo import Repository
+    from deltafs.testing.checkpoints import write_safetensors
+
+    store = str(tmp_path / "store")
+    Repository.open(store, create=True, chunk_bytes=4096)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(10_000).astype(np.float32)  # 40 KB: ten chunks
+    b = a.copy()
+    b[rng.choice(10_000, 321, replace=False)] += 1
+    for i, arr in enumerate((a, b)):
+        src = tmp_path / f"v{i}"
+        src.mkdir()
+        write_safetensors(str(src / "model.safetensors"), {"w": ("F32", (10_000,), arr.tobytes())})
+        push(store, str(src))
+    rows = {r.name: r for r in diff(store, 1, 2)}
+    assert rows["w"].changed == 321 and rows["w"].elements == 10_000
+    # A segment digest that its chunks do not match (a re-sealed manifest): the diff fails, after its last chunk.
+    import dataclasses
+
+    from deltafs.format.manifest import manifest_key
+
+    man = Repository.open(store).manifest(2)
+    bad = dataclasses.replace(man, files=tuple(dataclasses.replace(f, segments=tuple(
+        dataclasses.replace(s, digest="xxh3-tree:" + "0" * 32) if s.key == "t:w" else s for s in f.segments))
+        for f in man.files)).seal()
+    with open(os.path.join(store, manifest_key(2)), "wb") as fh:
+        fh.write(bad.encode())
+    try:
+        diff(store, 1, 2)
+        raise AssertionError("a segment whose digest does not match must fail the diff")
+    except IntegrityError as exc:
+        assert "digest mismatch" in str(exc)
