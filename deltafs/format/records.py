@@ -97,7 +97,7 @@ def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth
     if len(data) > DENSE_JSON_FROM:
         # Parsed JSON costs ~60 bytes per value: 250 MiB of "[]," took 6.8 GB before the structure was even looked
         # at. deltafs's records hold a value per 12-17 bytes of text; refuse text far denser than that, unparsed.
-        values = data.count(b",") + data.count(b"[") + data.count(b"{")
+        values = data.count(b",")  # values in arrays and objects are comma-separated (nesting is bounded below)
         if values * MIN_BYTES_PER_VALUE > len(data):
             raise FormatError(f"{what} holds {values} JSON values in {len(data)} bytes, far more than a deltafs record "
                               "of its size (a damaged or hostile store)")
@@ -109,7 +109,7 @@ def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth
         raise FormatError(f"{what} is not valid JSON: {exc}") from None
     if text_depth(data, max_depth) > max_depth:
         raise FormatError(f"{what} is nested more than {max_depth} levels deep")
-    if _SURROGATE_ESCAPE.search(data) and not _encodable(value):
+    if (b"\\u" in data or b"\xed" in data) and _SURROGATE_ESCAPE.search(data) and not _encodable(value):
         # JSON may escape a lone UTF-16 surrogate (\ud800), which no UTF-8 text holds (json.loads also takes one
         # encoded as if it could be): a file name or metadata
         # value that cannot be created, printed or written back. Checked only where an escape of one occurs.
