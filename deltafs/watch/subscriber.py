@@ -196,6 +196,18 @@ class Subscriber:
         """DEST.deltafs/engine-switch.json: the version a switch asked the engine to load, while it runs."""
         return os.path.join(LocalCheckpoint(self.dest).sidecar, "engine-switch.json")
 
+    def _record_switch(self, target: Target) -> None:
+        """Leave the switch record for a watcher started after this one is killed mid-load (best effort: a DEST disk
+        full to the last byte still switches). Only for an engine in another process, whose load outlives ours."""
+        if getattr(self.engine, "url", None) is None:
+            return
+        load = float(getattr(self.engine, "load_timeout", 0) or 0)
+        record = {"version": target.version, "path": target.path, "pid": os.getpid(), "deadline": time.time() + load + 60}
+        try:
+            atomic_write(self._switch_record, json.dumps(record).encode())
+        except OSError as exc:
+            log.warning("cannot record the switch in %s: %s", self._switch_record, exc)
+
     def _wait_for_killed_switch(self) -> None:
         """A watcher killed while the engine loaded (a unit file restarts it in seconds; a load may take minutes)
         left its switch record: until the engine reports that version, or the load's time is up, the load may
@@ -334,10 +346,7 @@ class Subscriber:
                 # One switch per DEST's engine at a time, as reload_engine (cron mode) takes it: SGLang cannot take
                 # two updates at once, and the other's resume would end this one's pause mid-load.
                 with LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"):
-                    load = float(getattr(self.engine, "load_timeout", 0) or 0)
-                    record = {"version": target.version, "path": target.path, "pid": os.getpid(),
-                              "deadline": time.time() + load + 60}
-                    atomic_write(self._switch_record, json.dumps(record).encode())
+                    self._record_switch(target)
                     try:
                         result = switch_engine(self.engine, target, previous)
                     finally:
