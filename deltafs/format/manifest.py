@@ -600,6 +600,15 @@ def _unzstd(data: bytes, where: str) -> bytes:
         if total > MANIFEST_MAX_BYTES:
             raise FormatError(f"{where} decompresses to more than {MANIFEST_MAX_BYTES} bytes")
         parts.append(block)
+    # A frame cut short decodes to what it has and then ends quietly: the header's content size (which deltafs's
+    # writers record) tells, and a clear word beats "not valid JSON" about the part that came through.
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        declared = -1
+    if declared >= 0 and total != declared:
+        raise FormatError(f"{where} is cut short or damaged: its compressed frame gave {total} of the {declared} "
+                          "bytes it declares")
     return b"".join(parts)
 
 

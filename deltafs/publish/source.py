@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from deltafs.errors import FormatError, SourceError
-from deltafs.format.dtypes import DTYPE_SIZES, nbytes
+from deltafs.format.dtypes import DTYPE_SIZES, PACKED_BITS, nbytes
 from deltafs.format.manifest import check_relpath
 from deltafs.publish.select import is_store_dir, refuse_unpublishable, selected
 
@@ -306,6 +307,9 @@ def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegmen
             raise SourceError(f"{bad}: tensor {name} has a bad shape")
         if not (_count(begin) and _count(end) and begin <= end):
             raise SourceError(f"{bad}: tensor {name} has bad data offsets")
+        if dtype in PACKED_BITS and math.prod(shape) * PACKED_BITS[dtype] % 8:
+            raise SourceError(f"{bad}: tensor {name} has {math.prod(shape)} {dtype} elements, which do not fill whole "
+                              "bytes (the safetensors loaders refuse it)")
         if end - begin != nbytes(dtype, shape):
             raise SourceError(f"{bad}: tensor {name} occupies {end - begin} bytes, its dtype and shape need {nbytes(dtype, shape)}")
         tensors.append((begin, end, name, dtype, tuple(shape)))

@@ -545,7 +545,8 @@ class Subscriber:
         if len(ready) >= self.engine_hosts:
             self.status.group_wait = None
             return
-        waited = time.monotonic() - self._group_since.setdefault(version, time.monotonic())
+        since = self._group_since.setdefault(version, time.monotonic())
+        waited = time.monotonic() - since  # (taken after `since`: the other order printed "waiting -0s")
         behind = sorted(f"{m.host_id} (has {m.staged_version or m.served_version})" for m in members
                         if m.host_id not in ready)
         missing = self.engine_hosts - len(ready) - len(behind)

@@ -97,3 +97,19 @@ def test_a_record_of_millions_of_tiny_values_is_refused_before_it_is_parsed():
     ok = b'{"files":[' + b",".join(b'{"path":"f%06d.json","size":1234567,"digest":"xxh3-tree:0123456789abcdef"}' % i
                                     for i in range(20000)) + b"]}"
     assert len(ok) > 1 << 20 and len(load_json(ok, "manifest")["files"]) == 20000
+
+
+def test_packed_elements_that_do_not_fill_whole_bytes_are_refused(tmp_path):
+    """Three F4 elements (12 bits in 2 bytes): safe_open refuses the file, push took it."""
+    src = _raw(tmp_path / "src", _header(w={"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}), b"\x00\x00")
+    one_line(deltafs("push", src, tmp_path / "store"), 2, "3 F4 elements, which do not fill whole bytes")
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_manifest_cut_short_is_called_that(tmp_path):
+    """A manifest whose zstd frame was cut short decoded to nothing and was reported as "not valid JSON"."""
+    from deltafs.format.manifest import Manifest, stored_manifest
+
+    frame = stored_manifest(b'{"format": "deltafs.manifest", "x": "' + b"y" * 100_000 + b'"}')
+    with pytest.raises(FormatError, match="cut short or damaged: its compressed frame gave"):
+        Manifest.decode(frame[: len(frame) // 2])
