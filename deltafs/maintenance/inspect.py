@@ -131,10 +131,9 @@ def _changed_elements(ra: VersionReader, rb: VersionReader, name: str, t: Tensor
     """Elements whose bytes differ; compared chunk by chunk (the two versions share the store's chunk grid) as
     unsigned integers of the element size, vectorized, in the memory of two chunks."""
     elements = _elements(t)
-    total = rb.tensor_size(name)
-    width = total // elements if elements else 1
+    width = t.nbytes // elements if elements else 1
     view = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(width)
-    if view is None or width * elements != total:  # packed sub-byte types: count differing bytes
+    if view is None or width * elements != t.nbytes:  # packed sub-byte types: count differing bytes
         view = np.uint8
     changed = 0
     for ca, cb in zip(ra.tensor_chunks(name), rb.tensor_chunks(name), strict=True):

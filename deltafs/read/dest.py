@@ -195,10 +195,6 @@ class LocalCheckpoint:
             return None
         return name
 
-    def dest_target(self) -> str:
-        """Where DEST's link points (resolved against DEST's directory, not followed further)."""
-        return os.path.normpath(os.path.join(os.path.dirname(self.dest), os.readlink(self.dest)))
-
     def describe_foreign(self) -> str | None:
         """Why DEST cannot simply be replaced, or None if it is absent, empty or ours."""
         if not os.path.lexists(self.dest):
@@ -207,9 +203,9 @@ class LocalCheckpoint:
             if self.state() is not None:
                 return None
             linked = self.linked_name()
-            if linked is not None and VERSION_DIR.match(linked) and not os.path.lexists(self.dest_target()):
-                return None  # deltafs's own link, left dangling (the sidecar was deleted): nothing there to lose
             if linked is not None and VERSION_DIR.match(linked):
+                if not os.path.lexists(os.path.join(self.sidecar, linked)):
+                    return None  # deltafs's own link, left dangling (the sidecar was deleted): nothing there to lose
                 return (f"{self.dest} points to {os.path.join(self.sidecar, linked)}, whose state record "
                         f"({linked}.json) is missing or damaged")
             return f"{self.dest} is a symlink deltafs did not make"

@@ -80,10 +80,6 @@ class VersionReader:
         f, seg = self._find(name)
         return self._segment_bytes(f, seg)
 
-    def tensor_size(self, name: str) -> int:
-        """The tensor's size in bytes, as the manifest records it."""
-        return self._find(name)[1].size
-
     def tensor_chunks(self, name: str) -> Iterator[np.ndarray]:
         """The tensor's bytes chunk by chunk (see Builder.segment_chunks: each view valid until the next; the digest
         is checked after the last, so trust what they say only once the iteration ended)."""
