@@ -298,18 +298,22 @@ class Builder:
         assert value is not None
         return value
 
-    def segment_chunks(self, f: FileEntry, seg: Segment) -> Iterator[np.ndarray]:
+    def segment_chunks(self, f: FileEntry, seg: Segment, into: np.ndarray | None = None) -> Iterator[np.ndarray]:
         """One segment of the target chunk by chunk, each a view of one reused buffer (valid until the next), and
         after the last a check against the segment's digest (IntegrityError): the memory of one chunk, not of the
         segment (a 2 GiB embedding compared by `diff` held two copies of both versions). A caller must use what
-        the chunks say only once the iteration ended without an error."""
-        buf = np.empty(min(self.chunk_bytes, seg.size), np.uint8)
+        the chunks say only once the iteration ended without an error.
+
+        into: a uint8 array of the segment's size to decode the chunks into, each at its place (segment_bytes)."""
+        buf = np.empty(min(self.chunk_bytes, seg.size), np.uint8) if into is None else into
         v1 = not digests.is_tree_digest(seg.digest)
         stream = xxhash.xxh3_128() if v1 else None
         chunk_digests: list[bytes] = []
         try:
             for i, rec in enumerate(seg.chunks):
-                out = buf[:rec.size]
+                # Decoded into this slice (codec.decode's out contract); the digest below checks it.
+                at = 0 if into is None else i * self.chunk_bytes
+                out = buf[at:at + rec.size]
                 self._chunk(_Task(f, seg, i), out=out)
                 if stream is not None:
                     stream.update(out.data)
@@ -327,17 +331,8 @@ class Builder:
     def segment_bytes(self, f: FileEntry, seg: Segment) -> bytes:
         """One segment of the target, rebuilt chunk by chunk and checked against its digest (IntegrityError)."""
         out = bytearray(seg.size)
-        view = np.frombuffer(out, dtype=np.uint8)
-        try:
-            for i, rec in enumerate(seg.chunks):
-                # Decoded into this slice of out (codec.decode's out contract); the digest below checks it.
-                self._chunk(_Task(f, seg, i), out=view[i * self.chunk_bytes:i * self.chunk_bytes + rec.size])
-        finally:
-            self._close_local()
-        actual = digests.segment_digest_like(seg.digest, out, self.chunk_bytes)
-        if actual != seg.digest:
-            raise IntegrityError(f"version {self.chain.target.version}: {f.path}: {_what(seg)} digest mismatch",
-                                 expected=seg.digest, actual=actual)
+        for _ in self.segment_chunks(f, seg, into=np.frombuffer(out, dtype=np.uint8)):
+            pass
         return bytes(out)
 
     # --- files ----------------------------------------------------------------------------------
