@@ -121,8 +121,14 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped
 
 
 def _encodable(value: Any) -> bool:
+    return is_unicode(json.dumps(value, ensure_ascii=False))
+
+
+def is_unicode(text: str) -> bool:
+    """Whether text can be written as UTF-8: no lone surrogate (a name read from bytes that were not UTF-8, or a JSON
+    escape of half a character). The one check for names deltafs stores: file paths, tensor names, metadata."""
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True

@@ -21,6 +21,7 @@ import numpy as np
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import safetensors_name
 from deltafs.format.manifest import path_clash
+from deltafs.format.records import is_unicode
 from deltafs.publish.device_diff import DeviceBaseline, Known, VersionId
 from deltafs.publish.devices import lazy_torch, wait_for_devices
 from deltafs.publish.source import Piece, is_range_bytes  # Piece: host bytes, or RangeBytes such as DeviceBytes
@@ -201,10 +202,8 @@ def check_tensor(name: Any, t: Any) -> str:
 
     if not isinstance(name, str) or not name:
         raise UsageError(f"tensor names must be non-empty strings, got {name!r}")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UsageError(f"tensor name {name!r} is not valid Unicode (a lone surrogate)") from None
+    if not is_unicode(name):
+        raise UsageError(f"tensor name {name!r} is not valid Unicode (a lone surrogate)")
     if name == "__metadata__":
         raise UsageError("a tensor cannot be named __metadata__, the name safetensors keeps for the file's metadata")
     if not isinstance(t, torch.Tensor):

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from deltafs.errors import FormatError, SourceError
 from deltafs.format.dtypes import DTYPE_SIZES, PACKED_BITS, nbytes
 from deltafs.format.manifest import check_relpath
+from deltafs.format.records import is_unicode
 from deltafs.publish.select import is_store_dir, refuse_unpublishable, selected
 
 log = logging.getLogger("deltafs")
@@ -254,14 +255,6 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64
 
 
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegment, ...]:
     """Split a safetensors file into its header and one segment per tensor, in file order."""
     bad = f"{rel} is not a valid safetensors file"
@@ -286,7 +279,7 @@ def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegmen
     if isinstance(meta, dict) and "data_offsets" in meta:
         raise SourceError(f"{bad}: a tensor is named __metadata__, the name safetensors keeps for the file's "
                           "metadata: rename the tensor")
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) and _encodable(k + v)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) and is_unicode(k + v)
                                                                  for k, v in meta.items())):
         raise SourceError(f"{bad}: __metadata__ must map names to strings (the safetensors loaders refuse "
                           "anything else)")
@@ -299,7 +292,7 @@ def safetensors_segments(rel: str, head: bytes, size: int) -> tuple[SourceSegmen
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise SourceError(f"{bad}: entry {name!r} lacks dtype, shape or data_offsets") from None
-        if not _encodable(name):
+        if not is_unicode(name):
             raise SourceError(f"{bad}: a tensor name is not valid Unicode (a lone surrogate): {name!r}")
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise SourceError(f"{rel}: tensor {name} has dtype {dtype!r}, which deltafs does not know")
