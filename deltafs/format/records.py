@@ -12,7 +12,7 @@ import json
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from deltafs.errors import FormatError
@@ -363,40 +363,42 @@ class HostStatus:
             raise ValueError("not a deltafs fleet record")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
-        for name, kinds in _HOST_STATUS_TYPES.items():
-            if name in values and not _is_of(values[name], kinds):
-                want = kinds.replace(" required", "").replace(" none", " or null")
-                raise ValueError(f"fleet record field {name} is {type(values[name]).__name__}, not {want}")
-            if name not in values and "required" in kinds:
-                raise ValueError(f"fleet record lacks {name}")
+        for f in fields(cls):
+            kind, nullable = _HOST_STATUS_TYPES[f.name]
+            if f.name in values and not _is_of(values[f.name], kind, nullable):
+                want = kind.__name__ + (" or null" if nullable else "")
+                raise ValueError(f"fleet record field {f.name} is {type(values[f.name]).__name__}, not {want}")
+            if f.name not in values and f.default is MISSING and f.default_factory is MISSING:
+                raise ValueError(f"fleet record lacks {f.name}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in values.get("checksums", {}).items()):
             raise ValueError("fleet record checksums must map versions to strings")
         sync = values.get("last_sync")
-        if sync is not None and not (_is_of(sync.get("version"), "int") and all(
-                isinstance(sync.get(k), (int, float)) and not isinstance(sync.get(k), bool) for k in ("pause_s", "sync_s"))):
+        if sync is not None and not (_is_of(sync.get("version"), int) and all(
+                _is_of(sync.get(k), float) for k in ("pause_s", "sync_s"))):
             raise ValueError("fleet record last_sync needs an integer version and numbers pause_s and sync_s")
         restart = values.get("needs_restart")
-        if restart is not None and not (_is_of(restart.get("version"), "int") and _is_of(restart.get("reason"), "str")):
+        if restart is not None and not (_is_of(restart.get("version"), int) and _is_of(restart.get("reason"), str)):
             raise ValueError("fleet record needs_restart needs an integer version and a reason")
         return cls(**values)
 
 
 # What each HostStatus member may hold in a record another host wrote (a wrong type crashed status and the group
-# watchers that compare versions): "int" is never a bool; "none" allows null.
-_HOST_STATUS_TYPES: dict[str, str] = {
-    "host_id": "str required", "dest": "str required", "engine": "str required", "engine_url": "str none",
-    "store_id": "str none", "state": "str", "served_version": "int none", "staged_version": "int none",
-    "last_error": "str none", "last_error_at": "str none", "failures": "int", "last_sync": "dict none",
-    "engine_group": "str none", "engine_hosts": "int", "group_wait": "str none", "needs_restart": "dict none",
-    "checksums": "dict", "started_at": "str", "updated_at": "str", "hostname": "str", "pid": "int",
+# watchers that compare versions): its type, and whether null is allowed. Which members must be there is the
+# dataclass's own say (those without a default).
+_HOST_STATUS_TYPES: dict[str, tuple[type, bool]] = {
+    "host_id": (str, False), "dest": (str, False), "engine": (str, False), "engine_url": (str, True),
+    "store_id": (str, True), "state": (str, False), "served_version": (int, True), "staged_version": (int, True),
+    "last_error": (str, True), "last_error_at": (str, True), "failures": (int, False), "last_sync": (dict, True),
+    "engine_group": (str, True), "engine_hosts": (int, False), "group_wait": (str, True), "needs_restart": (dict, True),
+    "checksums": (dict, False), "started_at": (str, False), "updated_at": (str, False), "hostname": (str, False),
+    "pid": (int, False),
 }
 
 
-def _is_of(value: Any, kinds: str) -> bool:
+def _is_of(value: Any, kind: type, nullable: bool = False) -> bool:
+    """value is of kind (int: never a bool; float: any number but a bool), or None where nullable."""
     if value is None:
-        return "none" in kinds
-    if "int" in kinds.split():
-        return isinstance(value, int) and not isinstance(value, bool)
-    if "str" in kinds.split():
-        return isinstance(value, str)
-    return isinstance(value, dict)
+        return nullable
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
