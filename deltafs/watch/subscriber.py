@@ -229,6 +229,9 @@ class Subscriber:
             except EngineError:
                 break  # not reachable: no load of ours is running there
             self.stop_event.wait(1.0)
+        self._clear_switch_record()
+
+    def _clear_switch_record(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self._switch_record)
 
@@ -237,16 +240,12 @@ class Subscriber:
         this DEST's engine (a cron `pull --engine`): its load may be running, and a resume would let generation go
         on mid-load. A DEST whose lock cannot be made yet (nothing pulled, no sidecar) has no such process."""
         assert self.engine is not None
-        try:
-            lock = LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock")
-            lock.__enter__()
-        except (DestinationError, OSError):
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"))
+            except (DestinationError, OSError):
+                pass  # no lock to take: resume all the same (LockHeldError, another's switch, passes on)
             self.engine.resume()
-            return
-        try:
-            self.engine.resume()
-        finally:
-            lock.__exit__(None, None, None)
 
     def _learn_served(self, *, first: bool = False) -> None:
         """Ask the engine what it serves (weight_version, else model_path) and record its checksum."""
@@ -350,8 +349,7 @@ class Subscriber:
                     try:
                         result = switch_engine(self.engine, target, previous)
                     finally:
-                        with contextlib.suppress(OSError):
-                            os.unlink(self._switch_record)
+                        self._clear_switch_record()
             except NeedsRestartError as exc:
                 self.status.needs_restart = {"version": staged.version, "reason": exc.reason}
                 self._set_state("needs-restart")
