@@ -485,6 +485,143 @@ static PyObject *apply(PyObject *self, PyObject *args) {
     return PyLong_FromLong(status);
 }
 
+/* ungroup(out, base, width, space, count, k, big, big_k, unary, remainder, signs, big_unary, big_remainder,
+ *         planes) -> status
+ *
+ * A sparse chunk of one class (no split) decoded and applied in one call: what _decode_group and apply() do with
+ * a dozen numpy calls in between. The streams are those of Group.stream_sizes; planes holds the width byte planes
+ * of the large magnitudes one after the other (big bytes each). Everything is checked before out is written, as
+ * the Python path checks it: the count + 1 rank gaps must end exactly at the sentinel rank space (positions(),
+ * with the remainder stream's size and zero padding), the sign stream's padding must be zero, big <= count and the
+ * big gaps must lead to big ascending indexes below count (or both big streams be empty). Any failure returns a
+ * non-zero status with out untouched: the caller then decodes the same streams in Python, which says what is
+ * wrong. base: None when out holds the base already (in place); otherwise a buffer of out's size, copied into out
+ * a block at a time with the changes of each block added while it is in the cache (status 6, nothing done, when
+ * the two overlap other than exactly). Little-endian hosts only.
+ */
+static int remainder_ok(Py_ssize_t rem_len, const uint8_t *rem, int64_t count, int k) {
+    const int64_t bits = count * k;
+    if (rem_len != (Py_ssize_t)((bits + 7) / 8))
+        return 0;
+    const int pad = (int)((8 - bits % 8) % 8);
+    return !(pad && (rem[rem_len - 1] & ((1 << pad) - 1)));
+}
+
+#define UNGROUP_BLOCK (16 << 10)
+
+static int ungroup_apply(uint8_t *out, const uint8_t *base, Py_ssize_t n, int width, const int64_t *where,
+                         Py_ssize_t count, const uint8_t *signs, const int64_t *big_at, Py_ssize_t big,
+                         const uint8_t *planes) {
+    const Py_ssize_t total = n * width;
+    Py_ssize_t copied = base ? 0 : total, i = 0, j = 0;
+    while (i < count || copied < total) {
+        if (copied < total) {
+            const Py_ssize_t len = total - copied < UNGROUP_BLOCK ? total - copied : UNGROUP_BLOCK;
+            memcpy(out + copied, base + copied, (size_t)len);
+            copied += len;
+        }
+        const Py_ssize_t limit = copied / width; /* elements now in out (all of them in place) */
+        for (; i < count && where[i] < limit; i++) {
+            uint64_t mag = 1;
+            if (j < big && big_at[j] == i) {
+                uint64_t v = 0;
+                for (int m = width - 1; m >= 0; m--)
+                    v = (v << 8) | planes[(Py_ssize_t)m * big + j];
+                mag = v + 2;
+                j++;
+            }
+            const uint64_t d = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? (uint64_t)0 - mag : mag;
+            uint8_t *p = out + where[i] * width;
+            switch (width) {
+            case 1: *p = (uint8_t)(*p + (uint8_t)d); break;
+            case 2: { uint16_t x; memcpy(&x, p, 2); x = (uint16_t)(x + (uint16_t)d); memcpy(p, &x, 2); break; }
+            case 4: { uint32_t x; memcpy(&x, p, 4); x += (uint32_t)d; memcpy(p, &x, 4); break; }
+            default: { uint64_t x; memcpy(&x, p, 8); x += d; memcpy(p, &x, 8); break; }
+            }
+        }
+        if (copied >= total && i < count)
+            return 1; /* cannot happen: every position was checked below space = n */
+    }
+    return OK;
+}
+
+static PyObject *ungroup(PyObject *self, PyObject *args) {
+    Py_buffer out, un, rem, sg, bun, brem, pl, base = {0};
+    PyObject *base_obj;
+    int width, k, big_k;
+    long long space, count, big;
+    if (!PyArg_ParseTuple(args, "w*OiLLiLiy*y*y*y*y*y*", &out, &base_obj, &width, &space, &count, &k, &big, &big_k,
+                          &un, &rem, &sg, &bun, &brem, &pl))
+        return NULL;
+    int status = -1, have_base = 0;
+    int64_t *where = NULL, *big_at = NULL;
+    if (base_obj != Py_None) {
+        if (PyObject_GetBuffer(base_obj, &base, PyBUF_SIMPLE) < 0)
+            goto done;
+        have_base = 1;
+    }
+    if (width != 1 && width != 2 && width != 4 && width != 8) {
+        PyErr_SetString(PyExc_ValueError, "ungroup: width must be 1, 2, 4 or 8");
+        goto done;
+    }
+    if (out.len % width || space != out.len / width || (have_base && base.len != out.len)) {
+        PyErr_SetString(PyExc_ValueError, "ungroup: out and base must hold space elements of width bytes");
+        goto done;
+    }
+    if (have_base && base.buf == out.buf)
+        have_base = 2; /* the same bytes through another object: in place */
+    else if (have_base && (const uint8_t *)base.buf < (const uint8_t *)out.buf + out.len
+             && (const uint8_t *)out.buf < (const uint8_t *)base.buf + base.len) {
+        status = 6; /* overlapping otherwise: the Python path copies as numpy does */
+        goto done;
+    }
+    status = 5; /* any stream of the wrong shape: the Python path names it */
+    if (count < 1 || count > space || k < 0 || k > 32 || big < 0 || big > count || big_k < 0 || big_k > 32
+        || space + 1 > (1LL << 62) || ((count + 1) << k) >= (1LL << 62) || (big << big_k) >= (1LL << 62)
+        || sg.len != (Py_ssize_t)((count + 7) / 8) || pl.len != (Py_ssize_t)(big * width))
+        goto done;
+    if (!remainder_ok(rem.len, (const uint8_t *)rem.buf, count + 1, k))
+        goto done;
+    if ((count % 8) && (((const uint8_t *)sg.buf)[sg.len - 1] & ((1 << (8 - count % 8)) - 1)))
+        goto done;
+    if (big ? !remainder_ok(brem.len, (const uint8_t *)brem.buf, big, big_k) : (bun.len || brem.len))
+        goto done;
+    where = PyMem_RawMalloc((size_t)(count + 1) * 8);
+    big_at = PyMem_RawMalloc((size_t)(big ? big : 1) * 8);
+    if (!where || !big_at) {
+        PyErr_NoMemory();
+        status = -1;
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    status = decode_positions((const uint8_t *)un.buf, un.len, (const uint8_t *)rem.buf, rem.len, count + 1, k,
+                              space + 1, where);
+    if (status == OK && where[count] != space)
+        status = OUT_OF_RANGE;
+    if (status == OK && big)
+        status = decode_positions((const uint8_t *)bun.buf, bun.len, (const uint8_t *)brem.buf, brem.len, big,
+                                  big_k, count, big_at);
+    if (status == OK)
+        status = ungroup_apply((uint8_t *)out.buf, have_base == 1 ? (const uint8_t *)base.buf : NULL, space, width,
+                               where, count, (const uint8_t *)sg.buf, big_at, big, (const uint8_t *)pl.buf);
+    Py_END_ALLOW_THREADS
+done:
+    PyMem_RawFree(where);
+    PyMem_RawFree(big_at);
+    if (have_base)
+        PyBuffer_Release(&base);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&un);
+    PyBuffer_Release(&rem);
+    PyBuffer_Release(&sg);
+    PyBuffer_Release(&bun);
+    PyBuffer_Release(&brem);
+    PyBuffer_Release(&pl);
+    if (status < 0)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
 /* dense(planes, width, base, out) -> None
  *
  * The dense codec's inverse in one pass: element i's zigzag code t is read from the width byte planes (plane j
@@ -1706,6 +1843,9 @@ static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "encode(gaps, k, unary_out, remainder_out) -> None"},
     {"apply", apply, METH_VARARGS, "apply(out, width, where, signs, big_at, big_values) -> status"},
     {"dense", dense, METH_VARARGS, "dense(planes, width, base, out) -> None"},
+    {"ungroup", ungroup, METH_VARARGS,
+     "ungroup(out, base, width, space, count, k, big, big_k, unary, remainder, signs, big_unary, big_remainder, "
+     "planes) -> status"},
     {"codes", codes, METH_VARARGS, "codes(new, base, width, planes_out) -> changed"},
     {"changes", changes, METH_VARARGS,
      "changes(new, base, width, idx_out, new_out, base_out, simd=2) -> count (simd: the most vector level to use)"},

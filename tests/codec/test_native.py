@@ -208,6 +208,102 @@ def test_compiled_apply_refuses_what_the_decoder_would_never_pass() -> None:
     assert out.view("<u2").tolist() == [3, 0, 0, 0, 0, 0, 0, 0xFFFF]
 
 
+def _one_class(width: int, seed: int) -> tuple[np.ndarray, np.ndarray, codec.Encoded]:
+    """A sparse chunk of one class (level 3: no split) with large differences, and its encoding."""
+    rng = np.random.default_rng(seed)
+    dtype = streams.UINT[width]
+    base = rng.integers(0, 1 << (8 * width - 1), 5000, dtype=np.uint64).astype(dtype)
+    new = base.copy()
+    at = np.flatnonzero(rng.random(base.size) < 0.03)
+    new[at] = (base[at].astype(np.int64) + rng.choice(np.array([1, -1, 7, -300]), at.size)).astype(dtype)
+    enc = codec.encode(new.view(np.uint8), base.view(np.uint8), width, level=3)
+    assert enc.codec["name"] == "sparse" and enc.codec["split"] == 0
+    return base.view(np.uint8), new.view(np.uint8), enc
+
+
+@built
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_one_class_chunks_decode_in_one_compiled_call(width: int) -> None:
+    """The usual sparse chunk (no split) takes native.ungroup, into a separate out and in place; a payload the
+    compiled checks refuse returns None with out untouched (the numpy path then names the problem)."""
+    from deltafs.codec.codecs import Sparse
+    from deltafs.codec.registry import from_json
+
+    base, new, enc = _one_class(width, seed=width)
+    rec = from_json(enc.codec)
+    assert isinstance(rec, Sparse)
+    c = native.module
+    body = streams.unseal(enc.payload, "test")
+    n = base.size // width
+    out = np.zeros_like(base)
+    assert rec._decode_compiled(c, body, base, n, out) is out
+    assert out.tobytes() == new.tobytes()
+    inplace = base.copy()
+    assert rec._decode_compiled(c, body, inplace, n, inplace) is inplace
+    assert inplace.tobytes() == new.tobytes()
+    # Out overlapping base other than exactly: refused (status 6), nothing written; decode() then copies as numpy.
+    room = np.concatenate([base, np.zeros(width, np.uint8)])
+    shifted = room[width:]
+    assert rec._decode_compiled(c, body, room[:base.size], n, shifted) is None
+    assert not shifted[-width:].any()
+    # A position gap's end bit cleared: one gap fewer than the record lists, refused before anything is written.
+    assert rec.frames[0] == rec.groups[0].unary  # the gap stream is stored raw
+    damaged = bytearray(body)
+    assert damaged[0]  # holds the end of at least one gap
+    damaged[0] = 0
+    untouched = base.copy()
+    assert rec._decode_compiled(c, memoryview(damaged), untouched, n, untouched) is None
+    assert untouched.tobytes() == base.tobytes()
+
+
+@built
+def test_compiled_ungroup_refuses_streams_of_the_wrong_shape() -> None:
+    """Each shape check of native.ungroup: a non-zero status and out untouched."""
+    c = native.module
+    assert c is not None
+    base, new, enc = _one_class(2, seed=7)
+    from deltafs.codec.codecs import Sparse
+    from deltafs.codec.registry import from_json
+
+    rec = from_json(enc.codec)
+    assert isinstance(rec, Sparse)
+    g = rec.groups[0]
+    body = bytes(streams.unseal(enc.payload, "test"))
+    sizes = g.stream_sizes(2)
+    parts, pos = [], 0
+    for j, plain in enumerate(sizes):
+        stored = rec.frames[j]
+        piece = body[pos:pos + stored]
+        parts.append(piece if stored == plain else streams.decompress(piece, plain, "t").tobytes())
+        pos += stored
+    planes = b"".join(parts[5:])
+    n = base.size // 2
+
+    def run(*args: Any) -> int:
+        out = base.copy()
+        status = c.ungroup(out, None, *args)
+        if status:
+            assert out.tobytes() == base.tobytes()
+        else:
+            assert out.tobytes() == new.tobytes()
+        return int(status)
+
+    good = (2, n, g.count, g.rice, g.big, g.big_rice, *parts[:5], planes)
+    assert run(*good) == 0
+    assert run(2, n, g.count, g.rice, g.big, g.big_rice, *parts[:5], planes[:-1]) != 0  # planes short
+    assert run(2, n, g.count, g.rice, g.big, g.big_rice, parts[0], parts[1][:-1], *parts[2:5], planes) != 0
+    signs = bytearray(parts[2])
+    if g.count % 8:
+        signs[-1] |= 1  # padding bit set
+        assert run(2, n, g.count, g.rice, g.big, g.big_rice, parts[0], parts[1], bytes(signs), *parts[3:5],
+                   planes) != 0
+    assert run(2, n, g.count, g.rice, g.count + 1, g.big_rice, *parts[:5], planes) != 0  # big > count
+    with pytest.raises(ValueError, match="space elements"):  # the caller's sizes disagree: a bug, not a payload
+        c.ungroup(base.copy(), None, 2, n + 1, g.count, g.rice, g.big, g.big_rice, *parts[:5], planes)
+    with pytest.raises(ValueError, match="width"):
+        c.ungroup(base.copy(), None, 3, n, g.count, g.rice, g.big, g.big_rice, *parts[:5], planes)
+
+
 @built
 @settings(max_examples=150, deadline=None)
 @given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1),
