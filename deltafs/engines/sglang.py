@@ -192,7 +192,11 @@ class SGLangEngine(HttpEngine):
         total = 0
         for entry in loads:
             if isinstance(entry, dict):
-                total += int(entry.get("num_running_reqs", 0)) + int(entry.get("num_waiting_reqs", 0))
+                for key in ("num_running_reqs", "num_waiting_reqs"):
+                    count = entry.get(key, 0)
+                    if type(count) is not int or count < 0:  # a load that cannot be read is never "idle"
+                        raise EngineError(f"GET {LOADS_ROUTE} answered {key} {short(repr(count))}, not a count")
+                    total += count
         return total
 
     def loaded_checksum(self) -> str | None:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 
@@ -18,6 +19,9 @@ from deltafs.errors import EngineError, FormatError
 from deltafs.read.dest import LocalCheckpoint
 
 log = logging.getLogger("deltafs.engines")
+
+# An engine's loaded-weight checksum longer than this is kept as the sha256 of its text (see loaded_checksum).
+CHECKSUM_MAX_CHARS = 1024
 
 
 def switch_engine(engine: Engine, target: Target, previous: Target | None) -> SwitchResult:
@@ -75,7 +79,12 @@ def loaded_checksum(engine: Engine) -> str | None:
     except EngineError as exc:
         log.warning("cannot read the loaded-weight checksum: %s", exc)
         return None
-    return str(value) if value else None
+    text = str(value) if value else None
+    if text is not None and len(text) > CHECKSUM_MAX_CHARS:
+        # The ledger keeps it and rewrites it at every heartbeat: an engine answering megabytes must not make the
+        # host's fleet record unreadable (its size limit) or grow the store. The digest compares alike.
+        text = "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return text
 
 
 def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) -> Target | None:

@@ -273,6 +273,7 @@ class ModuleApplier:
             # name (an empty or wrong-rank state dict pushed by mistake).
             raise EngineError(f"version {man.version} holds none of the module's tensors")
         _check_tied(todo, man.version)
+        _check_overlaps(todo)
         known, module_sums = self._module_matches(todo)
         repaired = tuple(sorted(n for n, ok in known.items() if ok is False))
         for name in repaired:
@@ -596,6 +597,59 @@ def _check_tied(todo: list[tuple[FileEntry, Segment, torch.Tensor]], version: in
         if first.digest != seg.digest:
             raise EngineError(f"tensors {first.tensor_name} and {seg.tensor_name} are one tensor in the module "
                               f"(tied) but differ in version {version}")
+
+
+# Overlapping views up to this many elements each are compared element by element; larger ones are refused as soon
+# as their byte ranges intersect (a layout no inference module we know uses).
+_OVERLAP_EXACT_UP_TO = 1 << 22
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] that tensor t's elements occupy (strides are never negative)."""
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _element_bytes(t: torch.Tensor) -> np.ndarray:
+    """The first byte of every element of t (absolute addresses, sorted)."""
+    offsets = np.zeros(1, np.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).reshape(-1)
+    return np.sort(offsets * t.element_size() + t.data_ptr())
+
+
+def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte spans intersect share a byte (interleaved views such as a[:, ::2] and
+    a[:, 1::2] do not)."""
+    if max(a.numel(), b.numel()) > _OVERLAP_EXACT_UP_TO:
+        return True
+    ea, eb = _element_bytes(a), _element_bytes(b)
+    # Element x of b overlaps the element of a that starts at or before it and ends after it, or the next one
+    # of a starts before x's end.
+    at = np.searchsorted(ea, eb, side="right")
+    before = at > 0
+    if np.any(ea[at[before] - 1] + a.element_size() > eb[before]):
+        return True
+    after = at < ea.size
+    return bool(np.any(ea[at[after]] < eb[after] + b.element_size()))
+
+
+def _check_overlaps(todo: list[tuple[FileEntry, Segment, torch.Tensor]]) -> None:
+    """Names that share only part of their memory (overlapping views, not one tied tensor) cannot both get their
+    version's bytes: an in-place write of one changes the other after it was checked. Refused before the pause."""
+    spans = sorted(((t.device.type, t.device.index, *_byte_span(t)), str(seg.tensor_name or seg.key), t)
+                   for _, seg, t in todo if t.numel())
+    open_: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
+    for item in spans:
+        (kind, index, start, _end), name, t = item
+        open_ = [o for o in open_ if o[0][:2] == (kind, index) and o[0][3] > start]
+        for (_, _, o_start, o_end), o_name, o in open_:
+            tied = (o_start, o_end) == _byte_span(t) and o.shape == t.shape and o.stride() == t.stride()
+            if not tied and _elements_overlap(o, t):
+                raise EngineError(f"tensors {o_name} and {name} share part of their memory in the module (overlapping "
+                                  "views, not one tied tensor): applying a version in place cannot give both their "
+                                  "bytes; make them one tied parameter, or separate tensors")
+        open_.append(item)
 
 
 def _check_compatible(name: str, target: torch.Tensor, seg: Segment) -> None:

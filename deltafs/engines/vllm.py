@@ -147,13 +147,19 @@ class VLLMEngine(HttpEngine):
         return None if version is None else str(version)
 
     def busy_requests(self) -> int | None:
-        """Running plus waiting requests over all engines, from the Prometheus gauges at GET /metrics."""
-        try:
-            text = self._call("GET", METRICS_ROUTE, None, self.timeout, text=True)
-        except EngineError as exc:
-            log.debug("cannot read the load of %s: %s", self.url, exc)
+        """Running plus waiting requests over all engines, from the Prometheus gauges at GET /metrics.
+
+        None when the server has no such gauges (no /metrics route, or neither gauge in it): no notion of load.
+        Raises EngineError when the load cannot be read (an unreachable server, an error answer): an error is
+        never "idle", so an idle boundary keeps waiting instead of switching under running requests.
+        """
+        resp = self._send("GET", METRICS_ROUTE, None, self.timeout)
+        if resp.status_code == 404:
             return None
-        return busy_from_metrics(text)
+        if not 200 <= resp.status_code < 300:
+            raise EngineError(f"GET {METRICS_ROUTE} answered HTTP {resp.status_code}: "
+                              f"{short(error_detail(resp, 'error', 'detail', 'message'))}")
+        return busy_from_metrics(resp.text)
 
     # --- the switch ------------------------------------------------------------------------
     def _pause(self) -> None:

@@ -125,3 +125,38 @@ def test_pause_mode_is_sent(server, ckpts, mode):
     v1, _, v2, _ = ckpts
     SGLangEngine(server.url, pause_mode=mode).switch(v2, v1)
     assert [e.detail["mode"] for e in server.events if e.what == "pause"][-1] == mode
+
+
+@pytest.mark.parametrize("bad", [None, "abc", -1, 1.5, True])
+def test_a_load_that_is_not_a_count_is_an_engine_error_not_idle(ckpts, monkeypatch, bad):
+    """A /v1/loads entry whose count is null, text, negative or fractional: EngineError (the idle boundary keeps
+    waiting), not a TypeError that ends the watcher."""
+    with StandinSGLang(ckpts[0].path) as srv:
+        real = srv.loads
+
+        def damaged() -> dict:
+            out = real()
+            out["loads"][0]["num_waiting_reqs"] = bad
+            return out
+
+        monkeypatch.setattr(srv, "loads", damaged)
+        with pytest.raises(EngineError, match="num_waiting_reqs .* not a count"):
+            SGLangEngine(srv.url).busy_requests()
+
+
+def test_a_huge_loaded_weight_checksum_is_kept_as_its_digest():
+    """The ledger rewrites the engine's checksum at every heartbeat: megabytes of it are kept as a sha256."""
+    from deltafs.engines.switch import CHECKSUM_MAX_CHARS, loaded_checksum
+
+    class Engine:
+        def __init__(self, value: object) -> None:
+            self.value = value
+
+        def loaded_checksum(self) -> object:
+            return self.value
+
+    assert loaded_checksum(Engine("ab" * 10)) == "ab" * 10
+    huge = "f" * (CHECKSUM_MAX_CHARS + 1)
+    kept = loaded_checksum(Engine(huge))
+    assert kept is not None and kept.startswith("sha256:") and len(kept) == 71
+    assert kept == loaded_checksum(Engine(huge)) != loaded_checksum(Engine(huge[:-1] + "e"))

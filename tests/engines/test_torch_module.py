@@ -354,6 +354,42 @@ def test_tied_tensors_with_different_bytes_are_refused_before_the_pause(publish)
 
 
 @pytest.mark.parametrize("spare", [False, True])
+def test_partly_overlapping_views_are_refused_before_the_pause(publish, spare):
+    """b is a view of a[8:16]: one write changes the other, so no apply can give both their bytes. A switch to a
+    version where they disagree (a[9] 100, b[1] 200) used to report success with a[9] wrong; every switch into such
+    a module is refused at staging, and the module is untouched."""
+    v1 = {"a": torch.arange(24.0), "b": torch.arange(8.0, 16.0)}
+    v2 = {"a": v1["a"].clone(), "b": v1["b"].clone()}
+    v2["a"][9] = 100.0
+    v2["b"][1] = 200.0
+    p1, p2 = publish(v1), publish(v2)
+    module = torch.nn.Module()
+    module.register_buffer("a", torch.zeros(24))
+    module.register_buffer("b", module.a[8:16])
+    engine = TorchModuleEngine(module, spare=spare)
+    for target, previous in ((Target(p1, "1"), None), (Target(p2, "2"), Target(p1, "1"))):
+        with pytest.raises(SwitchError, match="tensors a and b share part of their memory"):
+            engine.switch(target, previous)
+        assert not module.a.any() and engine.served_version() is None
+
+
+def test_interleaved_views_of_one_buffer_are_not_overlaps(publish):
+    """Column halves of one matrix (w[:, :4], w[:, 4:]) interleave in memory but share no element: applied."""
+    w = torch.arange(32.0).reshape(4, 8)
+    v1 = {"left": w[:, :4].clone(), "right": w[:, 4:].clone()}
+    v2 = {"left": v1["left"] + 1, "right": v1["right"] - 1}
+    p1, p2 = publish(v1), publish(v2)
+    module = torch.nn.Module()
+    storage = w.clone()
+    module.register_buffer("left", storage[:, :4])
+    module.register_buffer("right", storage[:, 4:])
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(p1, "1"), None)
+    engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert torch.equal(storage, torch.cat([v2["left"], v2["right"]], dim=1))
+
+
+@pytest.mark.parametrize("spare", [False, True])
 def test_engine_stays_exact_over_a_run_of_versions(publish, spare):
     versions = [mixed_tensors(1)]
     for step, fraction in enumerate((0.02, 0.0, 0.3, 0.9, 0.005)):

@@ -213,6 +213,17 @@ def test_busy_requests_sums_vllms_scheduler_gauges(server):
     server.running, server.waiting = 2, 3
     assert engine.busy_requests() == 5  # waiting_by_reason is a different metric
     server.stop()
+    with pytest.raises(EngineError, match="cannot reach vLLM"):  # an error is never "idle"
+        engine.busy_requests()
+
+
+def test_busy_requests_that_cannot_be_read_raise_and_missing_gauges_mean_no_load(server, monkeypatch):
+    """/metrics answering an error is not idle (the idle boundary waits); no gauges at all is no notion of load."""
+    engine = VLLMEngine(server.url)
+    monkeypatch.setattr(server, "metrics_text", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(EngineError, match="GET /metrics answered HTTP 500"):
+        engine.busy_requests()
+    monkeypatch.setattr(server, "metrics_text", lambda: "# HELP other\nother_metric 1\n")
     assert engine.busy_requests() is None
 
 
