@@ -10,6 +10,7 @@ after a failure) stays in the adapter module.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -74,8 +75,21 @@ class HttpEngine:
         url = self.url + route
         sender = self._requests if fresh else self._session
         try:
-            return sender.request(method, url, json=body, params=params, headers=headers,
-                                  timeout=(self.timeout, timeout))
+            if timeout is None:
+                return sender.request(method, url, json=body, params=params, headers=headers,
+                                      timeout=(self.timeout, None))
+            # requests' read timeout bounds each wait for a byte, not the answer: a server that sends one byte
+            # every few seconds would hold the switch (and a paused engine) forever. The whole exchange gets
+            # connect + read timeout; past it the request is left to finish in its thread, on its own session.
+            limit = self.timeout + timeout
+            done, answer = _within(limit, sender.request, method, url, json=body, params=params, headers=headers,
+                                   timeout=(self.timeout, timeout))
+            if not done:
+                if sender is self._session:
+                    self._session = self._requests.Session()
+                    self._session.headers.update(sender.headers)
+                raise EngineError(f"{method} {url} gave no complete answer within {limit:g}s")
+            return answer
         except self._requests.Timeout:
             raise EngineError(f"{method} {url} timed out after {timeout:g}s") from None
         except self._requests.ConnectionError as exc:
@@ -163,6 +177,27 @@ class HttpEngine:
                               rolled_back=state.rolled_back, previous=previous,
                               serving=target if state.loaded else None)
         return SwitchResult(version=target.version, pause_seconds=pause_seconds, load_seconds=state.load_seconds)
+
+
+def _within(limit: float, fn: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+    """(True, fn(*args, **kwargs)) if it returns within limit seconds (its exception is raised here), else
+    (False, None) with the call left running in its daemon thread."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="deltafs-http", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return False, None
+    if "error" in box:
+        raise box["error"]
+    return True, box["value"]
 
 
 def short(exc: BaseException | str) -> str:

@@ -104,3 +104,51 @@ def test_reload_engine_is_idempotent(kit, server, ckpts):
     assert server.count(kit.load_event) == loads + 1
     assert same_weights(server.state_dict(), w2)
     assert reload_engine("none", None, v2.path, 2) is None
+
+
+@pytest.mark.parametrize("adapter", [SGLangEngine, VLLMEngine])
+def test_an_answer_dripped_byte_by_byte_times_out_as_a_whole(adapter):
+    """A server that sends its answer one byte at a time, each well within the read timeout, never finished: a
+    switch polling it held the engine paused forever. The whole request is bounded by connect + read timeout, and
+    the next request is answered (on a fresh session)."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = json.dumps({"weight_version": "7", "model_path": "/m"}).encode()
+    drip = threading.Event()
+    drip.set()
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for byte in body:
+                if drip.is_set():
+                    if stop.wait(0.2):
+                        return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        engine = adapter(f"http://127.0.0.1:{httpd.server_address[1]}", timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=r"gave no complete answer within 1s"):
+            engine.served_version()
+        assert time.monotonic() - started < 3  # the drip alone would take ~9 s
+        drip.clear()
+        assert engine.served_version() == "7"
+    finally:
+        stop.set()
+        httpd.shutdown()
+        httpd.server_close()
