@@ -186,8 +186,10 @@ def pull_cmd(
         # Before anything is pulled: a misspelled engine or a missing extra must not leave DEST updated
         # and the engine behind.
         from deltafs.engines import make_engine
+        from deltafs.watch.signals import install_finish_switch_first
 
         make_engine(engine, engine_url)
+        install_finish_switch_first()  # SIGTERM (timeout, systemd) lets a running switch finish: never left paused
     try:
         res = pull(store, dest, version=version, storage_options=parse_storage_options(storage_options), force=force,
                    progress=out.progress, wait_lock=not once, threads=threads, verify_files=full_check,

@@ -101,6 +101,9 @@ def watch_cmd(
                      host_id=host_id, ledger=not no_ledger, poll=poll, retry_max=retry_max, engine_group=engine_group,
                      engine_hosts=engine_hosts, group_timeout=group_timeout, recycle=not no_recycle)
     if once:
+        from deltafs.watch.signals import install_finish_switch_first
+
+        install_finish_switch_first()  # SIGTERM (timeout, systemd) lets a running switch finish: never left paused
         try:
             sub.start()
             sub.sync()

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from importlib import import_module, metadata
 from typing import Any
 
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, SwitchResult, Target
+from deltafs.engines.inflight import SwitchRecord
 from deltafs.engines.switch import current_target, switch_engine
 from deltafs.engines.versions import find_version_dir, weight_version
 from deltafs.errors import UsageError
@@ -123,14 +125,17 @@ def reload_engine(kind: str, url: str | None, path: str | None = None, version: 
     from deltafs.read.dest import LocalCheckpoint
 
     # One switch per DEST at a time: a cron run still waiting for a slow load must not be joined by the
-    # next run's update (SGLang cannot take two at once).
+    # next run's update (SGLang cannot take two at once). A switch killed mid-load (a watcher's or a cron run's)
+    # left its record: its load may still run, so nothing is resumed or sent before it ends.
     with LocalCheckpoint(dest).lock(wait=False, name="engine.lock"):
-        return _reload(engine, url, path, version, dest, previous_path, previous_version)
+        record = SwitchRecord(dest)
+        record.wait_for_killed(engine)
+        return _reload(engine, url, path, version, dest, previous_path, previous_version, record)
 
 
 def _reload(engine: Engine, url: str | None, path: str, version: int, dest: str | None, previous_path: str | None,
-            previous_version: int | None) -> SwitchResult | None:
-    engine.resume()  # a cron run killed mid-switch may have left it paused
+            previous_version: int | None, record: SwitchRecord | None = None) -> SwitchResult | None:
+    engine.resume()  # a run killed mid-switch may have left it paused
     wanted = weight_version(version)
     if engine.served_version() == wanted:
         return None
@@ -141,6 +146,8 @@ def _reload(engine: Engine, url: str | None, path: str, version: int, dest: str 
     previous = served
     if previous_path is not None and previous_version is not None:
         previous = Target(previous_path, weight_version(previous_version))
-    result = switch_engine(engine, Target(path, wanted), previous)
+    target = Target(path, wanted)
+    with record.around(engine, target) if record is not None else contextlib.nullcontext():
+        result = switch_engine(engine, target, previous)
     log.info("engine %s now serves version %s (paused %.3fs)", url, wanted, result.pause_seconds)
     return result

@@ -9,10 +9,13 @@ lock once the main thread lets go of it.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from deltafs.engines import inflight
 
 
 def handler(work: Callable[[], object], name: str = "deltafs-signal") -> Callable[[int, Any], None]:
@@ -22,3 +25,27 @@ def handler(work: Callable[[], object], name: str = "deltafs-signal") -> Callabl
         threading.Thread(target=work, name=f"{name}-{signal.Signals(signum).name}", daemon=True).start()
 
     return run
+
+
+_deferred = False  # finish_switch_first let one signal pass during a switch
+
+
+def finish_switch_first(signum: int, frame: Any) -> None:
+    """SIGTERM / SIGINT handler for one-shot commands (`watch --once`, `pull --engine`): end the command at once
+    (KeyboardInterrupt: exit 130, a pull's staging is crash-safe) unless an engine switch runs in this process,
+    which is let finish, since the engine would be left paused or mid-load. A second signal during the same switch
+    interrupts it all the same (its own cleanup still resumes the engine)."""
+    global _deferred
+    if inflight.in_switch() and not _deferred:
+        _deferred = True
+        # No logging here: a handler runs between two bytecodes and must not wait for a lock (see above).
+        os.write(2, f"deltafs: {signal.Signals(signum).name} during an engine switch: finishing the switch first "
+                    "(send it again to interrupt)\n".encode())
+        return
+    raise KeyboardInterrupt
+
+
+def install_finish_switch_first() -> None:
+    """finish_switch_first for SIGTERM and SIGINT (in the main thread)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, finish_switch_first)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ from deltafs import metrics
 from deltafs.defaults import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 from deltafs.engines import weight_version
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, Target
+from deltafs.engines.inflight import SwitchRecord
 from deltafs.engines.switch import current_target, loaded_checksum, switch_engine
 from deltafs.errors import (
     DeltafsError,
@@ -43,7 +43,7 @@ from deltafs.errors import (
     exit_code,
     short_problem,
 )
-from deltafs.read.dest import LocalCheckpoint, atomic_write
+from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.pull import PullResult, pull
 from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
@@ -176,7 +176,7 @@ class Subscriber:
     def start(self) -> None:
         """Find out what the engine serves, un-pause it if a killed watcher left it paused."""
         if self.engine is not None:
-            self._wait_for_killed_switch()
+            SwitchRecord(self.dest).wait_for_killed(self.engine, self.stop_event)
             try:
                 self._resume_unless_switching()
             except LockHeldError:
@@ -190,50 +190,6 @@ class Subscriber:
                 self.served = Target(state.path, weight_version(state.version))
         self.status.served_version = int(self.served.version) if self.served else None
         self._set_state("serving" if self.served else "starting")
-
-    @property
-    def _switch_record(self) -> str:
-        """DEST.deltafs/engine-switch.json: the version a switch asked the engine to load, while it runs."""
-        return os.path.join(LocalCheckpoint(self.dest).sidecar, "engine-switch.json")
-
-    def _record_switch(self, target: Target) -> None:
-        """Leave the switch record for a watcher started after this one is killed mid-load (best effort: a DEST disk
-        full to the last byte still switches). Only for an engine in another process, whose load outlives ours."""
-        if getattr(self.engine, "url", None) is None:
-            return
-        load = float(getattr(self.engine, "load_timeout", 0) or 0)
-        record = {"version": target.version, "path": target.path, "pid": os.getpid(), "deadline": time.time() + load + 60}
-        try:
-            atomic_write(self._switch_record, json.dumps(record).encode())
-        except OSError as exc:
-            log.warning("cannot record the switch in %s: %s", self._switch_record, exc)
-
-    def _wait_for_killed_switch(self) -> None:
-        """A watcher killed while the engine loaded (a unit file restarts it in seconds; a load may take minutes)
-        left its switch record: until the engine reports that version, or the load's time is up, the load may
-        still run, and a resume or a second update now would reach SGLang mid-load. Wait for it first."""
-        assert self.engine is not None
-        try:
-            with open(self._switch_record, "rb") as fh:
-                record = json.loads(fh.read(4096))
-            version, deadline = str(record["version"]), float(record["deadline"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return
-        if time.time() < deadline:
-            log.warning("a switch to version %s by a watcher that stopped may still be loading; waiting for the "
-                        "engine to report it (up to %.0fs)", version, deadline - time.time())
-        while time.time() < deadline and not self.stop_event.is_set():
-            try:
-                if self.engine.served_version() == version:
-                    break
-            except EngineError:
-                break  # not reachable: no load of ours is running there
-            self.stop_event.wait(1.0)
-        self._clear_switch_record()
-
-    def _clear_switch_record(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self._switch_record)
 
     def _resume_unless_switching(self) -> None:
         """Un-pause the engine (a killed watcher may have left it paused), but not while another process switches
@@ -344,12 +300,9 @@ class Subscriber:
             try:
                 # One switch per DEST's engine at a time, as reload_engine (cron mode) takes it: SGLang cannot take
                 # two updates at once, and the other's resume would end this one's pause mid-load.
-                with LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"):
-                    self._record_switch(target)
-                    try:
-                        result = switch_engine(self.engine, target, previous)
-                    finally:
-                        self._clear_switch_record()
+                with (LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"),
+                      SwitchRecord(self.dest).around(self.engine, target)):
+                    result = switch_engine(self.engine, target, previous)
             except NeedsRestartError as exc:
                 self.status.needs_restart = {"version": staged.version, "reason": exc.reason}
                 self._set_state("needs-restart")

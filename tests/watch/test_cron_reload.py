@@ -67,3 +67,74 @@ def test_pull_once_repairs_an_engine_left_on_the_old_version(trainer, tmp_path, 
     assert repaired.returncode == 0, repaired.stderr
     assert engine_server.weight_version == "2"
     assert pull_once(trainer.store, dest, engine_server.url).returncode == 100
+
+
+def test_a_cron_run_after_a_killed_watchers_switch_waits_for_that_load(trainer, tmp_path, engine_server):
+    """A watcher killed mid-load left DEST.deltafs/engine-switch.json; a cron `pull --engine` took the freed
+    engine.lock, resumed the engine mid-load and sent a second update, which crashes SGLang (adversarial pass).
+    reload_engine now waits for the recorded load like a restarted watcher: no resume, no update until the engine
+    reports that version."""
+    import json
+    import os
+    import threading
+    import time
+
+    from deltafs.read.pull import pull
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    pull(trainer.store, dest)
+    reload_engine("sglang", engine_server.url, dest=dest)
+    trainer.push()
+    staged = pull(trainer.store, dest)
+    record = os.path.join(dest + ".deltafs", "engine-switch.json")
+    with open(record, "w") as fh:
+        json.dump({"version": "2", "path": staged.path, "pid": 1, "deadline": time.time() + 20}, fh)
+    engine_server.paused = True  # the killed watcher's pause; its load of version 2 still runs
+    updates, continues = engine_server.count("update"), engine_server.count("continue")
+    threading.Timer(1.5, lambda: setattr(engine_server, "weight_version", "2")).start()
+    t0 = time.monotonic()
+    assert reload_engine("sglang", engine_server.url, dest=dest) is None  # the killed watcher's load did it
+    assert time.monotonic() - t0 >= 1.0
+    assert engine_server.count("update") == updates and engine_server.count("continue") == continues + 1
+    assert not engine_server.paused and not os.path.exists(record)
+
+
+def test_sigterm_during_a_cron_switch_lets_it_finish(trainer, tmp_path, engine_server):
+    """`timeout` or systemd stopping `pull --once --engine` mid-load killed it with the engine paused (exit 143,
+    no continue_generation). The switch now finishes and resumes the engine; the run ends as usual."""
+    import os
+    import signal
+    import time
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    assert pull_once(trainer.store, dest, engine_server.url).returncode == 0
+    trainer.push()
+    engine_server.inject("slow", seconds=2.0)
+    proc = subprocess.Popen([sys.executable, "-c", MAIN, "pull", trainer.store, dest, "--once", "--engine", "sglang",
+                             "--engine-url", engine_server.url], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while engine_server.count("update") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "finishing the switch first" in err
+    assert engine_server.weight_version == "2" and not engine_server.paused
+    assert same_weights(engine_server.state_dict(), trainer.weights[2])
+    assert not os.path.exists(dest + ".deltafs/engine-switch.json")
+
+
+def test_a_signal_outside_a_switch_interrupts_and_a_second_one_inside_it_too():
+    from deltafs.engines import inflight
+    from deltafs.watch import signals
+
+    with pytest.raises(KeyboardInterrupt):
+        signals.finish_switch_first(15, None)
+    signals._deferred = False
+    with inflight.switching():
+        signals.finish_switch_first(15, None)  # let pass once
+        with pytest.raises(KeyboardInterrupt):
+            signals.finish_switch_first(15, None)
+    signals._deferred = False

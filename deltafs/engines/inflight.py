@@ -1,0 +1,105 @@
+"""A switch in flight: the record a switch leaves beside DEST, and the process's own "switching now" mark.
+
+An engine in another process (SGLang, vLLM) keeps loading when the deltafs process that asked for the load is
+killed. The switch therefore leaves DEST.deltafs/engine-switch.json while it runs (the version, the path and when
+the load's time is up); whoever switches that engine next, a restarted watcher or a cron `pull --engine`, waits for
+that load first (SwitchRecord.wait_for_killed), because a resume or a second update mid-load breaks the engine.
+
+switching() marks this process as inside a switch, so that signal handlers of one-shot commands can let it finish
+(a SIGTERM from `timeout` or systemd must not leave the engine paused): deltafs.watch.signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+from deltafs.engines.base import Engine, Target
+from deltafs.errors import EngineError
+from deltafs.read.dest import LocalCheckpoint, atomic_write
+
+log = logging.getLogger("deltafs.engines")
+
+RECORD_NAME = "engine-switch.json"
+_switches = 0  # switches running in this process (the watcher runs one at a time; a program may run several)
+_count_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def switching() -> Iterator[None]:
+    """Mark this process as switching an engine for the duration (see in_switch)."""
+    global _switches
+    with _count_lock:
+        _switches += 1
+    try:
+        yield
+    finally:
+        with _count_lock:
+            _switches -= 1
+
+
+def in_switch() -> bool:
+    """Whether a switch runs in this process now (read by signal handlers: no lock taken)."""
+    return _switches > 0
+
+
+class SwitchRecord:
+    """DEST.deltafs/engine-switch.json: the version a switch asked the engine to load, while it runs."""
+
+    def __init__(self, dest: str) -> None:
+        self.path = os.path.join(LocalCheckpoint(dest).sidecar, RECORD_NAME)
+
+    def write(self, engine: Engine, target: Target) -> None:
+        """Leave the record (best effort: a DEST disk full to the last byte still switches). Only for an engine in
+        another process (one with a url), whose load outlives ours."""
+        if getattr(engine, "url", None) is None:
+            return
+        load = float(getattr(engine, "load_timeout", 0) or 0)
+        record = {"version": target.version, "path": target.path, "pid": os.getpid(), "deadline": time.time() + load + 60}
+        try:
+            atomic_write(self.path, json.dumps(record).encode())
+        except OSError as exc:
+            log.warning("cannot record the switch in %s: %s", self.path, exc)
+
+    def clear(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    @contextlib.contextmanager
+    def around(self, engine: Engine, target: Target) -> Iterator[None]:
+        """The record for the duration of one switch, marked as switching() too."""
+        with switching():
+            self.write(engine, target)
+            try:
+                yield
+            finally:
+                self.clear()
+
+    def wait_for_killed(self, engine: Engine, stop: threading.Event | None = None) -> None:
+        """A switch whose process was killed mid-load left its record: until the engine reports that version, or
+        the load's time is up, the load may still run. Wait for it (or for stop), then drop the record."""
+        try:
+            with open(self.path, "rb") as fh:
+                record = json.loads(fh.read(4096))
+            version, deadline = str(record["version"]), float(record["deadline"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if time.time() < deadline:
+            log.warning("a switch to version %s by a deltafs process that stopped may still be loading; waiting for "
+                        "the engine to report it (up to %.0fs)", version, deadline - time.time())
+        while time.time() < deadline and not (stop is not None and stop.is_set()):
+            try:
+                if engine.served_version() == version:
+                    break
+            except EngineError:
+                break  # not reachable: no load of ours is running there
+            if stop is not None:
+                stop.wait(1.0)
+            else:
+                time.sleep(1.0)
+        self.clear()
