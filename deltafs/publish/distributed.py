@@ -26,13 +26,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Unpack
 
-from deltafs.errors import UsageError
+from deltafs.errors import SourceError, UsageError
 from deltafs.format.manifest import path_clash
 from deltafs.publish.device_diff import DeviceBaseline, baseline_push
 from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_bytes, make_shard, shard_file_name
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.publish.pipeline import DistributedPushError, RankWork, World, collective, run
-from deltafs.publish.source import Piece, memory_source
+from deltafs.publish.source import Piece, memory_source, safetensors_segments
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -96,16 +96,24 @@ def _broken(exc: RuntimeError) -> DistributedPushError:
 class _Owned:
     tensors: list[tuple[str, str, tuple[int, ...], int]]  # name, safetensors dtype, shape, bytes
     files: dict[str, tuple[str, int]]  # extra file path -> (sha256, size)
+    file_tensors: dict[str, list[str]]  # extra .safetensors file path -> the tensor names it holds
 
 
 def _describe(tensors: Mapping[str, Any], extra_files: Mapping[str, bytes]) -> _Owned:
     out = [(name, check_tensor(name, t), tuple(t.shape), t.numel() * t.element_size()) for name, t in tensors.items()]
     files = {}
+    file_tensors: dict[str, list[str]] = {}
     for path, data in extra_files.items():
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise UsageError(f"extra file {path} must be bytes")
         files[path] = (hashlib.sha256(data).hexdigest(), len(data))
-    return _Owned(out, files)
+        if isinstance(path, str) and path.endswith(".safetensors"):
+            try:
+                segs = safetensors_segments(path, bytes(data), len(data))
+            except SourceError:
+                continue  # the rank's own source check says what is wrong, on that rank
+            file_tensors[path] = [seg.key[2:] for seg in segs if seg.kind == "tensor"]
+    return _Owned(out, files, file_tensors)
 
 
 @dataclass
@@ -147,6 +155,12 @@ def _layout(owned: list[_Owned], world: int) -> _Layout:
                 file_writer[path], file_digest[path] = rank, sha
             elif file_digest[path] != sha:
                 problems.append(f"extra file {path} differs between ranks {file_writer[path]} and {rank}")
+    for path, rank in sorted(file_writer.items()):
+        for name in owned[rank].file_tensors.get(path, ()):
+            if name in owner:
+                problems.append(f"tensor {name} of extra file {path} (rank {rank}) is also pushed by rank {owner[name][0]}")
+            else:
+                owner[name] = (rank, "", ())
     nested = path_clash(set(file_writer) | set(shard_of.values()) | {INDEX_FILE})
     if nested is not None:
         problems.append(f"{nested[0]} would be both a file and the directory of {nested[1]}")

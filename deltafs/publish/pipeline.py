@@ -51,7 +51,8 @@ NO_LINK_FLAG = "no-link"  # in the cache root: this trainer rewrites files in pl
 
 
 class DistributedPushError(DeltafsError, RuntimeError):
-    """Another rank failed, so this version was not committed."""
+    """Another rank failed, so this version was not committed (or, if the group broke while the root committed,
+    the message says the outcome is not known here)."""
 
 
 class World(Protocol):
@@ -127,7 +128,20 @@ def from_root(world: World, what: str, fn: Callable[[], T]) -> T:
             if world.world == 1:
                 raise
             own, value = exc, _Failure(world.rank, type(exc).__name__, str(exc))
-    value = world.broadcast(value)
+    try:
+        value = world.broadcast(value)
+    except DistributedPushError as exc:
+        if what != "committing":
+            raise
+        # The root may have committed before the group broke: "not committed" would invite a second push of the
+        # same step. The root knows; the others can only point at the store.
+        cause = str(exc).removesuffix("; version not committed")
+        if world.is_root and own is None:
+            raise DistributedPushError(f"{cause}; this rank (the root) committed the version, but the other ranks "
+                                       "could not be told") from exc
+        raise DistributedPushError(f"{cause} while the root was committing: the version may have been committed "
+                                   "(`deltafs log` on the store says; do not push the step again before looking)"
+                                   ) from exc
     _raise_first([value], own, what)
     return value  # type: ignore[no-any-return]
 

@@ -146,6 +146,7 @@ def memory_source(files: Mapping[str, Sequence[tuple[int, Any]]]) -> list[Source
         else:
             out.append(SourceFile(rel, f"<memory>/{rel}", size, "blob", (SourceSegment(f"f:{rel}", "blob", 0, size),),
                                   pieces))
+    check_unique_tensors(out)  # an extra .safetensors file repeating a pushed tensor: before any chunk is written
     return out
 
 
@@ -199,6 +200,12 @@ def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequ
             files.append(scan_file(rel, full))
     if not files:
         raise SourceError(f"{src} holds no files to publish" + (" (after --include/--exclude)" if include or exclude else ""))
+    check_unique_tensors(files)
+    return files
+
+
+def check_unique_tensors(files: Sequence[SourceFile]) -> None:
+    """SourceError when two files hold a tensor of the same name (a version names each tensor once)."""
     seen: dict[str, str] = {}
     for f in files:
         for seg in f.segments:
@@ -206,7 +213,6 @@ def scan_source(src: str, *, include: Sequence[str] | None = None, exclude: Sequ
                 if seg.key in seen:
                     raise SourceError(f"tensor {seg.key[2:]} appears in both {seen[seg.key]} and {f.path}")
                 seen[seg.key] = f.path
-    return files
 
 
 def scan_file(rel: str, full: str) -> SourceFile:

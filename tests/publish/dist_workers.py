@@ -77,6 +77,7 @@ def _push(rank: int, world: int, args: dict[str, Any], **kw: Any) -> dict[str, A
     extra = {"config.json": CONFIG} if rank == 0 else {}
     if rank == world - 1:
         extra["tokenizer/tokenizer.json"] = b'{"v": 1}'
+    extra.update(kw.pop("extra_files", {}))
     res = push_distributed(args["store"], tensors, extra_files=extra, metadata={"step": step}, **kw)
     return {"result": res.to_json()}
 
@@ -94,6 +95,17 @@ def duplicate_owner(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
         # Claims rank 0's embedding too, with another shape.
         tensors["model.embed_tokens.weight"] = torch.zeros(95, 32, dtype=torch.bfloat16)
     return _push(rank, world, {**args, "step": 0}, tensors=tensors)
+
+
+def extra_file_repeats_a_tensor(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 adds an extra .safetensors file holding a tensor rank 0 pushes."""
+    from safetensors.torch import save
+
+    extra = {}
+    if rank == 1:
+        name = next(iter(owned(0, 0, world)))
+        extra = {"extra.safetensors": save({name: torch.zeros(3)})}
+    return _push(rank, world, {**args, "step": 0}, extra_files=extra)
 
 
 def fail_then_succeed(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +181,25 @@ def bad_file_on_one_rank(rank: int, world: int, args: dict[str, Any]) -> dict[st
         time.sleep(0.5 if rank == 1 else 0)
 
 
+def die_while_the_root_commits(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 is SIGKILLed when it waits for the root's commit: the root commits, then cannot tell everyone."""
+    if rank == 1:
+        from deltafs.publish import pipeline
+
+        real = pipeline.from_root
+
+        def from_root(world_: Any, what: str, fn: Any) -> Any:
+            if what == "committing":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(world_, what, fn)
+
+        pipeline.from_root = from_root  # type: ignore[assignment]
+    return _push(rank, world, {**args, "step": args["step"]}, threads=1)
+
+
 SCENARIOS = {
+    "extra_file_repeats_a_tensor": extra_file_repeats_a_tensor,
+    "die_while_the_root_commits": die_while_the_root_commits,
     "bad_file_on_one_rank": bad_file_on_one_rank,
     "dtensor_state_dict": dtensor_state_dict,
     "push_steps": push_steps,

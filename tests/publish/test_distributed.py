@@ -116,6 +116,17 @@ def test_a_tensor_owned_by_two_ranks_is_refused_before_anything_is_written(tmp_p
     assert not store.exists()  # not even the store was created
 
 
+def test_an_extra_safetensors_file_repeating_a_pushed_tensor_is_refused_before_anything_is_written(tmp_path):
+    """Rank 1's extra.safetensors held a tensor rank 0 pushes: every chunk was encoded and uploaded, then the
+    commit failed on a duplicate segment (adversarial pass). Refused in the layout check, on every rank."""
+    store = tmp_path / "store"
+    reports = run_ranks(tmp_path, 2, "extra_file_repeats_a_tensor", store=str(store))
+    for r in reports:
+        assert r is not None and not r["ok"] and r["error"] == "UsageError", r
+        assert "of extra file extra.safetensors (rank 1) is also pushed by rank 0" in r["message"]
+    assert not store.exists()
+
+
 def test_a_rank_that_fails_while_writing_aborts_the_version_everywhere(tmp_path):
     store = str(tmp_path / "store")
     reports = run_ranks(tmp_path, 3, "fail_then_succeed", store=store)
@@ -151,6 +162,27 @@ def test_a_rank_killed_mid_push_leaves_no_version_and_the_next_push_succeeds(tmp
     assert_same(load_pulled(tmp_path / "dest"), model_at(1))
     gc(store, keep_last=2, grace=0, settle=0)
     assert verify(store, all_versions=True).ok
+
+
+def test_a_group_broken_while_the_root_commits_never_says_not_committed(tmp_path):
+    """A rank died while the root committed: every survivor said "version not committed" although version 2 was
+    HEAD, and a trainer believing it would push the step twice (adversarial pass). The root now says it committed;
+    a rank that could not hear the outcome says it may have been committed."""
+    store = str(tmp_path / "store")
+    push_distributed(store, model_at(0))
+    reports = run_ranks(tmp_path, 3, "die_while_the_root_commits", store=store, step=1, timeout=30)
+    assert reports[1] is None
+    repo = Repository.open(store)
+    assert repo.head().version == 2  # the root did commit
+    root = reports[0]
+    assert root is not None and root["error"] == "DistributedPushError", root
+    assert "this rank (the root) committed the version" in root["message"]
+    other = reports[2]
+    assert other is not None and (other["ok"] or "may have been committed" in other["message"]), other
+    for r in (root, other):
+        assert "not committed" not in r.get("message", "")
+    pull(store, str(tmp_path / "dest"))
+    assert_same(load_pulled(tmp_path / "dest"), model_at(1))
 
 
 def test_without_a_process_group_it_is_a_world_of_one(tmp_path, monkeypatch):

@@ -166,3 +166,22 @@ def test_a_tensor_written_while_it_is_pushed_is_refused(tmp_path, monkeypatch, w
     pull(store, dest)
     got = load_file(os.path.join(dest, "model.safetensors"))
     assert torch.equal(got["w"], w["w"]) and torch.equal(got["b"], w["b"])
+
+
+def test_an_extra_safetensors_file_repeating_a_tensor_is_refused_before_any_chunk(tmp_path):
+    """push_tensors encoded and stored every chunk, then failed at the manifest on a duplicate segment; the same
+    layout from a directory (`deltafs push`) was refused up front. Both are refused before anything is written."""
+    from safetensors.torch import save
+
+    from deltafs.errors import SourceError
+
+    store = str(tmp_path / "store")
+    push_tensors(store, {"a": torch.ones(4)})
+
+    def stored() -> list[str]:
+        return sorted(os.path.join(d, f) for d, _, files in os.walk(store) for f in files)
+
+    before = stored()
+    with pytest.raises(SourceError, match="tensor a appears in both"):
+        push_tensors(store, {"a": torch.zeros(4)}, extra_files={"adapter.safetensors": save({"a": torch.ones(2)})})
+    assert stored() == before
