@@ -21,12 +21,14 @@ from deltafs.errors import (
     ChunkNotFoundError,
     IntegrityError,
     ObjectNotFoundError,
+    StoreError,
     UsageError,
     VersionNotFoundError,
     check_count,
     is_local_write_failure,
     local_write_error,
 )
+from deltafs.format.keys import manifest_key
 from deltafs.format.manifest import Head
 from deltafs.format.versions import check_version
 from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, precheck, refuse_foreign, refuse_nested
@@ -127,15 +129,15 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             fallback = False
         except (LocalBaseError, IntegrityError, ObjectNotFoundError) as exc:
             if state is None and (chain is None or chain.final is None):
-                raise _name_version(exc, target) from None  # already the plain path from a full version
+                raise _failure_of(repo, exc, target) from None  # already the plain path from a full version
             # The delta path is unusable (local base corrupt, chunk missing or bad): start over
             # from the nearest full version. A full-path failure is final.
             log.warning(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
-            chain = plan_chain(repo, target, None)
             try:
+                chain = plan_chain(repo, target, None)
                 path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, recycle_keep)
-            except (IntegrityError, ObjectNotFoundError) as exc2:
-                raise _name_version(exc2, target) from None
+            except (IntegrityError, ObjectNotFoundError, VersionNotFoundError) as exc2:
+                raise _failure_of(repo, exc2, target) from None
             fallback = True
         local.drop_chunk_cache()
         local.cleanup(keep=keep, also_keep=previous)
@@ -173,6 +175,20 @@ def _plan(repo: Repository, target: int, state: LocalState | None, repair: bool)
     # Repair of the version DEST already holds: rebuild from the nearest full version, but let the
     # builder hard-link every local file whose sha256 still matches, so only edited files are fetched.
     return replace(plan_chain(repo, target, None, folds=True), local=state)
+
+
+def _failure_of(repo: Repository, exc: BaseException, version: int) -> BaseException:
+    """What a pull of version that failed with exc reports: a version removed while it was read (a gc with a short
+    --grace) is "not in the store" (exit 4) whichever chunk or parent the pull missed first; anything else is exc,
+    named after the version."""
+    try:
+        gone = not repo.objects.exists(manifest_key(version))
+    except StoreError:
+        gone = False
+    if gone:
+        return VersionNotFoundError(f"version {version} is not in {repo.url}: it was removed while this pull read it "
+                                    "(a gc with a short --grace?)")
+    return _name_version(exc, version)
 
 
 def _name_version(exc: BaseException, version: int) -> BaseException:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from deltafs.maintenance.log import log
 from deltafs.maintenance.verify import verify
 from deltafs.publish import push
@@ -66,3 +68,36 @@ def test_old_version_dirs_are_cleaned_up(tmp_path, maker):
         maker.advance()
     dirs = [n for n in os.listdir(dest + ".deltafs") if n.startswith("v") and not n.endswith(".json")]
     assert len(dirs) == 2  # the current version and the one before it (an engine may still read it)
+
+
+@pytest.mark.parametrize("holds_a_version", [True, False])
+def test_a_version_gc_removes_while_it_is_pulled_is_reported_as_gone(tmp_path, maker, monkeypatch, holds_a_version):
+    """gc --grace 0 removing the target mid-pull: the pull said "version 2 is not in STORE" for an intermediate
+    version the user never asked for (exit 4), or "chunk ... missing" (exit 6) from an empty DEST (adversarial
+    pass). Both name the asked-for version as removed while it was read, exit 4; DEST is untouched."""
+    from deltafs.errors import VersionNotFoundError
+    from deltafs.maintenance.gc import gc
+    import importlib
+
+    pull_module = importlib.import_module("deltafs.read.pull")
+
+    store = str(tmp_path / "store")
+    dest = str(tmp_path / "dest")
+    for step in range(4):
+        push(store, maker.write(), full=step == 3)  # a full version 4: gc may drop 1-3
+        maker.advance()
+    if holds_a_version:
+        pull(store, dest, version=1)
+    real = pull_module._materialize
+    calls = []
+
+    def gc_first(*args, **kwargs):
+        if not calls:
+            gc(store, keep_last=1, grace=0, settle=0)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pull_module, "_materialize", gc_first)
+    with pytest.raises(VersionNotFoundError, match="version 3 is not in .*: it was removed while this pull read it"):
+        pull(store, dest, version=3)
+    assert (local_version(dest).version if holds_a_version else local_version(dest)) == (1 if holds_a_version else None)
