@@ -306,6 +306,20 @@ class _Rank:
         return files, rederived
 
     @staticmethod
+    def _shares_files(files: list[SourceFile], base: LocalState) -> bool:
+        """Whether a source file is the base's file of the same path (one inode: the cache hard-linked it)."""
+        for f in files:
+            if f.pieces is not None:
+                continue
+            try:
+                src, old = os.stat(f.abspath), os.stat(os.path.join(base.path, f.path))
+            except OSError:
+                continue
+            if (src.st_dev, src.st_ino) == (old.st_dev, old.st_ino):
+                return True
+        return False
+
+    @staticmethod
     def _rewritten_in_place(files: list[SourceFile], base: LocalState) -> bool:
         try:
             installed = os.stat(base.path + ".json").st_mtime_ns
@@ -352,6 +366,10 @@ class _Rank:
                 with Progress(f"push v{self.decision.version}", sum(f.size for f in files), enabled=progress) as bar:
                     entries = enc.encode(files, bar.advance)
             except LocalBaseError:
+                if base is not None and self._shares_files(files, base):
+                    # A base file the cache had hard-linked changed under the same inode with its old mtime (cp -p,
+                    # rsync --inplace -t): _rewritten_in_place cannot see that, so say it here. Copy from now on.
+                    open(os.path.join(self.cache_root, NO_LINK_FLAG), "a").close()
                 self.discard()
                 if attempt or self.rederive:
                     raise  # the cache was just rebuilt from the store: something else is wrong

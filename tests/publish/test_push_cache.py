@@ -56,6 +56,30 @@ def test_the_cache_links_new_files_and_copies_once_a_file_is_rewritten_in_place(
         assert (_cache_file(cache).st_ino) != os.stat(src / "model.safetensors").st_ino
 
 
+def test_a_rewrite_in_place_that_keeps_the_old_mtime_stops_the_linking_too(tmp_path):
+    """cp -p or rsync --inplace -t rewrite the same inode and keep its mtime: the cache's hard-linked base changed
+    unseen, every push re-derived its base from the store and keyframes lost their bridges (adversarial pass).
+    The first push that finds the linked base changed sets no-link; the next pushes keep their cache."""
+    rng, data, store, cache, src = _pushed_once(tmp_path, 1, 1 << 20)
+    path = src / "model.safetensors"
+    if (_cache_file(cache).st_dev, _cache_file(cache).st_ino) != (os.stat(path).st_dev, os.stat(path).st_ino):
+        pytest.skip("the cache cloned the file (reflinks): nothing is shared")
+    rederived = []
+    for _step in range(3):
+        data = perturb(data, 2, 0.01, rng)
+        before = os.stat(path)
+        with open(path, "r+b") as fh:
+            fh.seek(os.path.getsize(path) - len(data))
+            fh.write(data)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        res = push(store, str(src), cache_dir=cache)
+        rederived.append(res.base_rederived)
+        pull(store, str(tmp_path / "dest"))
+        assert files_of(tmp_path / "dest") == files_of(src)
+    assert rederived == [True, False, False]
+    assert os.path.exists(os.path.join(cache, "no-link"))
+
+
 def _two_tensor_ckpt(path, a: bytes, b: bytes) -> None:
     write_safetensors(str(path / "model.safetensors"),
                       {"a": ("BF16", (len(a) // 2,), a), "b": ("BF16", (len(b) // 2,), b)})
