@@ -172,8 +172,7 @@ class SGLangEngine(HttpEngine):
         return info
 
     def served_version(self) -> str | None:
-        version = self.model_info().get("weight_version")
-        return None if version is None else str(version)
+        return _version_of(self.model_info())
 
     def served_path(self) -> str | None:
         """The model_path SGLang last loaded (its launch path until an update succeeds)."""
@@ -293,7 +292,7 @@ class SGLangEngine(HttpEngine):
             try:  # still loading: is the server alive, and did the load land already?
                 info = self.model_info(fresh=True)
                 unreachable = 0
-                if info.get("weight_version") == target.version and info.get("model_path") == target.path:
+                if _version_of(info) == target.version and info.get("model_path") == target.path:
                     log.info("%s reports version %s loaded before answering the update", self.url, target.version)
             except EngineUnreachableError:
                 unreachable += 1
@@ -348,7 +347,7 @@ class SGLangEngine(HttpEngine):
             except EngineUnreachableError as exc:
                 raise EngineDiedError(f"SGLang at {self.url} went away right after loading version "
                                       f"{target.version}: {exc}") from None
-            reported = info.get("weight_version")
+            reported = _version_of(info)
             if reported == target.version:
                 return
             seen.append(repr(reported))
@@ -365,3 +364,8 @@ class SGLangEngine(HttpEngine):
         log.warning("rolled %s back to version %s", self.url, previous.version)
         return True, f"; serving version {previous.version} again"
 
+
+def _version_of(info: dict[str, Any]) -> str | None:
+    """The weight_version a /model_info answer reports, as text (SGLang's is a string; 3 and "3" are one version)."""
+    version = info.get("weight_version")
+    return None if version is None else str(version)

@@ -222,9 +222,10 @@ class Subscriber:
             log.info("the engine reports weight_version %r; it loaded %s, version %s%s", reported, found.path,
                      found.version, " (reloading it once to be sure)" if self._unconfirmed else "")
         elif found is None and reported is not None:
+            hint = (f" (start SGLang with the arguments `deltafs launch-args {self.dest}` prints)"
+                    if getattr(self.engine, "kind", None) == "sglang" else "")
             log.warning("the engine serves weight_version %r, which is not a verified version in %s; it will be "
-                        "switched to the newest version (start SGLang with the arguments `deltafs launch-args %s` "
-                        "prints)", reported, self.dest, self.dest)
+                        "switched to the newest version%s", reported, self.dest, hint)
         self.served = found
         self.status.served_version = int(found.version) if found else None
         if found is not None:

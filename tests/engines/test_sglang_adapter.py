@@ -160,3 +160,12 @@ def test_a_huge_loaded_weight_checksum_is_kept_as_its_digest():
     kept = loaded_checksum(Engine(huge))
     assert kept is not None and kept.startswith("sha256:") and len(kept) == 71
     assert kept == loaded_checksum(Engine(huge)) != loaded_checksum(Engine(huge[:-1] + "e"))
+
+
+def test_a_weight_version_reported_as_a_number_is_the_same_version(monkeypatch):
+    """An engine answering weight_version 3 (not "3") after loading "3" was called a failed load, and a good
+    rollback a failed one (adversarial pass): both reads compare text."""
+    engine = SGLangEngine("http://127.0.0.1:1")
+    monkeypatch.setattr(engine, "model_info", lambda fresh=False: {"weight_version": 3, "model_path": "/m"})
+    assert engine.served_version() == "3"
+    engine._confirm(Target("/m", "3"))  # no _Refused
