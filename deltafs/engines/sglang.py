@@ -83,6 +83,10 @@ class _Unanswered(EngineError):
     """The update was not answered by the deadline: it may still run, nothing else may be sent."""
 
 
+class _Unconfirmed(EngineError):
+    """The update answered success, but reading what the engine serves failed: it likely holds the new version."""
+
+
 class SGLangEngine(HttpEngine):
     """One SGLang server, reached at url (e.g. http://127.0.0.1:30000)."""
 
@@ -235,6 +239,10 @@ class SGLangEngine(HttpEngine):
             state.failure = exc
             state.where = ("; no rollback was sent because the load may still be running (a second update "
                            "breaks SGLang); the next try first checks what it serves")
+        except _Unconfirmed as exc:
+            state.failure = exc
+            state.where = ("; no rollback was sent (it most likely holds the new version); the next try first asks "
+                           "what it serves")
         except EngineDiedError as exc:
             state.failure, state.resumable = exc, False
 
@@ -313,7 +321,13 @@ class SGLangEngine(HttpEngine):
             raise
         except EngineError as exc:
             raise _Refused(str(exc)) from None
-        self._confirm(target)
+        try:
+            self._confirm(target)
+        except (_Refused, EngineDiedError, EngineAuthError):
+            raise
+        except EngineError as exc:
+            raise _Unconfirmed(f"SGLang answered the update to version {target.version} with success, but what it "
+                               f"serves could not be read: {exc}") from None
 
     def _lost_during_load(self, target: Target, error: BaseException) -> None:
         """The update's connection failed: the server died or restarted. Say which."""

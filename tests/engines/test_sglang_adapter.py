@@ -169,3 +169,22 @@ def test_a_weight_version_reported_as_a_number_is_the_same_version(monkeypatch):
     monkeypatch.setattr(engine, "model_info", lambda fresh=False: {"weight_version": 3, "model_path": "/m"})
     assert engine.served_version() == "3"
     engine._confirm(Target("/m", "3"))  # no _Refused
+
+
+def test_a_check_that_fails_after_a_successful_update_says_so_and_sends_no_rollback(server, ckpts, monkeypatch):
+    """/model_info breaking right after SGLang answered the update with success read only "switch failed: GET
+    /model_info ...": the message now says the update succeeded, that the engine most likely holds it and that no
+    rollback was sent; the engine is resumed."""
+    v1, _, v2, _ = ckpts
+    engine = SGLangEngine(server.url, timeout=5, load_timeout=5)
+
+    def broken(target):
+        raise EngineError("GET /model_info answered HTTP 500: boom")
+
+    monkeypatch.setattr(engine, "_confirm", broken)
+    updates = server.count("update")
+    with pytest.raises(SwitchError, match=r"answered the update to version 2 with success, but what it serves could "
+                                          r"not be read: .*boom; no rollback was sent") as info:
+        engine.switch(v2, v1)
+    assert server.count("update") == updates + 1 and not server.paused
+    assert not info.value.rolled_back
