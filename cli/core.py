@@ -27,7 +27,16 @@ from deltafs.cli.options import (
 )
 from deltafs.cli.output import Output, human_bytes, one_line
 from deltafs.defaults import DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL
-from deltafs.errors import EXIT_BUSY, EXIT_CODES, EXIT_CURRENT, EXIT_OK, IntegrityError, LockHeldError, UsageError
+from deltafs.errors import (
+    EXIT_BUSY,
+    EXIT_CODES,
+    EXIT_CURRENT,
+    EXIT_OK,
+    DeltafsError,
+    IntegrityError,
+    LockHeldError,
+    UsageError,
+)
 
 
 def _non_negative(flag: str) -> Callable[[int], int]:
@@ -96,7 +105,14 @@ def push_cmd(
                keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold,
                bridge=bridge, include=include, exclude=exclude, default_excludes=not no_default_excludes)
     data = res.to_json()
-    files, stored = _stored_bytes(res.store, res.version, parse_storage_options(storage_options))
+    try:
+        files, stored = _stored_bytes(res.store, res.version, parse_storage_options(storage_options))
+    except DeltafsError as exc:
+        # The version is committed: a store that stopped answering after the commit must not turn this push into a
+        # failure (a trainer retrying it would publish the step twice). Only the per-file sizes are missing.
+        out.warn(f"deltafs: warning: version {res.version} is committed, but its stored sizes could not be read "
+                 f"back: {one_line(str(exc))}")
+        files, stored = {}, 0
     data["files"] = files
     if res.kind == "full":
         with_bridge = f" (and a {human_bytes(res.bridge_bytes)} bridge from version {res.parent})" if res.bridge_bytes else ""

@@ -42,6 +42,11 @@ class Output:
         if not self.quiet and not self.json_mode:
             sys.stderr.write(terminal_safe(message) + "\n")
 
+    def warn(self, message: str) -> None:
+        """A warning a script must see too: on stderr in JSON mode as well (stdout keeps its one object)."""
+        if not self.quiet:
+            sys.stderr.write(terminal_safe(message) + "\n")
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -9,6 +9,7 @@ fsspec's own configuration (FSSPEC_S3_* variables, ~/.config/fsspec) and the bac
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -46,15 +47,34 @@ def _split_tuning(options: dict[str, Any]) -> tuple[RetryPolicy, dict[str, Any],
     if unknown:
         raise UsageError(f'unknown key(s) in storage option "deltafs": {", ".join(unknown)} '
                          f'(known: {", ".join(DELTAFS_OPTIONS)})')
-    try:
-        retry = RetryPolicy(**{k: type(getattr(RetryPolicy(), k))(tuning[k])
-                               for k in ("attempts", "base_delay", "max_delay", "visibility_timeout",
-                                         "request_timeout") if k in tuning})
-        workers = {"max_workers": int(tuning["max_workers"])} if "max_workers" in tuning else {}
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f'bad value in storage option "deltafs": {exc}') from None
-    flags = {k: bool(tuning[k]) for k in ("read_after_write", "atomic_create") if k in tuning}
+    retry = RetryPolicy(**{k: _tuning_number(k, tuning[k]) for k in _TUNING_BOUNDS if k in tuning
+                           and k != "max_workers"})
+    workers = {"max_workers": int(_tuning_number("max_workers", tuning["max_workers"]))} if "max_workers" in tuning else {}
+    flags = {}
+    for k in ("read_after_write", "atomic_create"):
+        if k in tuning:
+            # Exactly true or false: "false" read as a truth value would keep a safety the user turned off, or
+            # the other way round (a server that ignores If-None-Match still trusted for atomic creates).
+            if type(tuning[k]) is not bool:
+                raise UsageError(f'storage option "deltafs": {k} must be true or false (JSON), not {tuning[k]!r}')
+            flags[k] = tuning[k]
     return retry, workers, flags
+
+
+# Numeric tuning keys: (integer only, least, most). request_timeout 0 means no limit.
+_TUNING_BOUNDS: dict[str, tuple[bool, float, float]] = {
+    "attempts": (True, 1, 1000), "base_delay": (False, 0, 3600), "max_delay": (False, 0, 86400),
+    "visibility_timeout": (False, 0, 86400), "request_timeout": (False, 0, 86400), "max_workers": (True, 1, 1024),
+}
+
+
+def _tuning_number(key: str, value: Any) -> Any:
+    whole, low, high = _TUNING_BOUNDS[key]
+    ok = type(value) is int or (type(value) is float and not whole and math.isfinite(value))
+    if not ok or not low <= value <= high:
+        kind = "an integer" if whole else "a number"
+        raise UsageError(f'storage option "deltafs": {key} must be {kind} from {low:g} to {high:g}, not {value!r}')
+    return value if whole else float(value)
 
 
 def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:

@@ -164,6 +164,25 @@ def test_bad_deltafs_options_are_usage_errors() -> None:
         open_objects("memory://x", {"deltafs": 3})
 
 
+
+@pytest.mark.parametrize("key, value", [
+    ("atomic_create", "false"), ("read_after_write", "False"), ("atomic_create", 0), ("read_after_write", "no"),
+    ("attempts", 0), ("attempts", -3), ("attempts", 2.5), ("attempts", True), ("attempts", "3"),
+    ("base_delay", 1e308), ("base_delay", float("nan")), ("request_timeout", -1), ("max_workers", 0),
+])
+def test_tuning_values_of_the_wrong_kind_or_out_of_range_are_refused(key: str, value: object) -> None:
+    """The string "false" for atomic_create counted as true (a server that ignores If-None-Match still trusted);
+    attempts 0, a negative request_timeout or max_workers 0 were taken and broke every call; base_delay 1e308 was
+    an internal error (adversarial pass). Each is a usage error (exit 2) naming the key."""
+    with pytest.raises(UsageError, match=f"storage option \"deltafs\": {key} must be"):
+        open_objects("memory://x", {"deltafs": {key: value}})
+
+
+def test_tuning_flags_take_json_booleans() -> None:
+    store = open_objects("memory://flags", {"deltafs": {"atomic_create": False, "read_after_write": False}})
+    assert store.capabilities.atomic_create is False and store.capabilities.read_after_write is False
+
+
 def test_storage_option_declares_an_eventually_consistent_store(tmp_path: Any) -> None:
     store = open_objects(str(tmp_path), {"deltafs": {"read_after_write": False, "visibility_timeout": 0.3}})
     assert store.capabilities.read_after_write is False
@@ -239,7 +258,7 @@ def test_uploads_to_a_server_that_stops_answering_time_out(s3_server: S3Server, 
 def test_request_timeout_is_a_deltafs_option() -> None:
     store = open_objects("memory://deadline", {"deltafs": {"request_timeout": 7.5}})
     assert store.retry.request_timeout == 7.5
-    with pytest.raises(UsageError, match="bad value in storage option"):
+    with pytest.raises(UsageError, match="request_timeout must be a number from 0 to 86400, not 'soon'"):
         open_objects("memory://deadline", {"deltafs": {"request_timeout": "soon"}})
 
 
