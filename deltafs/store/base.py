@@ -272,8 +272,11 @@ class ObjectStore(abc.ABC):
         return self._call("stat", key, lambda: self._stat(key))
 
     def list(self, prefix: str) -> list[str]:
-        """Keys under a folder-like prefix, recursively, sorted."""
-        return sorted(self._call("list", prefix, lambda: self._find(prefix)))
+        """Keys under a folder-like prefix, recursively, sorted. Zero-byte "folder" markers (what the S3 console's
+        "Create folder" or `rclone mkdir` leave: the prefix itself, or a key ending in "/") are not keys."""
+        folder = prefix.rstrip("/")
+        return sorted(k for k in self._call("list", prefix, lambda: self._find(prefix))
+                      if k != folder and not k.endswith("/"))
 
     def delete(self, key: str) -> None:
         """Remove key; a key that is already gone is not an error."""
