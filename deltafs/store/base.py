@@ -23,7 +23,14 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 from collections.abc import Callable
 
-from deltafs.errors import DeltafsError, FormatError, ObjectNotFoundError, StoreError, StoreNotFoundError
+from deltafs.errors import (
+    DeltafsError,
+    FormatError,
+    IntegrityError,
+    ObjectNotFoundError,
+    StoreError,
+    StoreNotFoundError,
+)
 
 T = TypeVar("T")
 
@@ -81,6 +88,7 @@ class _Kind(enum.Enum):
     DENIED = "denied"
     EXISTS = "exists"
     TRANSIENT = "transient"
+    DAMAGED = "damaged"  # the backend's own checksum of the bytes received failed: retried, then an integrity error
     FATAL = "fatal"
 
 
@@ -97,6 +105,10 @@ _TRANSIENT_ERRNOS = {
     errno.ECONNABORTED, errno.EPIPE, errno.ESTALE, errno.ENETUNREACH, errno.EHOSTUNREACH,
     getattr(errno, "EREMOTEIO", errno.EIO),
 }
+# A download whose bytes fail the backend's own checksum (botocore checks S3's x-amz-checksum-* headers by default):
+# damaged in flight or at rest, like a chunk whose sha256 does not match.
+_DAMAGED_NAMES = {"FlexibleChecksumError", "ChecksumError"}
+
 _BACKEND_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "fsspec", "s3fs", "gcsfs")
 
 
@@ -115,6 +127,8 @@ def classify(exc: BaseException) -> _Kind | None:
     names = {cls.__name__ for cls in type(exc).__mro__}
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
         return _Kind.DENIED
+    if names & _DAMAGED_NAMES:
+        return _Kind.DAMAGED
     if names & _TRANSIENT_NAMES or isinstance(exc, (TimeoutError, ConnectionError, *_asyncio_timeout())):
         return _Kind.TRANSIENT
     if isinstance(exc, FileExistsError):
@@ -211,6 +225,9 @@ class ObjectStore(abc.ABC):
             return StoreError(f"access denied to {self.url}: {self._denied_hint()} ({_one_line(exc)})")
         if kind is _Kind.TRANSIENT:
             return StoreError(f"cannot {action} {key} at {self.url} after {attempts} attempts: {_one_line(exc)}")
+        if kind is _Kind.DAMAGED:
+            return IntegrityError(f"{key} at {self.url} arrived damaged {attempts} times (the server's checksum does "
+                                  f"not match the bytes received: {_one_line(exc)})")
         return StoreError(f"cannot {action} {key} at {self.url}: {_one_line(exc)}")
 
     def _call(self, action: str, key: str, fn: Callable[[], T], *, referenced: bool = False) -> T:
@@ -224,7 +241,7 @@ class ObjectStore(abc.ABC):
                 if kind is None:
                     raise
                 pause: float | None = None
-                if kind is _Kind.TRANSIENT and attempt + 1 < self.retry.attempts:
+                if kind in (_Kind.TRANSIENT, _Kind.DAMAGED) and attempt + 1 < self.retry.attempts:
                     pause = self.retry.delay(attempt)
                 elif kind is _Kind.NOT_FOUND and referenced and not self.capabilities.read_after_write:
                     since = since if since is not None else time.monotonic()

@@ -45,7 +45,14 @@ class S3ObjectStore(FsspecObjectStore):
     # A plain GET: s3fs would otherwise HEAD every object first to decide on ranged reads.
     def _read(self, key: str, limit: int | None) -> bytes:
         if limit is not None:
-            return super()._read(key, limit)  # a ranged GET
+            try:
+                return super()._read(key, limit)  # a ranged GET
+            except OSError as exc:
+                # A range of an empty object cannot be served (416): the object holds no bytes, which the caller
+                # judges (a truncated chunk is an integrity failure, exit 6), not an unreachable store.
+                if _error_code(exc) == "InvalidRange" or (exc.errno == errno.EINVAL and "range" in str(exc).lower()):
+                    return b""
+                raise
         return bytes(self.fs.cat_file(self.path(key), max_concurrency=1, **self.deadline()))
 
     def _head(self, key: str) -> dict[str, Any]:

@@ -156,3 +156,50 @@ def test_folder_markers_are_not_keys(s3_url: str, s3_options: dict[str, Any], s3
     assert report.ok, report.problems
     gc(s3_url, keep_last=1, grace=0, settle=0, storage_options=s3_options)  # stopped on the marker before
     assert Repository.open(s3_url, s3_options).versions() == [1, 2]  # version 2 is a delta on 1: both kept
+
+
+def test_a_download_failing_botocores_checksum_is_retried_then_an_integrity_error(
+        s3_url: str, s3_options: dict[str, Any], versions: list[Path], tmp_path: Path, monkeypatch) -> None:
+    """botocore checks S3's x-amz-checksum headers on every download and raises FlexibleChecksumError, which was an
+    unknown backend error: exit 3 at once, and verify called a healthy store damaged (adversarial pass). It is
+    retried like a transient error, then reported as an integrity failure (exit 6)."""
+    from botocore.exceptions import FlexibleChecksumError
+
+    from deltafs.errors import EXIT_CODES, IntegrityError
+    from deltafs.store.s3 import S3ObjectStore
+
+    repo = push_all(s3_url, dict(s3_options, deltafs={"attempts": 3, "base_delay": 0.01}), versions[:1],
+                    tmp_path / "cache")
+    real = S3ObjectStore._read
+    damaged = {"left": 2}
+
+    def flaky(self, key, limit):
+        if key.startswith("chunks/") and damaged["left"]:
+            damaged["left"] -= 1
+            raise FlexibleChecksumError(error_msg="Expected checksum abc did not match calculated checksum: def")
+        return real(self, key, limit)
+
+    monkeypatch.setattr(S3ObjectStore, "_read", flaky)
+    options = dict(s3_options, deltafs={"attempts": 3, "base_delay": 0.01})
+    pull(s3_url, str(tmp_path / "dest"), storage_options=options)  # two damaged reads, then a good one
+    assert file_digests(tmp_path / "dest") == file_digests(versions[0])
+    damaged["left"] = 10**6
+    with pytest.raises(IntegrityError, match="arrived damaged 3 times") as info:
+        pull(s3_url, str(tmp_path / "dest2"), storage_options=options)
+    assert EXIT_CODES[type(info.value)] == 6 if type(info.value) in EXIT_CODES else True
+    assert repo is not None
+
+
+def test_an_empty_chunk_object_is_an_integrity_failure(s3_url: str, s3_options: dict[str, Any], s3_server: S3Server,
+                                                       versions: list[Path], tmp_path: Path) -> None:
+    """A chunk object emptied in the bucket: the ranged GET's 416 was "store unreachable" (exit 3); it is the
+    object's problem, exit 6, and the pull installs nothing."""
+    from deltafs.errors import IntegrityError
+
+    repo = push_all(s3_url, s3_options, versions[:1], tmp_path / "cache")
+    bucket, _, prefix = s3_url.removeprefix("s3://").partition("/")
+    key = next(k for k in repo.objects.list("chunks/"))
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=b"")
+    with pytest.raises(IntegrityError):
+        pull(s3_url, str(tmp_path / "dest"), storage_options=dict(s3_options, deltafs={"attempts": 2, "base_delay": 0.01}))
+    assert not (tmp_path / "dest").exists()
