@@ -25,7 +25,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from deltafs.defaults import DEFAULT_GRACE
-from deltafs.errors import DeltafsError, FormatError, IntegrityError, LockHeldError, ObjectNotFoundError, UsageError
+from deltafs.errors import (
+    DeltafsError,
+    FormatError,
+    IntegrityError,
+    LockHeldError,
+    ObjectNotFoundError,
+    StoreError,
+    UsageError,
+)
 from deltafs.format.keys import (BRIDGE_PREFIX, FOLD_PREFIX, bridge_key, fold_key, parse_bridge_key, parse_chunk_key,
                                  parse_fold_key)
 from deltafs.read.chain import plan_chain
@@ -221,6 +229,14 @@ def _manifest(repo: Repository, version: int) -> Manifest:
     """A manifest, or FormatError naming it: gc never plans around one it cannot read."""
     try:
         return repo.manifest(version)
+    except StoreError as exc:
+        if isinstance(exc, ObjectNotFoundError):
+            raise FormatError(f"gc stopped: the manifest of version {version} cannot be read ({exc}); "
+                              "run 'deltafs verify --all'") from None
+        # The store stopped answering while gc planned (nothing is removed before the plan is whole): not a
+        # damaged store, so not "run verify" (exit 3, as any store outage).
+        raise StoreError(f"gc stopped before removing anything: the manifest of version {version} cannot be read "
+                         f"({exc})") from None
     except DeltafsError as exc:
         raise FormatError(f"gc stopped: the manifest of version {version} cannot be read ({exc}); "
                           "run 'deltafs verify --all'") from None

@@ -333,3 +333,28 @@ def test_links_planted_in_the_store_are_sized_and_removed_as_links(tmp_path, mak
     assert not any(os.path.lexists(link) for link in planted)
     assert target.read_bytes() == b"x" * 100_000
     assert verify(store).ok
+
+
+def test_a_store_outage_while_gc_reads_manifests_is_exit_3_not_a_damaged_store(tmp_path, maker, monkeypatch):
+    """A connection closed while gc read a manifest said "the manifest of version 3 cannot be read ...; run
+    'deltafs verify --all'", exit 5 (malformed): a network outage reported as a damaged store (adversarial pass)."""
+    from deltafs.errors import StoreError, exit_code
+    from deltafs.store.repo import Repository
+
+    store = str(tmp_path / "store")
+    for _ in range(3):
+        push(store, maker.write())
+        maker.advance()
+    before = sorted(os.listdir(os.path.join(store, "manifests")))
+    real = Repository.manifest
+
+    def outage(self, version):
+        if version == 2:
+            raise StoreError(f"cannot read manifests/{version} at {store} after 5 attempts: Connection was closed")
+        return real(self, version)
+
+    monkeypatch.setattr(Repository, "manifest", outage)
+    with pytest.raises(StoreError, match="gc stopped before removing anything: the manifest of version 2") as info:
+        gc(store, keep_last=1, grace=0, settle=0)
+    assert exit_code(info.value) == 3 and "verify" not in str(info.value)
+    assert sorted(os.listdir(os.path.join(store, "manifests"))) == before
