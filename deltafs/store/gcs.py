@@ -16,6 +16,7 @@ taken off, so deltafs's policy is the only one: bounded, with jitter, and report
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -65,9 +66,13 @@ class GCSObjectStore(FsspecObjectStore):
             return _Kind.TRANSIENT  # an access token that expired in flight; gcsfs refreshes it
         if status in (401, 403) or (isinstance(exc, OSError) and text.startswith("Forbidden")):
             return _Kind.DENIED
-        if status in _TRANSIENT_CODES or type(exc).__name__ in ("ProxyError", "ChecksumError"):
+        if status in _TRANSIENT_CODES or type(exc).__name__ == "ProxyError":
             return _Kind.TRANSIENT
-        return classify(exc)
+        if isinstance(exc, json.JSONDecodeError):
+            # gcsfs parsing an answer that arrived damaged or cut (a listing page, an object's metadata): the
+            # network's fault, retried like one. Only the backend's own calls run under _call.
+            return _Kind.TRANSIENT
+        return classify(exc)  # gcsfs's ChecksumError (a download that fails its crc32c/md5): damaged, retried
 
     # --- a missing bucket looks like a missing key on reads: ask once, on a miss ----------------
     async def _abucket_exists(self) -> bool:

@@ -227,3 +227,29 @@ def test_two_pushers_racing_for_one_version_one_wins(gcs_url: str, gcs_options: 
     pulled = pull(gcs_url, str(tmp_path / "dest"), storage_options=gcs_options)
     assert pulled.version == 2
     assert file_digests(tmp_path / "dest") == file_digests(versions[winners[0] + 1])
+
+
+def test_a_listing_answer_that_arrived_damaged_is_retried(gcs_url: str, gcs_options: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """One flipped bit in a listing page's JSON made gcsfs raise JSONDecodeError: an internal error (exit 1) in
+    log, pull and gc (adversarial pass, fake-gcs-server behind a proxy). It is a transient store error: retried,
+    then exit 3."""
+    from deltafs.errors import StoreError, exit_code
+
+    store = open_objects(gcs_url, dict(gcs_options, deltafs={"attempts": 3, "base_delay": 0.01}))
+    store.put("manifests/0000000001.json", b"{}")
+    real = GCSObjectStore._find
+    damaged = {"left": 2}
+
+    def flaky(self: GCSObjectStore, prefix: str) -> list[str]:
+        if damaged["left"]:
+            damaged["left"] -= 1
+            json.loads('{"items": [{"name": "run/manifests/0000000001.json"}')  # cut short: JSONDecodeError
+        return real(self, prefix)
+
+    monkeypatch.setattr(GCSObjectStore, "_find", flaky)
+    assert store.list("manifests/") == ["manifests/0000000001.json"]
+    damaged["left"] = 10**6
+    with pytest.raises(StoreError, match="after 3 attempts") as info:
+        store.list("manifests/")
+    assert exit_code(info.value) == 3
