@@ -18,7 +18,7 @@ from deltafs.store.base import ObjectStore, RetryPolicy
 from deltafs.store.fsspec import FsspecObjectStore
 from deltafs.store.local import LocalObjectStore
 from deltafs.store.memory import MemoryObjectStore
-from deltafs.store.options import check_option_names
+from deltafs.store.options import check_option_names, check_option_values
 
 log = logging.getLogger("deltafs.store")
 
@@ -98,15 +98,26 @@ def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_KNOWN_SCHEMES = ("s3", "s3a", "gs", "gcs", "memory")  # remote ones: "file:/x" is left as it was
+
+
 def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
     """An ObjectStore for url; local paths get atomic rename-based writes."""
     options = dict(storage_options or {})
+    scheme = url.split(":/", 1)[0] if ":/" in url and "://" not in url else None
+    if scheme in _KNOWN_SCHEMES:
+        # "s3:/bucket/run" would be a local directory named "s3:" in the working directory, silently.
+        raise UsageError(f"{url} is not a {scheme}:// URL (one slash after the colon) and would be a local path; "
+                         f"write {scheme}://{url.split(':/', 1)[1].lstrip('/')}")
     protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
+    if protocol in ("s3", "s3a") and not rest.strip("/"):
+        raise UsageError(f"{url} names no bucket: write {protocol}://BUCKET/PREFIX")
     if protocol not in ("file", "local") and "//" in rest.strip("/"):
         # An object store keeps the empty component ("bucket//run" stores "/run/HEAD"), and listings then miss the
         # store's own keys: log shows nothing, gc and verify stop. A local path means the same with one slash.
         raise UsageError(f"{url} has an empty path component (//); write it with single slashes")
     check_option_names(protocol, options)
+    check_option_values(protocol, options)
     retry, workers, flags = _split_tuning(options)
     store: ObjectStore
     if protocol in ("file", "local"):

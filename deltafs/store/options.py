@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from deltafs.errors import UsageError
 
@@ -92,3 +93,36 @@ def check_option_names(protocol: str, options: Mapping[str, Any]) -> None:
             close = difflib.get_close_matches(name, sorted(accepted), n=1)
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise UsageError(f"unknown storage option(s) for {protocol}://: {', '.join(hints)}")
+
+
+# Option values of the backends' common settings, checked before the backend sees them: a wrong kind there is an
+# AttributeError or ValueError deep in botocore or gcsfs at the first request (an internal error, exit 1).
+_DICT_OPTIONS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs", "requester_pays_kwargs")
+_TEXT_OPTIONS = ("key", "secret", "token", "profile", "project", "region_name")
+
+
+def check_option_values(protocol: str, options: Mapping[str, Any]) -> None:
+    """UsageError for values of the wrong kind: an endpoint_url that is no http(s) URL, a *_kwargs that is not an
+    object (config_kwargs.retries too), a credential that is not text, an anon that is not true or false."""
+    if protocol not in ("s3", "s3a", "gs", "gcs"):
+        return  # the local and memory stores take none of these (check_option_names refuses them)
+    where = f"storage option for {protocol}://"
+    endpoint = options.get("endpoint_url")
+    if endpoint is not None:
+        parsed = urlsplit(endpoint) if isinstance(endpoint, str) else None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UsageError(f"{where} endpoint_url must be an http:// or https:// URL, not {endpoint!r}")
+    for name in _DICT_OPTIONS:
+        if name in options and not isinstance(options[name], dict):
+            raise UsageError(f"{where} {name} must be a JSON object, not {options[name]!r}")
+    retries = (options.get("config_kwargs") or {}).get("retries")
+    if retries is not None and not isinstance(retries, dict):
+        raise UsageError(f"{where} config_kwargs.retries must be a JSON object (e.g. {{\"max_attempts\": 3}}), "
+                         f"not {retries!r}")
+    for name in _TEXT_OPTIONS:
+        if name == "token" and protocol in ("gs", "gcs"):
+            continue  # gcsfs takes a token file, "anon", "cloud", or the credentials as an object
+        if options.get(name) is not None and not isinstance(options[name], str):
+            raise UsageError(f"{where} {name} must be text, not {options[name]!r}")
+    if "anon" in options and type(options["anon"]) is not bool:
+        raise UsageError(f"{where} anon must be true or false, not {options['anon']!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import fsspec
 import pytest
@@ -76,3 +77,39 @@ def test_a_backend_without_atomic_create_is_named(caplog):
     with caplog.at_level(logging.WARNING, logger="deltafs.store"):
         open_objects("plainfs-test://bucket/store")
     assert any("plainfs-test:// has no create-if-absent write" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("url, options, message", [
+    ("s3://b/run", {"endpoint_url": "not a url"}, "endpoint_url must be an http:// or https:// URL"),
+    ("s3://b/run", {"endpoint_url": 5}, "endpoint_url must be an http:// or https:// URL"),
+    ("s3://b/run", {"client_kwargs": "oops"}, "client_kwargs must be a JSON object"),
+    ("s3://b/run", {"config_kwargs": {"retries": "many"}}, "config_kwargs.retries must be a JSON object"),
+    ("s3://b/run", {"key": 123}, "key must be text"),
+    ("s3://b/run", {"anon": "yes"}, "anon must be true or false"),
+    ("gs://b/run", {"endpoint_url": "localhost:4443"}, "endpoint_url must be an http:// or https:// URL"),
+])
+def test_storage_option_values_of_the_wrong_kind_are_usage_errors(url, options, message):
+    """Each was an AttributeError or ValueError deep in botocore or gcsfs at the first request: "internal error",
+    exit 1 (adversarial pass). Refused when the store is opened, exit 2, naming the option."""
+    from deltafs.errors import UsageError
+    from deltafs.store.open import open_objects
+
+    with pytest.raises(UsageError, match=message):
+        open_objects(url, options)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("s3:/bkt/run", "is not a s3:// URL .* write s3://bkt/run"),
+    ("gs:/bkt/run", "is not a gs:// URL"),
+    ("s3://", "names no bucket"),
+])
+def test_store_urls_that_are_almost_right_are_refused(url, message, tmp_path, monkeypatch):
+    """`push SRC s3:/bkt/run` made a local store in ./s3:/bkt/run and exited 0; `s3://` failed in botocore's
+    parameter validation (exit 3). Both are usage errors naming the fix, and nothing is created."""
+    from deltafs.errors import UsageError
+    from deltafs.store.open import open_objects
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=message):
+        open_objects(url, {})
+    assert not os.listdir(tmp_path)
