@@ -415,6 +415,16 @@ done:
     return result;
 }
 
+/* *p += d on one width-byte little-endian integer, wrapping (little-endian hosts only). */
+static inline void add_at(uint8_t *p, int width, uint64_t d) {
+    switch (width) {
+    case 1: *p = (uint8_t)(*p + (uint8_t)d); break;
+    case 2: { uint16_t x; memcpy(&x, p, 2); x = (uint16_t)(x + (uint16_t)d); memcpy(p, &x, 2); break; }
+    case 4: { uint32_t x; memcpy(&x, p, 4); x += (uint32_t)d; memcpy(p, &x, 4); break; }
+    default: { uint64_t x; memcpy(&x, p, 8); x += d; memcpy(p, &x, 8); break; }
+    }
+}
+
 /* apply(out, width, where, signs, big_at, big_values) -> status
  *
  * out[where[i]] += d_i for each of the count = len(where) changes, on width-byte little-endian integers,
@@ -446,14 +456,7 @@ static int apply_changes(uint8_t *out, Py_ssize_t n, int width, const int64_t *w
             mag = v + 2;
             j++;
         }
-        uint64_t d = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? (uint64_t)0 - mag : mag;
-        uint8_t *p = out + where[i] * width;
-        switch (width) {
-        case 1: *p = (uint8_t)(*p + (uint8_t)d); break;
-        case 2: { uint16_t x; memcpy(&x, p, 2); x = (uint16_t)(x + (uint16_t)d); memcpy(p, &x, 2); break; }
-        case 4: { uint32_t x; memcpy(&x, p, 4); x += (uint32_t)d; memcpy(p, &x, 4); break; }
-        default: { uint64_t x; memcpy(&x, p, 8); x += d; memcpy(p, &x, 8); break; }
-        }
+        add_at(out + where[i] * width, width, ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? (uint64_t)0 - mag : mag);
     }
     return 0;
 }
@@ -530,14 +533,8 @@ static int ungroup_apply(uint8_t *out, const uint8_t *base, Py_ssize_t n, int wi
                 mag = v + 2;
                 j++;
             }
-            const uint64_t d = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? (uint64_t)0 - mag : mag;
-            uint8_t *p = out + where[i] * width;
-            switch (width) {
-            case 1: *p = (uint8_t)(*p + (uint8_t)d); break;
-            case 2: { uint16_t x; memcpy(&x, p, 2); x = (uint16_t)(x + (uint16_t)d); memcpy(p, &x, 2); break; }
-            case 4: { uint32_t x; memcpy(&x, p, 4); x += (uint32_t)d; memcpy(p, &x, 4); break; }
-            default: { uint64_t x; memcpy(&x, p, 8); x += d; memcpy(p, &x, 8); break; }
-            }
+            add_at(out + where[i] * width, width,
+                   ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? (uint64_t)0 - mag : mag);
         }
         if (copied >= total && i < count)
             return 1; /* cannot happen: every position was checked below space = n */

@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -306,8 +306,9 @@ class _Rank:
         return files, rederived
 
     @staticmethod
-    def _shares_files(files: list[SourceFile], base: LocalState) -> bool:
-        """Whether a source file is the base's file of the same path (one inode: the cache hard-linked it)."""
+    def _linked(files: list[SourceFile], base: LocalState) -> Iterator[os.stat_result]:
+        """The stat of each source file that is the base's file of the same path (one inode: the cache hard-linked
+        it)."""
         for f in files:
             if f.pieces is not None:
                 continue
@@ -316,25 +317,19 @@ class _Rank:
             except OSError:
                 continue
             if (src.st_dev, src.st_ino) == (old.st_dev, old.st_ino):
-                return True
-        return False
+                yield src
 
-    @staticmethod
-    def _rewritten_in_place(files: list[SourceFile], base: LocalState) -> bool:
+    @classmethod
+    def _shares_files(cls, files: list[SourceFile], base: LocalState) -> bool:
+        return any(True for _ in cls._linked(files, base))
+
+    @classmethod
+    def _rewritten_in_place(cls, files: list[SourceFile], base: LocalState) -> bool:
         try:
             installed = os.stat(base.path + ".json").st_mtime_ns
         except OSError:
             return False
-        for f in files:
-            if f.pieces is not None:
-                continue
-            try:
-                src, old = os.stat(f.abspath), os.stat(os.path.join(base.path, f.path))
-            except OSError:
-                continue
-            if (src.st_dev, src.st_ino) == (old.st_dev, old.st_ino) and src.st_mtime_ns > installed:
-                return True
-        return False
+        return any(src.st_mtime_ns > installed for src in cls._linked(files, base))
 
     # --- encode ----------------------------------------------------------------------------
     def encode(self, *, progress: bool) -> RankReport:
