@@ -105,6 +105,7 @@ def push_cmd(
                keyframe_every=keyframe_every or None, keyframe_budget=keyframe_budget or None, fold=fold,
                bridge=bridge, include=include, exclude=exclude, default_excludes=not no_default_excludes)
     data = res.to_json()
+    files: dict[str, int] | None
     try:
         files, stored = _stored_bytes(res.store, res.version, parse_storage_options(storage_options))
     except DeltafsError as exc:
@@ -112,7 +113,7 @@ def push_cmd(
         # failure (a trainer retrying it would publish the step twice). Only the per-file sizes are missing.
         out.warn(f"deltafs: warning: version {res.version} is committed, but its stored sizes could not be read "
                  f"back: {one_line(str(exc))}")
-        files, stored = {}, 0
+        files, stored = None, 0  # JSON null: not known (an empty object would say "no files")
     data["files"] = files
     if res.kind == "full":
         with_bridge = f" (and a {human_bytes(res.bridge_bytes)} bridge from version {res.parent})" if res.bridge_bytes else ""

@@ -128,7 +128,7 @@ EXIT_MEANINGS: dict[int, str] = {
     12: "local write failed: disk full, a file where a directory must go, a name too long (the message names the path)",
     EXIT_CURRENT: "`pull --once`: already current",
     EXIT_BUSY: "`pull --once`: another pull holds DEST's lock",
-    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C; SIGTERM to a one-shot command outside an engine switch)",
 }
 
 # Local OS errors that are the user's disk, not a bug.

@@ -574,7 +574,7 @@ static PyObject *ungroup(PyObject *self, PyObject *args) {
     }
     status = 5; /* any stream of the wrong shape: the Python path names it */
     if (count < 1 || count > space || k < 0 || k > 32 || big < 0 || big > count || big_k < 0 || big_k > 32
-        || space + 1 > (1LL << 62) || ((count + 1) << k) >= (1LL << 62) || (big << big_k) >= (1LL << 62)
+        || space + 1 > (1LL << 62) || count + 1 >= ((1LL << 62) >> k) || big >= ((1LL << 62) >> big_k)
         || sg.len != (Py_ssize_t)((count + 7) / 8) || pl.len != (Py_ssize_t)(big * width))
         goto done;
     if (!remainder_ok(rem.len, (const uint8_t *)rem.buf, count + 1, k))

@@ -27,15 +27,17 @@ log = logging.getLogger("deltafs.engines")
 
 RECORD_NAME = "engine-switch.json"
 _switches = 0  # switches running in this process (the watcher runs one at a time; a program may run several)
+_serial = 0  # switches started in this process: a signal handler tells one switch from the next by it
 _count_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def switching() -> Iterator[None]:
     """Mark this process as switching an engine for the duration (see in_switch)."""
-    global _switches
+    global _switches, _serial
     with _count_lock:
         _switches += 1
+        _serial += 1
     try:
         yield
     finally:
@@ -43,9 +45,10 @@ def switching() -> Iterator[None]:
             _switches -= 1
 
 
-def in_switch() -> bool:
-    """Whether a switch runs in this process now (read by signal handlers: no lock taken)."""
-    return _switches > 0
+def in_switch() -> int:
+    """The serial number of the newest switch if one runs in this process now, else 0 (read by signal handlers:
+    no lock taken)."""
+    return _serial if _switches > 0 else 0
 
 
 class SwitchRecord:
@@ -77,8 +80,12 @@ class SwitchRecord:
             self.write(engine, target)
             try:
                 yield
-            finally:
-                self.clear()
+            except Exception:
+                self.clear()  # the switch failed and said so: its load is over (or was never sent)
+                raise
+            # An interrupt (KeyboardInterrupt) may have left the load running: the record stays for the next
+            # process, which waits for the load or for the record's deadline.
+            self.clear()
 
     def wait_for_killed(self, engine: Engine, stop: threading.Event | None = None) -> None:
         """A switch whose process was killed mid-load left its record: until the engine reports that version, or

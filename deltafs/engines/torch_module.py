@@ -599,9 +599,9 @@ def _check_tied(todo: list[tuple[FileEntry, Segment, torch.Tensor]], version: in
                               f"(tied) but differ in version {version}")
 
 
-# Overlapping views up to this many elements each are compared element by element; larger ones are refused as soon
-# as their byte ranges intersect (a layout no inference module we know uses).
-_OVERLAP_EXACT_UP_TO = 1 << 22
+# Views whose byte spans intersect are compared element by element up to this many elements in all; larger groups
+# are refused as soon as their spans intersect (a layout no inference module we know uses).
+_OVERLAP_EXACT_UP_TO = 1 << 23
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -611,45 +611,79 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _element_bytes(t: torch.Tensor) -> np.ndarray:
-    """The first byte of every element of t (absolute addresses, sorted)."""
+    """The first byte of every element of t (absolute addresses, sorted, each once: an expanded tensor repeats)."""
     offsets = np.zeros(1, np.int64)
     for size, stride in zip(t.shape, t.stride(), strict=True):
         offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).reshape(-1)
-    return np.sort(offsets * t.element_size() + t.data_ptr())
+    return np.unique(offsets * t.element_size() + t.data_ptr())
 
 
-def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors whose byte spans intersect share a byte (interleaved views such as a[:, ::2] and
-    a[:, 1::2] do not)."""
-    if max(a.numel(), b.numel()) > _OVERLAP_EXACT_UP_TO:
-        return True
-    ea, eb = _element_bytes(a), _element_bytes(b)
-    # Element x of b overlaps the element of a that starts at or before it and ends after it, or the next one
-    # of a starts before x's end.
-    at = np.searchsorted(ea, eb, side="right")
-    before = at > 0
-    if np.any(ea[at[before] - 1] + a.element_size() > eb[before]):
-        return True
-    after = at < ea.size
-    return bool(np.any(ea[at[after]] < eb[after] + b.element_size()))
+def _layout_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Tensors with equal keys hold the same bytes in the same order: one tied tensor (another object, or a view of
+    another shape over the same contiguous bytes), which _check_tied compares by digest."""
+    start, end = _byte_span(t)
+    if t.is_contiguous():
+        return (start, end)
+    return (start, end, tuple(t.shape), tuple(t.stride()), t.element_size())
+
+
+def _first_shared_byte(group: list[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    """Two names of different layouts in group (byte spans that intersect) that share a byte, or None.
+
+    All element starts are sorted once; an element that starts before the furthest end seen so far overlaps the
+    element that reached it, and some such pair belongs to two layouts whenever two layouts share a byte."""
+    owners: dict[tuple[Any, ...], int] = {}
+    names: list[str] = []
+    starts, sizes, owner_of = [], [], []
+    for name, t in group:
+        key = _layout_key(t)
+        if key in owners:
+            continue
+        owners[key] = len(names)
+        names.append(name)
+        elements = _element_bytes(t)
+        starts.append(elements)
+        sizes.append(np.full(elements.size, t.element_size(), np.int64))
+        owner_of.append(np.full(elements.size, owners[key], np.int64))
+    if len(names) < 2:
+        return None
+    s, w, o = np.concatenate(starts), np.concatenate(sizes), np.concatenate(owner_of)
+    order = np.argsort(s, kind="stable")
+    s, e, o = s[order], s[order] + w[order], o[order]
+    reach = np.maximum.accumulate(e)
+    holder = np.maximum.accumulate(np.where(e == reach, np.arange(e.size), 0))  # whose end is the furthest
+    hit = (s[1:] < reach[:-1]) & (o[1:] != o[holder[:-1]])
+    if not hit.any():
+        return None
+    i = int(np.argmax(hit)) + 1
+    return names[int(o[holder[i - 1]])], names[int(o[i])]
 
 
 def _check_overlaps(todo: list[tuple[FileEntry, Segment, torch.Tensor]]) -> None:
     """Names that share only part of their memory (overlapping views, not one tied tensor) cannot both get their
-    version's bytes: an in-place write of one changes the other after it was checked. Refused before the pause."""
-    spans = sorted(((t.device.type, t.device.index, *_byte_span(t)), str(seg.tensor_name or seg.key), t)
-                   for _, seg, t in todo if t.numel())
-    open_: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
-    for item in spans:
-        (kind, index, start, _end), name, t = item
-        open_ = [o for o in open_ if o[0][:2] == (kind, index) and o[0][3] > start]
-        for (_, _, o_start, o_end), o_name, o in open_:
-            tied = (o_start, o_end) == _byte_span(t) and o.shape == t.shape and o.stride() == t.stride()
-            if not tied and _elements_overlap(o, t):
-                raise EngineError(f"tensors {o_name} and {name} share part of their memory in the module (overlapping "
-                                  "views, not one tied tensor): applying a version in place cannot give both their "
-                                  "bytes; make them one tied parameter, or separate tensors")
-        open_.append(item)
+    version's bytes: an in-place write of one changes the other after it was checked. Refused before the pause.
+    Interleaved views that share no byte (a matrix's column halves) pass."""
+    spans = sorted(((str(t.device), *_byte_span(t)), str(seg.tensor_name or seg.key), t) for _, seg, t in todo
+                   if t.numel())
+    group: list[tuple[str, torch.Tensor]] = []
+    device, reach = "", 0
+    for (dev, start, end), name, t in [*spans, (("", 0, 0), "", None)]:
+        if group and (t is None or dev != device or start >= reach):
+            if len(group) > 1:
+                total = sum(int(g.numel()) for _, g in group)
+                pair = ((group[0][0], group[1][0]) if total > _OVERLAP_EXACT_UP_TO and
+                        len({_layout_key(g) for _, g in group}) > 1 else _first_shared_byte(group))
+                if pair is not None:
+                    raise EngineError(f"tensors {pair[0]} and {pair[1]} share part of their memory in the module "
+                                      "(overlapping views, not one tied tensor): applying a version in place cannot "
+                                      "give both their bytes; make them one tied parameter, or separate tensors")
+            group = []
+        if t is None:
+            break
+        if not group:
+            device, reach = dev, end
+        reach = max(reach, end)
+        group.append((name, t))
 
 
 def _check_compatible(name: str, target: torch.Tensor, seg: Segment) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Unpack
 
 from deltafs.errors import SourceError, UsageError
@@ -32,7 +32,7 @@ from deltafs.publish.device_diff import DeviceBaseline, baseline_push
 from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_bytes, make_shard, shard_file_name
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.publish.pipeline import DistributedPushError, RankWork, World, collective, run
-from deltafs.publish.source import Piece, memory_source, safetensors_segments
+from deltafs.publish.source import MAX_HEADER_BYTES, Piece, memory_source, safetensors_segments
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -96,7 +96,7 @@ def _broken(exc: RuntimeError) -> DistributedPushError:
 class _Owned:
     tensors: list[tuple[str, str, tuple[int, ...], int]]  # name, safetensors dtype, shape, bytes
     files: dict[str, tuple[str, int]]  # extra file path -> (sha256, size)
-    file_tensors: dict[str, list[str]]  # extra .safetensors file path -> the tensor names it holds
+    file_tensors: dict[str, list[str]] = field(default_factory=dict)  # extra .safetensors path -> its tensor names
 
 
 def _describe(tensors: Mapping[str, Any], extra_files: Mapping[str, bytes]) -> _Owned:
@@ -108,8 +108,8 @@ def _describe(tensors: Mapping[str, Any], extra_files: Mapping[str, bytes]) -> _
             raise UsageError(f"extra file {path} must be bytes")
         files[path] = (hashlib.sha256(data).hexdigest(), len(data))
         if isinstance(path, str) and path.endswith(".safetensors"):
-            try:
-                segs = safetensors_segments(path, bytes(data), len(data))
+            try:  # the header only: the file itself may be large
+                segs = safetensors_segments(path, bytes(memoryview(data)[:8 + MAX_HEADER_BYTES]), len(data))
             except SourceError:
                 continue  # the rank's own source check says what is wrong, on that rank
             file_tensors[path] = [seg.key[2:] for seg in segs if seg.kind == "tensor"]
@@ -155,12 +155,15 @@ def _layout(owned: list[_Owned], world: int) -> _Layout:
                 file_writer[path], file_digest[path] = rank, sha
             elif file_digest[path] != sha:
                 problems.append(f"extra file {path} differs between ranks {file_writer[path]} and {rank}")
+    in_files: dict[str, str] = {}
     for path, rank in sorted(file_writer.items()):
         for name in owned[rank].file_tensors.get(path, ()):
             if name in owner:
                 problems.append(f"tensor {name} of extra file {path} (rank {rank}) is also pushed by rank {owner[name][0]}")
+            elif name in in_files:
+                problems.append(f"tensor {name} is in extra files {in_files[name]} and {path}")
             else:
-                owner[name] = (rank, "", ())
+                in_files[name] = path
     nested = path_clash(set(file_writer) | set(shard_of.values()) | {INDEX_FILE})
     if nested is not None:
         problems.append(f"{nested[0]} would be both a file and the directory of {nested[1]}")

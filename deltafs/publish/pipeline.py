@@ -364,7 +364,8 @@ class _Rank:
                 if base is not None and self._shares_files(files, base):
                     # A base file the cache had hard-linked changed under the same inode with its old mtime (cp -p,
                     # rsync --inplace -t): _rewritten_in_place cannot see that, so say it here. Copy from now on.
-                    open(os.path.join(self.cache_root, NO_LINK_FLAG), "a").close()
+                    with contextlib.suppress(OSError):  # best effort: the error to report is the base's
+                        open(os.path.join(self.cache_root, NO_LINK_FLAG), "a").close()
                 self.discard()
                 if attempt or self.rederive:
                     raise  # the cache was just rebuilt from the store: something else is wrong

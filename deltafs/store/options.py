@@ -113,15 +113,20 @@ def check_option_values(protocol: str, options: Mapping[str, Any]) -> None:
         if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise UsageError(f"{where} endpoint_url must be an http:// or https:// URL, not {endpoint!r}")
     for name in _DICT_OPTIONS:
-        if name in options and not isinstance(options[name], dict):
+        if options.get(name) is not None and not isinstance(options[name], dict):
             raise UsageError(f"{where} {name} must be a JSON object, not {options[name]!r}")
+    inner = (options.get("client_kwargs") or {}).get("endpoint_url")
+    if inner is not None:
+        parsed = urlsplit(inner) if isinstance(inner, str) else None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UsageError(f"{where} client_kwargs.endpoint_url must be an http:// or https:// URL, not {inner!r}")
     retries = (options.get("config_kwargs") or {}).get("retries")
     if retries is not None and not isinstance(retries, dict):
         raise UsageError(f"{where} config_kwargs.retries must be a JSON object (e.g. {{\"max_attempts\": 3}}), "
                          f"not {retries!r}")
     for name in _TEXT_OPTIONS:
-        if name == "token" and protocol in ("gs", "gcs"):
-            continue  # gcsfs takes a token file, "anon", "cloud", or the credentials as an object
+        if protocol in ("gs", "gcs") and (name == "token" or (name == "project" and type(options.get(name)) is int)):
+            continue  # gcsfs takes a token file, "anon", "cloud" or the credentials as an object; a numeric project
         if options.get(name) is not None and not isinstance(options[name], str):
             raise UsageError(f"{where} {name} must be text, not {options[name]!r}")
     if "anon" in options and type(options["anon"]) is not bool:

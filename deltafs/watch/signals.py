@@ -27,17 +27,19 @@ def handler(work: Callable[[], object], name: str = "deltafs-signal") -> Callabl
     return run
 
 
-_deferred = False  # finish_switch_first let one signal pass during a switch
+_deferred = 0  # the switch (inflight serial) during which finish_switch_first let one signal pass
 
 
 def finish_switch_first(signum: int, frame: Any) -> None:
     """SIGTERM / SIGINT handler for one-shot commands (`watch --once`, `pull --engine`): end the command at once
     (KeyboardInterrupt: exit 130, a pull's staging is crash-safe) unless an engine switch runs in this process,
     which is let finish, since the engine would be left paused or mid-load. A second signal during the same switch
-    interrupts it all the same (its own cleanup still resumes the engine)."""
+    interrupts it all the same (its own cleanup still resumes the engine, and the switch record stays for the next
+    process); a later switch again lets one signal pass."""
     global _deferred
-    if inflight.in_switch() and not _deferred:
-        _deferred = True
+    switch = inflight.in_switch()
+    if switch and switch != _deferred:
+        _deferred = switch
         # No logging here: a handler runs between two bytecodes and must not wait for a lock (see above).
         os.write(2, f"deltafs: {signal.Signals(signum).name} during an engine switch: finishing the switch first "
                     "(send it again to interrupt)\n".encode())

@@ -7,6 +7,7 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from sglang_standin import build_model, random_weights, tiny_config
@@ -553,3 +554,50 @@ def test_a_module_on_the_meta_device_is_refused_with_what_to_do(tmp_path):
     model.to_empty(device="cpu")
     engine.switch(Target(path, "1"), None)
     assert_module_holds(model, v1)
+
+
+def test_the_overlap_check_agrees_with_a_byte_by_byte_comparison():
+    """_first_shared_byte (one sort over every element) against sets of bytes, on random strided, expanded and
+    re-typed views of one buffer."""
+    import random
+
+    from deltafs.engines.torch_module import _first_shared_byte, _layout_key
+
+    rng = random.Random(5)
+    base = torch.zeros(4096, dtype=torch.uint8)
+    for _ in range(300):
+        views = []
+        for k in range(rng.randint(2, 4)):
+            dtype = rng.choice([torch.uint8, torch.int16, torch.float32])
+            item = torch.tensor([], dtype=dtype).element_size()
+            typed = base[rng.randrange(0, 64) * 4:].view(dtype) if item > 1 else base[rng.randrange(0, 256):]
+            shape = (rng.randint(1, 6), rng.randint(1, 6))
+            stride = (rng.randint(0, 12), rng.randint(0, 3))
+            views.append((f"t{k}", typed.as_strided(shape, stride)))
+
+        def bytes_of(t: torch.Tensor) -> set[int]:
+            item = t.element_size()
+            starts = {t.data_ptr() + item * sum(i * st for i, st in zip(idx, t.stride(), strict=True))
+                      for idx in np.ndindex(*t.shape)}
+            return {b + j for b in starts for j in range(item)}
+
+        layouts = {}
+        for name, t in views:
+            layouts.setdefault(_layout_key(t), (name, t))
+        distinct = list(layouts.values())
+        expected = any(bytes_of(a) & bytes_of(b) for i, (_, a) in enumerate(distinct) for _, b in distinct[i + 1:])
+        assert (_first_shared_byte(views) is not None) == expected, views
+
+
+def test_a_view_of_another_shape_over_the_same_bytes_is_a_tie(publish):
+    """w and w.view(-1) hold the same bytes in the same order: tied (their digests must agree), not an overlap."""
+    v1 = {"w": torch.arange(12.0).reshape(3, 4), "flat": torch.arange(12.0)}
+    v2 = {"w": v1["w"] + 1, "flat": v1["flat"] + 1}
+    p1, p2 = publish(v1), publish(v2)
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.zeros(3, 4))
+    module.register_buffer("flat", module.w.view(-1))
+    engine = TorchModuleEngine(module)
+    engine.switch(Target(p1, "1"), None)
+    engine.switch(Target(p2, "2"), Target(p1, "1"))
+    assert torch.equal(module.w, v2["w"]) and engine.applier.verify() == []

@@ -87,6 +87,7 @@ def test_a_backend_without_atomic_create_is_named(caplog):
     ("s3://b/run", {"key": 123}, "key must be text"),
     ("s3://b/run", {"anon": "yes"}, "anon must be true or false"),
     ("gs://b/run", {"endpoint_url": "localhost:4443"}, "endpoint_url must be an http:// or https:// URL"),
+    ("s3://b/run", {"client_kwargs": {"endpoint_url": "minio:9000"}}, "client_kwargs.endpoint_url must be"),
 ])
 def test_storage_option_values_of_the_wrong_kind_are_usage_errors(url, options, message):
     """Each was an AttributeError or ValueError deep in botocore or gcsfs at the first request: "internal error",
@@ -113,3 +114,13 @@ def test_store_urls_that_are_almost_right_are_refused(url, message, tmp_path, mo
     with pytest.raises(UsageError, match=message):
         open_objects(url, {})
     assert not os.listdir(tmp_path)
+
+
+
+def test_storage_option_values_that_backends_accept_still_pass():
+    """null for an object option (s3fs's own default), a numeric GCS project, a token object for GCS."""
+    from deltafs.store.options import check_option_values
+
+    check_option_values("s3", {"config_kwargs": None, "client_kwargs": None, "endpoint_url": "http://127.0.0.1:9000",
+                               "client_kwargs_extra": None})
+    check_option_values("gs", {"project": 12345, "token": {"type": "service_account"}, "endpoint_url": "https://x"})

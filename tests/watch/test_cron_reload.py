@@ -127,14 +127,40 @@ def test_sigterm_during_a_cron_switch_lets_it_finish(trainer, tmp_path, engine_s
 
 
 def test_a_signal_outside_a_switch_interrupts_and_a_second_one_inside_it_too():
+    """One signal per switch is let pass; a second interrupts; the next switch lets one pass again."""
     from deltafs.engines import inflight
     from deltafs.watch import signals
 
     with pytest.raises(KeyboardInterrupt):
         signals.finish_switch_first(15, None)
-    signals._deferred = False
-    with inflight.switching():
-        signals.finish_switch_first(15, None)  # let pass once
-        with pytest.raises(KeyboardInterrupt):
-            signals.finish_switch_first(15, None)
-    signals._deferred = False
+    for _ in range(2):
+        with inflight.switching():
+            signals.finish_switch_first(15, None)  # let pass once
+            with pytest.raises(KeyboardInterrupt):
+                signals.finish_switch_first(15, None)
+    with pytest.raises(KeyboardInterrupt):
+        signals.finish_switch_first(2, None)
+
+
+def test_an_interrupted_switch_leaves_its_record_for_the_next_process(tmp_path):
+    """A second signal interrupts a switch whose load may still run: the record stays, so the next watcher or cron
+    run waits for that load; a switch that ends (or fails with an error) removes it."""
+    import os
+
+    from deltafs.engines.base import Target
+    from deltafs.engines.inflight import SwitchRecord
+
+    dest = str(tmp_path / "dest")
+    os.makedirs(dest + ".deltafs")
+
+    class Remote:
+        url = "http://127.0.0.1:1"
+        load_timeout = 5.0
+
+    record = SwitchRecord(dest)
+    with pytest.raises(KeyboardInterrupt), record.around(Remote(), Target(dest, "2")):
+        raise KeyboardInterrupt
+    assert os.path.exists(record.path)
+    with pytest.raises(RuntimeError), record.around(Remote(), Target(dest, "2")):
+        raise RuntimeError("the switch failed")
+    assert not os.path.exists(record.path)
