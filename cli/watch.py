@@ -109,7 +109,7 @@ def watch_cmd(
             sub.sync()
             return EXIT_OK
         finally:
-            sub.close()
+            sub.close(stopped=False)  # one cycle: the host is not "stopped" (a daemon may serve beside it)
     # SIGTERM (systemd stop) and Ctrl-C end the loop in order: a switch in progress completes
     # and resumes the engine before the process exits. stop() runs in a thread: see deltafs.watch.signals.
     from deltafs.watch.signals import handler

@@ -21,11 +21,10 @@ from collections.abc import Iterator
 
 from deltafs.engines.base import Engine, Target
 from deltafs.errors import EngineError
-from deltafs.read.dest import LocalCheckpoint, atomic_write
+from deltafs.read.dest import SWITCH_RECORD, LocalCheckpoint, atomic_write
 
 log = logging.getLogger("deltafs.engines")
 
-RECORD_NAME = "engine-switch.json"
 _switches = 0  # switches running in this process (the watcher runs one at a time; a program may run several)
 _serial = 0  # switches started in this process: a signal handler tells one switch from the next by it
 _count_lock = threading.Lock()
@@ -55,7 +54,7 @@ class SwitchRecord:
     """DEST.deltafs/engine-switch.json: the version a switch asked the engine to load, while it runs."""
 
     def __init__(self, dest: str) -> None:
-        self.path = os.path.join(LocalCheckpoint(dest).sidecar, RECORD_NAME)
+        self.path = os.path.join(LocalCheckpoint(dest).sidecar, SWITCH_RECORD)
 
     def write(self, engine: Engine, target: Target) -> None:
         """Leave the record (best effort: a DEST disk full to the last byte still switches). Only for an engine in

@@ -23,6 +23,7 @@ import datetime as _dt
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
@@ -44,6 +45,8 @@ log = logging.getLogger("deltafs")
 SIDECAR_SUFFIX = ".deltafs"
 # Names deltafs gives the entries of its sidecar; cleanup touches nothing else.
 VERSION_DIR = re.compile(r"^v\d{10}-[0-9a-f]{8}$")
+# DEST.deltafs/<this> names the version an engine switch is loading while it runs (deltafs.engines.inflight).
+SWITCH_RECORD = "engine-switch.json"
 STATE_FILE = re.compile(r"^v\d{10}-[0-9a-f]{8}\.json$")
 STAGING_DIR = re.compile(r"^staging-[0-9a-f]{12}$")
 TEMP_FILE = re.compile(r"^\.tmp-[0-9a-f]{32}$")
@@ -321,12 +324,30 @@ class LocalCheckpoint:
         linked = self.linked_name()  # what state() reads, whatever its record says
         if linked is not None:
             survivors.add(linked)
+        loading = self.switch_target()  # a switch record whose process is gone: its load may still read it
+        if loading is not None:
+            survivors.add(loading)
         old = [n for n in versions if n not in survivors]
         if not old:
             return None
         staging = self._to_staging(os.path.join(self.sidecar, old[0]))
         _prune_for_reuse(staging, paths)
         return staging
+
+    def switch_target(self) -> str | None:
+        """The name of the version directory an engine switch asked its engine to load, while that switch's record
+        (SWITCH_RECORD, written by deltafs.engines.inflight) is beside DEST; None without one."""
+        try:
+            fd = os.open(os.path.join(self.sidecar, SWITCH_RECORD), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            with open(fd, "rb") as fh:
+                record = json.loads(fh.read(4096))
+            path = record["path"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return os.path.basename(os.path.normpath(path)) if isinstance(path, str) and path else None
 
     def _engine_switching(self) -> bool:
         """Whether another process holds this DEST's engine.lock (see lock(name="engine.lock")) now."""
@@ -440,6 +461,9 @@ class LocalCheckpoint:
             keep_names.add(n)
         if linked is not None:
             keep_names.add(linked)
+        loading = self.switch_target()  # another process's engine may be reading it now, whatever the count says
+        if loading is not None and loading in versions:
+            keep_names.add(loading)
         removed, doomed = [], []
         for n, st in entries.items():
             full = os.path.join(self.sidecar, n)

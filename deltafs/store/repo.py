@@ -37,6 +37,11 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 log = logging.getLogger("deltafs")
 
 
+class ForeignManifestError(FormatError):
+    """A manifest of another store: the store at this URL was deleted and made again (a new run) since this
+    Repository read its deltafs.json, or files were copied between stores."""
+
+
 class Repository:
     """Typed access to one store. Writers: chunks, then manifest (the commit), then HEAD."""
 
@@ -165,7 +170,7 @@ class Repository:
         if man.version != version:
             raise FormatError(f"{where} claims to be version {man.version}")
         if man.store_id != self.store_id:
-            raise FormatError(f"{where} belongs to store {man.store_id}, not {self.store_id}")
+            raise ForeignManifestError(f"{where} belongs to store {man.store_id}, not {self.store_id}")
         if man.chunk_bytes != self.config.chunk_bytes:
             raise FormatError(f"{where} declares chunk_bytes {man.chunk_bytes}, but the store's deltafs.json says "
                               f"{self.config.chunk_bytes}")

@@ -47,7 +47,7 @@ from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.pull import PullResult, pull
 from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
-from deltafs.store.repo import Repository
+from deltafs.store.repo import ForeignManifestError, Repository
 from deltafs.watch.boundary import Boundary, Immediate
 from deltafs.watch.group import GroupNotReadyError, ready_hosts, stable_path
 from deltafs.watch.ledger import (
@@ -240,8 +240,18 @@ class Subscriber:
         Raises on failure (store unreachable, nothing verifiable); the engine is untouched.
         """
         try:
+            return self._poll()
+        except ForeignManifestError as exc:
+            # The store was deleted and made again (a new run) since it was opened, and no poll saw it gone: open
+            # it afresh; this poll then compares DEST's store with it and replaces the old run's checkpoint.
+            log.warning("%s: the store at %s was made again since it was opened; opening it afresh", exc,
+                        self.store_url)
+            return self._poll()
+
+    def _poll(self) -> Staged | None:
+        try:
             head = self.repo.head()
-        except StoreError:
+        except (StoreError, ForeignManifestError):  # unreachable, or made again since it was opened
             self._forget_store()
             raise
         if head is None:
@@ -414,9 +424,11 @@ class Subscriber:
         self.close()
         return self.exit_code()
 
-    def close(self) -> None:
-        """Record "stopped" in the ledger and release the boundary and file watches."""
-        self._set_state("stopped")
+    def close(self, *, stopped: bool = True) -> None:
+        """Record "stopped" in the ledger (unless stopped=False: a one-shot `watch --once` beside a daemon or from
+        cron, which must not mark the host stopped) and release the boundary and file watches."""
+        if stopped:
+            self._set_state("stopped")
         self.boundary.close()
         if self._notifier is not None:
             self._notifier.close()
@@ -444,6 +456,11 @@ class Subscriber:
         for version in candidates[:3]:
             try:
                 return self._pull_one(version)
+            except ForeignManifestError:
+                # The store was deleted and made again (a new run) between two polls: open it afresh, and the next
+                # poll compares DEST's store with it (it replaces the old run's checkpoint).
+                self._forget_store()
+                raise
             except (VersionNotFoundError, FormatError, NothingVerifiableError) as exc:
                 errors.append(f"version {version}: {exc}")
                 log.warning("version %d cannot be used: %s", version, exc)
@@ -484,7 +501,7 @@ class Subscriber:
             return pull(self.repo, self.dest, force=True, **kwargs)
         except (DestinationError, LocalWriteError):
             raise  # DEST's own problems (exit 9, 12): no other version would fare better
-        except (LockHeldError, StoreError, VersionNotFoundError):
+        except (LockHeldError, StoreError, VersionNotFoundError, ForeignManifestError):
             raise
         except DeltafsError as exc:
             raise NothingVerifiableError(f"version {version} cannot be verified: {exc}") from exc

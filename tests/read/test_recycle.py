@@ -261,3 +261,30 @@ def test_no_version_is_recycled_while_an_engine_switch_holds_the_engine_lock(tmp
     assert files_of(dest) == files_of(src[2])
     pull(store, dest, version=4, keep=2)  # no switch: recycling as before
     assert files_of(dest) == files_of(src[3])
+
+
+def test_the_version_a_switch_record_names_is_neither_removed_nor_recycled(tmp_path, maker):
+    """A cron `pull --engine` loading version 3 while the watcher pulled 4, 5 and 6: the watcher's cleanup (keep 3:
+    the newest two and what it serves) removed version 3's directory mid-load, and the engine failed reading
+    config.json (adversarial pass). The version DEST.deltafs/engine-switch.json names stays, and is not recycled."""
+    import json
+    import os
+
+    from deltafs.publish import push
+    from deltafs.read.dest import SWITCH_RECORD, LocalCheckpoint
+    from deltafs.read.pull import pull
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    loading = None
+    for step in range(6):
+        push(store, maker.write())
+        maker.advance()
+        res = pull(store, dest, keep=3)
+        if step == 2:
+            loading = res.path
+            with open(os.path.join(dest + ".deltafs", SWITCH_RECORD), "w") as fh:
+                json.dump({"version": "3", "path": loading, "pid": 1, "deadline": 0}, fh)
+            before = {f: os.stat(os.path.join(loading, f)).st_ino for f in os.listdir(loading)}
+    assert loading is not None and os.path.isdir(loading)
+    assert {f: os.stat(os.path.join(loading, f)).st_ino for f in os.listdir(loading)} == before  # not rewritten
+    assert LocalCheckpoint(dest).switch_target() == os.path.basename(loading)

@@ -166,6 +166,32 @@ def test_a_store_recreated_at_the_same_url_replaces_the_old_runs_checkpoint(tmp_
     sub.close()
 
 
+def test_a_store_made_again_between_two_polls_is_noticed_without_a_restart(tmp_path):
+    """The store deleted and a new run pushed past the old run's version between two polls (no poll saw it gone):
+    the watcher kept its open store and failed every cycle on "manifest of version 4 belongs to store X, not Y",
+    serving the old run until restarted (adversarial pass). The foreign manifest makes it open the store again;
+    the next cycle replaces DEST with the new run's newest version."""
+    from deltafs.read.pull import local_version
+    from watch_helpers import Trainer
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    old = Trainer(store, str(tmp_path / "cache-old"))
+    for _ in range(3):
+        old.push()
+    sub = Subscriber(store, dest, None, host_id="pull-only", **FAST)
+    sub.start()
+    assert sub.sync().version == 3
+    shutil.rmtree(store)
+    new = Trainer(store, str(tmp_path / "cache-new"))
+    for _ in range(4):
+        new.push()
+    applied = sub.sync()  # its open store reads the new run's manifests (ForeignManifestError): reopened at once
+    assert applied is not None and applied.version == 4
+    state = local_version(dest)
+    assert state.version == 4 and state.store_id == Repository.open(store).store_id
+    sub.close()
+
+
 def test_a_dest_disk_for_two_versions_still_takes_updates(tmp_path, monkeypatch):
     """The watcher keeps three versions; where the third does not fit (ENOSPC) it pulls again keeping two, as pull
     does by default (it failed every retry, and called the full disk an integrity failure, exit 6)."""
