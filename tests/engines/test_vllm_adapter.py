@@ -213,7 +213,7 @@ def test_busy_requests_sums_vllms_scheduler_gauges(server):
     server.running, server.waiting = 2, 3
     assert engine.busy_requests() == 5  # waiting_by_reason is a different metric
     server.stop()
-    with pytest.raises(EngineError, match="cannot reach vLLM"):  # an error is never "idle"
+    with pytest.raises(EngineError):  # an error is never "idle" (refused, or reset while the server shuts down)
         engine.busy_requests()
 
 
@@ -224,7 +224,9 @@ def test_busy_requests_that_cannot_be_read_raise_and_missing_gauges_mean_no_load
     with pytest.raises(EngineError, match="GET /metrics answered HTTP 500"):
         engine.busy_requests()
     monkeypatch.setattr(server, "metrics_text", lambda: "# HELP other\nother_metric 1\n")
-    assert engine.busy_requests() is None
+    # A new client: the server may close the connection that carried its 500, and a request that finds it closed
+    # a moment too late fails as unreachable (a race of the test's, not of the adapter's answer).
+    assert VLLMEngine(server.url).busy_requests() is None
 
 
 def test_resume_is_retried_then_says_the_engine_may_still_be_paused(server):
