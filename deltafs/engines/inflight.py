@@ -54,7 +54,8 @@ class SwitchRecord:
     """DEST.deltafs/engine-switch.json: the version a switch asked the engine to load, while it runs."""
 
     def __init__(self, dest: str) -> None:
-        self.path = os.path.join(LocalCheckpoint(dest).sidecar, SWITCH_RECORD)
+        self.local = LocalCheckpoint(dest)
+        self.path = os.path.join(self.local.sidecar, SWITCH_RECORD)
 
     def write(self, engine: Engine, target: Target) -> None:
         """Leave the record (best effort: a DEST disk full to the last byte still switches). Only for an engine in
@@ -89,23 +90,22 @@ class SwitchRecord:
     def wait_for_killed(self, engine: Engine, stop: threading.Event | None = None) -> None:
         """A switch whose process was killed mid-load left its record: until the engine reports that version, or
         the load's time is up, the load may still run. Wait for it (or for stop), then drop the record."""
+        record = self.local.switch_record()
+        if record is None:
+            return
         try:
-            with open(self.path, "rb") as fh:
-                record = json.loads(fh.read(4096))
             version, deadline = str(record["version"]), float(record["deadline"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             return
         if time.time() < deadline:
             log.warning("a switch to version %s by a deltafs process that stopped may still be loading; waiting for "
                         "the engine to report it (up to %.0fs)", version, deadline - time.time())
-        while time.time() < deadline and not (stop is not None and stop.is_set()):
+        stop = stop if stop is not None else threading.Event()
+        while time.time() < deadline and not stop.is_set():
             try:
                 if engine.served_version() == version:
                     break
             except EngineError:
                 break  # not reachable: no load of ours is running there
-            if stop is not None:
-                stop.wait(1.0)
-            else:
-                time.sleep(1.0)
+            stop.wait(1.0)
         self.clear()

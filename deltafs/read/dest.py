@@ -334,9 +334,9 @@ class LocalCheckpoint:
         _prune_for_reuse(staging, paths)
         return staging
 
-    def switch_target(self) -> str | None:
-        """The name of the version directory an engine switch asked its engine to load, while that switch's record
-        (SWITCH_RECORD, written by deltafs.engines.inflight) is beside DEST; None without one."""
+    def switch_record(self) -> dict[str, Any] | None:
+        """The record an engine switch keeps beside DEST while it runs (SWITCH_RECORD, written by
+        deltafs.engines.inflight): a JSON object, or None without one (missing, a planted link, unreadable)."""
         try:
             fd = os.open(os.path.join(self.sidecar, SWITCH_RECORD), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -344,9 +344,13 @@ class LocalCheckpoint:
         try:
             with open(fd, "rb") as fh:
                 record = json.loads(fh.read(4096))
-            path = record["path"]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError):
             return None
+        return record if isinstance(record, dict) else None
+
+    def switch_target(self) -> str | None:
+        """The name of the version directory the running switch asked its engine to load; None without one."""
+        path = (self.switch_record() or {}).get("path")
         return os.path.basename(os.path.normpath(path)) if isinstance(path, str) and path else None
 
     def _engine_switching(self) -> bool:
