@@ -26,6 +26,7 @@ from typing import Any
 from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
 from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
 from deltafs.engines.http import HttpEngine, SwitchState, error_detail, one_line, short
+from deltafs.engines.versions import reported_version
 from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.engines.sglang")
@@ -176,7 +177,7 @@ class SGLangEngine(HttpEngine):
         return info
 
     def served_version(self) -> str | None:
-        return _version_of(self.model_info())
+        return reported_version(self.model_info())
 
     def served_path(self) -> str | None:
         """The model_path SGLang last loaded (its launch path until an update succeeds)."""
@@ -300,7 +301,7 @@ class SGLangEngine(HttpEngine):
             try:  # still loading: is the server alive, and did the load land already?
                 info = self.model_info(fresh=True)
                 unreachable = 0
-                if _version_of(info) == target.version and info.get("model_path") == target.path:
+                if reported_version(info) == target.version and info.get("model_path") == target.path:
                     log.info("%s reports version %s loaded before answering the update", self.url, target.version)
             except EngineUnreachableError:
                 unreachable += 1
@@ -361,7 +362,7 @@ class SGLangEngine(HttpEngine):
             except EngineUnreachableError as exc:
                 raise EngineDiedError(f"SGLang at {self.url} went away right after loading version "
                                       f"{target.version}: {exc}") from None
-            reported = _version_of(info)
+            reported = reported_version(info)
             if reported == target.version:
                 return
             seen.append(repr(reported))
@@ -377,9 +378,3 @@ class SGLangEngine(HttpEngine):
             return False, f"; rollback to version {previous.version} failed: {exc}"
         log.warning("rolled %s back to version %s", self.url, previous.version)
         return True, f"; serving version {previous.version} again"
-
-
-def _version_of(info: dict[str, Any]) -> str | None:
-    """The weight_version a /model_info answer reports, as text (SGLang's is a string; 3 and "3" are one version)."""
-    version = info.get("weight_version")
-    return None if version is None else str(version)

@@ -5,8 +5,16 @@ They live with the DEST layout in deltafs.read.dest; engines use them from here.
 
 from __future__ import annotations
 
+from typing import Any
+
 from deltafs.format.manifest import Manifest
 from deltafs.read.dest import find_version_dir, read_version_state, weight_version
+
+
+def reported_version(info: dict[str, Any]) -> str | None:
+    """The weight_version an engine's answer reports, as text (3 and "3" are one version), or None."""
+    version = info.get("weight_version")
+    return None if version is None else str(version)
 
 
 def read_version_manifest(version_dir: str) -> Manifest:
@@ -14,4 +22,4 @@ def read_version_manifest(version_dir: str) -> Manifest:
     return read_version_state(version_dir)[0]
 
 
-__all__ = ["find_version_dir", "read_version_manifest", "weight_version"]
+__all__ = ["find_version_dir", "read_version_manifest", "reported_version", "weight_version"]

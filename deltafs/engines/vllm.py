@@ -22,6 +22,7 @@ from typing import Any
 from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
 from deltafs.engines.base import EngineUnreachableError, Target
 from deltafs.engines.http import HttpEngine, SwitchState, error_detail, short
+from deltafs.engines.versions import reported_version
 from deltafs.errors import EngineError, UsageError
 
 log = logging.getLogger("deltafs.engines.vllm")
@@ -143,8 +144,7 @@ class VLLMEngine(HttpEngine):
         info = self._call("GET", VERSION_ROUTE, None, self.timeout)
         if not isinstance(info, dict):
             raise EngineError(f"GET {VERSION_ROUTE} did not answer a JSON object")
-        version = info.get("weight_version")
-        return None if version is None else str(version)
+        return reported_version(info)
 
     def busy_requests(self) -> int | None:
         """Running plus waiting requests over all engines, from the Prometheus gauges at GET /metrics.

@@ -107,19 +107,15 @@ def check_option_values(protocol: str, options: Mapping[str, Any]) -> None:
     if protocol not in ("s3", "s3a", "gs", "gcs"):
         return  # the local and memory stores take none of these (check_option_names refuses them)
     where = f"storage option for {protocol}://"
-    endpoint = options.get("endpoint_url")
-    if endpoint is not None:
-        parsed = urlsplit(endpoint) if isinstance(endpoint, str) else None
-        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise UsageError(f"{where} endpoint_url must be an http:// or https:// URL, not {endpoint!r}")
     for name in _DICT_OPTIONS:
         if options.get(name) is not None and not isinstance(options[name], dict):
             raise UsageError(f"{where} {name} must be a JSON object, not {options[name]!r}")
-    inner = (options.get("client_kwargs") or {}).get("endpoint_url")
-    if inner is not None:
-        parsed = urlsplit(inner) if isinstance(inner, str) else None
-        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise UsageError(f"{where} client_kwargs.endpoint_url must be an http:// or https:// URL, not {inner!r}")
+    for name, endpoint in (("endpoint_url", options.get("endpoint_url")),
+                           ("client_kwargs.endpoint_url", (options.get("client_kwargs") or {}).get("endpoint_url"))):
+        if endpoint is not None:
+            parsed = urlsplit(endpoint) if isinstance(endpoint, str) else None
+            if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise UsageError(f"{where} {name} must be an http:// or https:// URL, not {endpoint!r}")
     retries = (options.get("config_kwargs") or {}).get("retries")
     if retries is not None and not isinstance(retries, dict):
         raise UsageError(f"{where} config_kwargs.retries must be a JSON object (e.g. {{\"max_attempts\": 3}}), "
