@@ -9,6 +9,7 @@ after a failure) stays in the adapter module.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -74,16 +75,16 @@ class HttpEngine:
         """
         url = self.url + route
         sender = self._requests if fresh else self._session
+        request = functools.partial(sender.request, method, url, json=body, params=params, headers=headers,
+                                    timeout=(self.timeout, timeout))
         try:
             if timeout is None:
-                return sender.request(method, url, json=body, params=params, headers=headers,
-                                      timeout=(self.timeout, None))
+                return request()
             # requests' read timeout bounds each wait for a byte, not the answer: a server that sends one byte
             # every few seconds would hold the switch (and a paused engine) forever. The whole exchange gets
             # connect + read timeout; past it the request is left to finish in its thread, on its own session.
             limit = self.timeout + timeout
-            done, answer = _within(limit, sender.request, method, url, json=body, params=params, headers=headers,
-                                   timeout=(self.timeout, timeout))
+            done, answer = _within(limit, request)
             if not done:
                 if sender is self._session:
                     self._session = self._requests.Session()

@@ -229,15 +229,12 @@ def _manifest(repo: Repository, version: int) -> Manifest:
     """A manifest, or FormatError naming it: gc never plans around one it cannot read."""
     try:
         return repo.manifest(version)
-    except StoreError as exc:
-        if isinstance(exc, ObjectNotFoundError):
-            raise FormatError(f"gc stopped: the manifest of version {version} cannot be read ({exc}); "
-                              "run 'deltafs verify --all'") from None
-        # The store stopped answering while gc planned (nothing is removed before the plan is whole): not a
-        # damaged store, so not "run verify" (exit 3, as any store outage).
-        raise StoreError(f"gc stopped before removing anything: the manifest of version {version} cannot be read "
-                         f"({exc})") from None
     except DeltafsError as exc:
+        if isinstance(exc, StoreError) and not isinstance(exc, ObjectNotFoundError):
+            # The store stopped answering while gc planned (nothing is removed before the plan is whole): not a
+            # damaged store, so not "run verify" (exit 3, as any store outage).
+            raise StoreError(f"gc stopped before removing anything: the manifest of version {version} cannot be "
+                             f"read ({exc})") from None
         raise FormatError(f"gc stopped: the manifest of version {version} cannot be read ({exc}); "
                           "run 'deltafs verify --all'") from None
 
