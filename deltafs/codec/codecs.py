@@ -603,19 +603,28 @@ class Sparse:
         rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(map(len, stored)))
         return rec, streams.seal(stored)
 
+    def _stored_streams(self, data: memoryview, gi: int, pos: int, *, as_arrays: bool) -> tuple[list[Any], int]:
+        """Group gi's 5 + width streams from the payload at pos, decompressed where stored as a zstd frame; raw
+        ones as views of the payload (uint8 arrays with as_arrays). Returns them and the position after them."""
+        parts: list[Any] = []
+        per = 5 + self.width
+        for j, plain in enumerate(self.groups[gi].stream_sizes(self.width)):
+            stored = self.frames[gi * per + j]
+            piece = data[pos:pos + stored]
+            if stored == plain:  # raw (stored length = decoded length): no name for errors to format
+                parts.append(np.frombuffer(piece, np.uint8) if as_arrays else piece)
+            else:
+                parts.append(streams.decompress(piece, plain, f"sparse stream {gi}.{j}"))
+            pos += stored
+        return parts, pos
+
     def _decode_compiled(self, c: Any, data: memoryview, b: np.ndarray, n: int,
                          out: np.ndarray | None) -> np.ndarray | None:
         """decode() of a chunk without split in one compiled call (native.ungroup): the streams are checked and
         the changes added while base is copied into out. None, with out untouched, when the compiled checks refuse
         the streams: the numpy path then decodes them again and says what is wrong."""
         g, width = self.groups[0], self.width
-        parts: list[Any] = []
-        pos = 0
-        for j, plain in enumerate(g.stream_sizes(width)):
-            stored = self.frames[j]
-            piece = data[pos:pos + stored]
-            parts.append(piece if stored == plain else streams.decompress(piece, plain, f"sparse stream 0.{j}"))
-            pos += stored
+        parts, _ = self._stored_streams(data, 0, 0, as_arrays=False)
         planes = parts[5] if width == 1 else b"".join(parts[5:])
         target = np.empty(n * width, np.uint8) if out is None else out
         status = c.ungroup(target, None if target is b else b, width, n, g.count, g.rice, g.big, g.big_rice,
@@ -646,17 +655,9 @@ class Sparse:
         bw = b.view(dtype)
         index = split_index(bw, self.split) if self.split else None
         pos = 0
-        per = 5 + self.width
         updates = []
         for gi, g in enumerate(self.groups):
-            parts = []
-            for j, plain in enumerate(g.stream_sizes(self.width)):
-                stored = self.frames[gi * per + j]
-                piece = data[pos:pos + stored]
-                # Raw streams (stored length = decoded length) need no name for errors: skip formatting one.
-                parts.append(np.frombuffer(piece, np.uint8) if stored == plain
-                             else streams.decompress(piece, plain, f"sparse stream {gi}.{j}"))
-                pos += stored
+            parts, pos = self._stored_streams(data, gi, pos, as_arrays=True)
             if index is None:
                 space = n
             else:
