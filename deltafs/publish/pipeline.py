@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
-from deltafs.errors import DeltafsError
+from deltafs.errors import DeltafsError, is_local_write_failure, local_write_error
 from deltafs.format.manifest import FileEntry, Manifest, path_clash
 from deltafs.parallel import default_threads
 from deltafs.progress import Progress
@@ -204,7 +204,7 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
             rank.discard()
         assert outcome.manifest is not None
         man = Manifest.from_bytes(outcome.manifest, where=f"manifest of version {decision.version}")
-        rank.install(man)
+        rank.install_committed(man)
         rank.close_guard()
         fold_bytes = rank.fold(man) if opts.fold else 0
     return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes,
@@ -215,6 +215,10 @@ def _from_copy(files: list[SourceFile], root: str) -> list[SourceFile]:
     """files, with the in-memory ones (push_tensors) read from their copy under `root` (a push cache that holds this
     version) instead of from the tensors: an accelerator's tensors would otherwise cross to the host a second time."""
     return [f if f.pieces is None else replace(f, abspath=os.path.join(root, f.path), pieces=None) for f in files]
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.abspath(path).startswith(os.path.join(os.path.abspath(root), ""))
 
 
 def _moved(f: SourceFile, old: str, new: str) -> SourceFile:
@@ -243,6 +247,10 @@ class _Rank:
 
     # --- caches ----------------------------------------------------------------------------
     def open(self) -> None:
+        with self._cache_writes():
+            self._open()
+
+    def _open(self) -> None:
         repo = self.open_repo()
         if repo.store_id != self.decision.store_id:
             raise DeltafsError(f"rank {self.world.rank} sees another store at {repo.url} than the root rank")
@@ -331,8 +339,26 @@ class _Rank:
             return False
         return any(src.st_mtime_ns > installed for src in cls._linked(files, base))
 
+    @contextlib.contextmanager
+    def _cache_writes(self) -> Iterator[None]:
+        """A full disk, a read-only or clashing path while this rank writes its push cache: exit 12 naming the
+        cache (an OSError from write() names no file). The store's own write failures are store errors already."""
+        try:
+            yield
+        except OSError as exc:
+            root = getattr(self, "cache_root", None)  # set by open(), which may be what failed
+            named = os.fsdecode(exc.filename) if isinstance(exc.filename, (str, bytes, os.PathLike)) else None
+            if not is_local_write_failure(exc) or (named is not None and (root is None or not _inside(named, root))):
+                raise  # not a write of the cache (a source file turned into a directory, say): as it is
+            raise local_write_error(exc, named or root or "the push cache", " (the push cache: free space there, or "
+                                    "choose another with --cache or DELTAFS_CACHE)") from None
+
     # --- encode ----------------------------------------------------------------------------
     def encode(self, *, progress: bool) -> RankReport:
+        with self._cache_writes():
+            return self._encode(progress=progress)
+
+    def _encode(self, *, progress: bool) -> RankReport:
         if not self.files:
             return RankReport([], EncodeStats(), False, False, ([], EncodeStats()) if self.decision.bridge else None)
         rederived = False
@@ -469,6 +495,18 @@ class _Rank:
         except (DeltafsError, OSError) as exc:
             log.warning("version %s goes without its bridge: %s", man.version, exc)
             return 0
+
+    def install_committed(self, man: Manifest) -> None:
+        """install(), after the commit: the version is published whatever happens here, so a push cache that
+        cannot take it (a full disk) is a warning, and the next push rebuilds its base from the store."""
+        try:
+            self.install(man)
+        except (DeltafsError, OSError) as exc:
+            log.warning("version %s is committed, but the push cache at %s could not take it (%s); the next push "
+                        "rebuilds its base from the store", man.version, self.cache_root,
+                        exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+            with contextlib.suppress(OSError):
+                self.discard()
 
     def install(self, man: Manifest) -> None:
         if self.stage is None:

@@ -5,6 +5,7 @@ Each test mounts a small tmpfs (root only; skipped where mount is refused).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 
@@ -199,3 +200,59 @@ def test_a_keyframe_push_that_runs_out_of_space_publishes_all_or_nothing(tmp_pat
         assert files_of(dest) == files_of(srcs[2]), extra
         subprocess.run(["rm", "-rf", store], check=True)
     assert outcomes == {True, False}  # the sweep crossed the edge
+
+
+def _fill(disk: str) -> str:
+    """Fill the filesystem of `disk` to the last byte; returns the filler's path."""
+    filler = os.path.join(disk, "filler")
+    with open(filler, "wb") as fh:
+        with contextlib.suppress(OSError):
+            while True:
+                fh.write(b"\0" * MiB)
+                fh.flush()
+    with contextlib.suppress(OSError), open(filler, "ab") as fh:  # the last partial page
+        while True:
+            fh.write(b"\0" * 512)
+            fh.flush()
+    return filler
+
+
+def test_a_full_push_cache_never_fails_a_committed_push_and_names_the_cache(tmp_path, small_disk):
+    """The push cache's disk is full (adversarial pass): a delta push whose chunks patched the cache in place
+    committed its version, then failed to record the new cache state and exited 12 with a path-less "No space
+    left on device" and no JSON, so a trainer retried and published the step twice. The commit stands now: exit 0,
+    the result, a warning naming the cache; the next push, which cannot rebuild its base there, fails with one line
+    naming the cache and how to move it; with space again the pushes go on and pull the trainer's bytes."""
+    import json
+
+    rng = np.random.default_rng(11)
+    # Many tensors: the new version's cache record (its manifest, a delta) needs more pages than the old one freed.
+    base = {f"layer.{i}.w": rng.standard_normal(2048).astype(np.float32) for i in range(300)}
+    srcs = []
+    for i in range(3):
+        tensors = {}
+        for name, arr in base.items():
+            arr = arr.copy()
+            arr[rng.choice(arr.size, 20, replace=False)] += np.float32(1e-3 * (i + 1))
+            tensors[name] = ("F32", (arr.size,), arr.tobytes())
+        src = tmp_path / f"src{i}"
+        write_safetensors(str(src / "model.safetensors"), tensors)
+        srcs.append(str(src))
+    store = str(tmp_path / "store")
+    disk = small_disk(12 * MiB)
+    cache = os.path.join(disk, "cache")
+    deltafs("push", srcs[0], store, "--cache", cache, check=0)
+    filler = _fill(disk)
+    proc = deltafs("push", srcs[1], store, "--cache", cache, "--json")
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert json.loads(proc.stdout)["version"] == 2
+    assert "version 2 is committed" in proc.stderr and cache in proc.stderr and "No space left" in proc.stderr
+    line = one_line(deltafs("push", srcs[2], store, "--cache", cache), 12, "No space left", cache, "--cache")
+    assert line.startswith("deltafs: error: cannot write")
+    assert [v["version"] for v in json.loads(deltafs("log", store, "--json", check=0).stdout)["versions"]] == [1, 2]
+    os.remove(filler)
+    deltafs("push", srcs[2], store, "--cache", cache, check=0)
+    dest = str(tmp_path / "dest")
+    deltafs("pull", store, dest, check=0)
+    assert files_of(dest) == files_of(srcs[2])
+    deltafs("verify", store, "--all", check=0)
