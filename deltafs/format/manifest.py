@@ -387,6 +387,12 @@ class Manifest:
             "files": [f.to_json(self.format_version) for f in self.files],
         }
 
+    def count(self, name: str, default: int = 0) -> int:
+        """stats[name] where it is a non-negative integer, else `default`: stats are informative (FORMAT.md), so a
+        missing or odd value (another writer's null, a string) reads as absent instead of failing `log` or a push."""
+        value = self.stats.get(name)
+        return value if type(value) is int and value >= 0 else default
+
     def seal(self) -> Manifest:
         """Return a copy whose digest field is the hash of its body."""
         return replace(self, digest="sha256:" + sha256_hex(canonical_json(self.body())))

@@ -77,13 +77,12 @@ def log(store: str | Repository, *, storage_options: dict[str, Any] | None = Non
         man = repo.manifest(v)
         if isinstance(since, str) and man.created < since:
             break  # versions are committed in time order: older ones follow
-        st = man.stats
-        written = int(st.get("chunk_bytes_stored", 0)) + repo.manifest_size(v)
-        full = int(st.get("full_bytes", man.raw_bytes))
-        total = int(st.get("elements_total", 0))
-        changed = (int(st.get("elements_changed", 0)) / total if total else 0.0) if man.kind == "delta" else None
+        written = man.count("chunk_bytes_stored") + repo.manifest_size(v)
+        full = man.count("full_bytes", man.raw_bytes)
+        total = man.count("elements_total")
+        changed = (man.count("elements_changed") / total if total else 0.0) if man.kind == "delta" else None
         bridge = load_bridge_sized(repo, man)  # one get per full version shown that has a parent
-        bridge_bytes = None if bridge is None else int(bridge[0].stats.get("chunk_bytes_stored", 0)) + bridge[1]
+        bridge_bytes = None if bridge is None else bridge[0].count("chunk_bytes_stored") + bridge[1]
         out.append(LogEntry(v, man.kind, man.parent, changed, written, full, round(full / written, 2) if written else None,
                             man.created, man.metadata, head is not None and head.version == v, bridge_bytes))
     out.reverse()

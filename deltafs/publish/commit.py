@@ -65,8 +65,8 @@ def seal_manifest(repo: Repository, *, version: int, kind: str, parent: Manifest
         **stats_record(stats, sum(f.size for f in files)),
         # Delta bytes since the last full version (0 for a full version): what the keyframe budget compares, so
         # what readers fetch (the objects each delta names), not what this push happened to store.
-        "chain_bytes": referenced_bytes(files) + int(parent.stats.get("chain_bytes", 0)) if delta and parent else 0,
-        "since_full": int(parent.stats.get("since_full", 0)) + 1 if delta and parent else 0,
+        "chain_bytes": referenced_bytes(files) + parent.count("chain_bytes") if delta and parent else 0,
+        "since_full": parent.count("since_full") + 1 if delta and parent else 0,
         **(extra_stats or {}),
     }
     return Manifest(

@@ -38,7 +38,7 @@ class FoldPart:
 
 def fold_needed(man: Manifest) -> bool:
     """Only a delta two or more steps past its full version has a chain worth folding."""
-    return man.kind == "delta" and int(man.stats.get("since_full", 0)) >= 2
+    return man.kind == "delta" and man.count("since_full") >= 2
 
 
 def encode_fold_part(repo: Repository, man: Manifest, base: LocalState, keyframe: LocalCheckpoint,

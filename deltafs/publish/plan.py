@@ -48,10 +48,10 @@ def decide(repo: Repository, opts: PushOptions, full_bytes: int) -> Decision:
 
 def keyframe_due(parent: Manifest, full_bytes: int, every: int | None, budget: float | None) -> bool:
     """A full version is due after `every` versions, or once the deltas since the last one reach budget x full."""
-    since = int(parent.stats.get("since_full", 0))
+    since = parent.count("since_full")
     if every is not None and every > 0 and since + 1 >= every:
         return True
-    chain = int(parent.stats.get("chain_bytes", 0))
+    chain = parent.count("chain_bytes")
     return budget is not None and budget > 0 and chain >= budget * full_bytes
 
 

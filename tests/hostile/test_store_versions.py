@@ -30,3 +30,41 @@ def test_other_spellings_are_strays_not_silently_skipped(tmp_path, maker):
     versions, strays = Repository.open(url).list_manifests()
     assert versions == [1]
     assert strays == ["manifests/v00000000001.json", "manifests/v10000000000.json"]
+
+
+def test_odd_stats_of_another_writer_do_not_break_log_or_push(tmp_path, maker):
+    """Stats are informative (FORMAT.md): a manifest whose counts are null, strings or negative (another writer,
+    a hand edit, re-sealed) made `log` and every ordinary push fail with an internal error, exit 1 (adversarial
+    pass). They read as absent now: log shows the version, the push goes on, and what it pulls is right."""
+    import dataclasses
+    import json
+
+    from deltafs.format.records import Head
+
+    url = str(tmp_path / "store")
+    push(url, maker.write())
+    push(url, maker.write())
+    repo = Repository.open(url)
+    man = repo.manifest(2)
+    odd = {"full_bytes": "x", "chunk_bytes_stored": None, "elements_total": -5, "elements_changed": None,
+           "since_full": "y", "chain_bytes": "z", "chunks_total": 1.5}
+    bad = dataclasses.replace(man, stats=odd).seal()
+    with open(os.path.join(url, manifest_key(2)), "wb") as fh:
+        fh.write(bad.encode())
+    with open(os.path.join(url, "HEAD"), "wb") as fh:
+        fh.write(Head(2, bad.digest).to_bytes())
+    proc = run_cli("log", url, "--json")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)["versions"][1]
+    assert row["version"] == 2 and row["full_bytes"] == man.raw_bytes and row["changed_fraction"] == 0.0
+    assert run_cli("log", url).returncode == 0
+    src = maker.write()
+    proc = run_cli("push", src, url)
+    assert proc.returncode == 0 and "version 3 (delta)" in proc.stdout, (proc.stdout, proc.stderr)
+    assert Repository.open(url).manifest(3).stats["since_full"] == 1
+    dest = str(tmp_path / "dest")
+    assert run_cli("pull", url, dest).returncode == 0
+    assert run_cli("verify", url, "--all").returncode == 0
+    from deltafs.testing.checkpoints import files_of
+
+    assert files_of(dest) == files_of(src)
