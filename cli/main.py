@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -15,8 +16,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import typer  # noqa: E402
 
-from deltafs.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MEANINGS, DeltafsError, exit_code
-from deltafs.cli.output import one_line
+from deltafs.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MEANINGS, EXIT_OUTPUT_CLOSED, DeltafsError, exit_code
+from deltafs.cli.output import OutputClosed, one_line, write_out
 
 app = typer.Typer(
     name="deltafs",
@@ -36,7 +37,7 @@ def _show_version(value: bool) -> None:
     if value:
         from deltafs import __version__
 
-        sys.stdout.write(f"deltafs {__version__}\n")
+        write_out(f"deltafs {__version__}\n")
         raise typer.Exit(0)
 
 
@@ -48,7 +49,7 @@ def _root(
 ) -> None:
     """Lossless checkpoint deltas on any fsspec filesystem: push, pull, verify, watch."""
     if ctx.invoked_subcommand is None:  # bare `deltafs`: the help, and success
-        sys.stdout.write(ctx.get_help() + "\n")
+        write_out(ctx.get_help() + "\n")
         raise typer.Exit(0)
 
 
@@ -93,7 +94,7 @@ def env_cmd() -> None:
         value = os.environ.get(var)
         if value is not None:
             lines.append(f"{var}: {'(set)' if var == 'DELTAFS_STORAGE_OPTIONS' else value}")
-    sys.stdout.write("\n".join(lines) + "\n")
+    write_out("\n".join(lines) + "\n")
 
 
 def _register() -> None:
@@ -151,6 +152,12 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("deltafs: interrupted\n")
         sys.exit(EXIT_INTERRUPTED)
+    except OutputClosed:
+        # Nothing reads stdout: quiet (a reader such as `head` that stopped is no error to report), and stdout goes
+        # to /dev/null so the interpreter's last flush does not complain either.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_OUTPUT_CLOSED)
     except BaseException as exc:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
         from typer.exceptions import TyperException
 

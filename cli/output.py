@@ -10,6 +10,23 @@ from typing import Any
 # Control characters other than newline and tab, as escapes: text a store controls (file paths, tensor names,
 # metadata) must not move the cursor, clear the screen or set a window title through `show`, `log` or `verify`.
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0))}
+# ... and the invisible marks that reorder text (bidi overrides and isolates, "Trojan Source"): a metadata value or a
+# tensor name must not display as something else.
+_CONTROL.update({c: f"\\u{c:04x}" for c in (0x061c, 0x200e, 0x200f, *range(0x202a, 0x202f), *range(0x2066, 0x206a))})
+
+
+class OutputClosed(Exception):
+    """stdout was closed before the result was written (`deltafs log STORE | head -0`, a reader that died). Not an
+    OSError, so click does not turn it into its own exit 1; the CLI's main() exits EXIT_OUTPUT_CLOSED."""
+
+
+def write_out(text: str) -> None:
+    """text on stdout, flushed; OutputClosed if nothing reads it any more."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise OutputClosed() from None
 
 
 def terminal_safe(text: str) -> str:
@@ -33,10 +50,9 @@ class Output:
 
     def result(self, data: Any, human: str | None = None) -> None:
         if self.json_mode:
-            sys.stdout.write(json.dumps(data, sort_keys=True) + "\n")
+            write_out(json.dumps(data, sort_keys=True) + "\n")
         elif not self.quiet and human is not None:
-            sys.stdout.write(terminal_safe(human.rstrip("\n")) + "\n")
-        sys.stdout.flush()
+            write_out(terminal_safe(human.rstrip("\n")) + "\n")
 
     def info(self, message: str) -> None:
         if not self.quiet and not self.json_mode:

@@ -92,6 +92,7 @@ EXIT_INTERNAL = 1  # an unexpected error (a bug: set DELTAFS_DEBUG=1 for the tra
 EXIT_CURRENT = 100  # `pull --once`: DEST already holds the version (nothing done)
 EXIT_BUSY = 101  # `pull --once`: another pull holds DEST's lock (skipped)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
+EXIT_OUTPUT_CLOSED = 141  # stdout closed before the result was written (128 + SIGPIPE, as shells report it)
 
 # Most specific first is not needed: exit_code() walks the exception's MRO, so a subclass listed
 # here wins over its base (ChunkNotFoundError is a StoreError in Python but a 6 to the user).
@@ -129,6 +130,8 @@ EXIT_MEANINGS: dict[int, str] = {
     EXIT_CURRENT: "`pull --once`: already current",
     EXIT_BUSY: "`pull --once`: another pull holds DEST's lock",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C; SIGTERM to a one-shot command outside an engine switch)",
+    EXIT_OUTPUT_CLOSED: "stdout was closed before the result was written (a reader such as `head` stopped first); "
+                        "what the command did is done",
 }
 
 # Local OS errors that are the user's disk, not a bug.

@@ -17,6 +17,7 @@ import numpy as np
 from deltafs.errors import UsageError
 from deltafs.format.dtypes import NUMPY_NAMES, TORCH_NAMES
 from deltafs.format.manifest import FileEntry, Manifest, Segment, payload_bytes
+from deltafs.format.versions import check_version
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.chain import MAX_BRIDGES, Chain, chain_objects, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource
@@ -120,6 +121,8 @@ class VersionReader:
 def open_version(store: str | Repository, version: int | None = None, *,
                  storage_options: dict[str, Any] | None = None) -> VersionReader:
     """A read-only view of one version (default: HEAD) whose tensors are rebuilt on demand."""
+    if version is not None:
+        check_version(version)
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     from deltafs.read.pull import resolve_version
 

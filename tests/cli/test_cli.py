@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from deltafs.testing.checkpoints import files_of, run_cli
 
@@ -240,6 +241,8 @@ def test_store_text_cannot_forge_lines_or_reach_the_terminal(tmp_path):
 
     assert terminal_safe("a\x1b[2Jb\x07\tc\nd\x9b") == "a\\x1b[2Jb\\x07\tc\nd\\x9b"
     assert one_line("x\ny\tz") == "x\\ny\\tz"
+    # Bidi overrides and isolates reorder what a terminal shows ("Trojan Source"): escaped like control characters.
+    assert terminal_safe("step=\u202e1\u2066x\u200f") == "step=\\u202e1\\u2066x\\u200f"
     src = tmp_path / "src"
     src.mkdir()
     write_safetensors(str(src / "model.safetensors"), {"w\x1b]0;pwned\x07": ("F32", (2,), bytes(8))})
@@ -277,3 +280,24 @@ def test_a_push_whose_store_stops_answering_after_the_commit_still_succeeds(tmp_
     assert pushed["version"] == 1 and pushed["files"] is None  # not known, not "no files"
     assert "version 1 is committed, but its stored sizes could not be read back" in captured.err
     assert Repository.open(str(store)).head().version == 1
+
+
+def test_a_closed_stdout_is_exit_141_and_quiet(tmp_path, maker):
+    """`deltafs verify STORE --all | head -0`: stdout closed before the result is written. click made that exit 1
+    (an internal error, and `status`'s "unhealthy") with nothing on stderr; it is 141 now, as a shell reports a
+    reader that went away, for every command that writes a result."""
+    import subprocess
+
+    from deltafs.errors import EXIT_OUTPUT_CLOSED
+
+    store = str(tmp_path / "store")
+    run_cli("push", maker.write(), store, check=0)
+    exe = os.path.join(os.path.dirname(sys.executable), "deltafs")
+    for args in (["verify", store, "--all"], ["log", store, "--json"], ["show", store], ["version"]):
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            proc = subprocess.run([exe, *args], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(write)
+        assert proc.returncode == EXIT_OUTPUT_CLOSED and proc.stderr == "", (args, proc.returncode, proc.stderr)

@@ -44,3 +44,18 @@ def test_program_version_is_capital_v_and_lowercase_v_is_nothing(tmp_path, maker
     assert proc.returncode == 2 and "-v" in proc.stderr
     assert not os.path.exists(tmp_path / "store")
     assert "default: the newest" not in deltafs("push", "--help", check=0).stdout
+
+
+@pytest.mark.parametrize("args", [("1", str(MAX_VERSION + 1)), ("1", "--", "-1"), (str(MAX_VERSION + 1), "1")])
+def test_diff_and_show_refuse_a_version_outside_the_range_as_bad_arguments(tmp_path, maker, args):
+    """`diff STORE 1 10000000000` was exit 5 ("malformed manifest"), where show, verify and pull say 2."""
+    from deltafs.maintenance.inspect import diff
+    from deltafs.read.inspect import open_version
+
+    store = str(tmp_path / "store")
+    push(store, maker.write())
+    one_line(deltafs("diff", store, *args), 2, "is outside", str(MAX_VERSION))
+    with pytest.raises(UsageError):
+        diff(store, 1, MAX_VERSION + 1)
+    with pytest.raises(UsageError):
+        open_version(store, -1)
