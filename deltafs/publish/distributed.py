@@ -21,6 +21,7 @@ writes it (round robin by size), so no rank holds more than its share plus one t
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,22 +45,28 @@ def shard_name(rank: int, world: int) -> str:
 class _Comm:
     """The pipeline's World over a torch.distributed group, or a world of one without a process group."""
 
-    def __init__(self, group: Any, root: int) -> None:
+    def __init__(self, group: Any, root: Any) -> None:
         import torch.distributed as dist
 
         self.dist = dist if dist.is_available() and dist.is_initialized() else None
         self.group = group
         if self.dist is None:
-            self.rank, self.world, self.root_global = 0, 1, 0
+            self.rank, self.world = 0, 1
         else:
             self.rank = dist.get_rank(group)
             if self.rank < 0:
                 raise UsageError("push_distributed was called on a rank that is not in the given group")
             self.world = dist.get_world_size(group)
-            self.root_global = dist.get_global_rank(group, root) if group is not None else root
-        if not 0 <= root < self.world:
-            raise UsageError(f"root rank {root} is not in a group of {self.world} ranks")
-        self.root = root
+        self.root = root  # checked by check_root(), inside the first collective
+        self.root_global = 0
+
+    def check_root(self) -> None:
+        """UsageError for a root outside the group; then the root's global rank is known (for broadcasts)."""
+        root = self.root
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world:
+            raise UsageError(f"root rank {root!r} is not in a group of {self.world} ranks")
+        if self.dist is not None:
+            self.root_global = self.dist.get_global_rank(self.group, root) if self.group is not None else root
 
     @property
     def is_root(self) -> bool:
@@ -89,6 +96,40 @@ class _Comm:
 def _broken(exc: RuntimeError) -> DistributedPushError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return DistributedPushError(f"the process group failed (a rank died or hung?): {first[:300]}; version not committed")
+
+
+# --- the call: the same on every rank -----------------------------------------------------------------
+@dataclass
+class _Call:
+    """What a rank's call says about the push it is part of, as sent to the other ranks."""
+
+    root: Any
+    version: int | None
+    metadata: dict[str, Any]
+
+
+def _check_same_call(calls: list[_Call]) -> None:
+    """UsageError on every rank when the ranks' calls are not one push: another root, or another version number or
+    metadata (the root's are the version's, so a rank may leave them out, but one that gives them must give the
+    root's: ranks that disagree are pushing different steps, say after one of them failed a step on its own)."""
+    root = calls[0].root
+    problems = [f"rank {r} names root {c.root!r}, rank 0 root {root!r}" for r, c in enumerate(calls) if c.root != root]
+    if not problems:
+        ref = calls[root]
+        for r, c in enumerate(calls):
+            if c.version is not None and c.version != ref.version:
+                problems.append(f"rank {r} pushes version {c.version}, the root (rank {root}) {ref.version}")
+            if c.metadata and c.metadata != ref.metadata:
+                problems.append(f"rank {r} gives metadata {_short(c.metadata)}, the root (rank {root}) "
+                                f"{_short(ref.metadata)}")
+    if problems:
+        raise UsageError("multi-rank push refused: the ranks are not making the same push (" + "; ".join(problems[:3])
+                         + (" …" if len(problems) > 3 else "") + "); nothing was written")
+
+
+def _short(metadata: Mapping[str, Any]) -> str:
+    text = json.dumps(metadata, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # --- what every rank owns ------------------------------------------------------------------------
@@ -204,13 +245,30 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
     or DTensors with the same names on every rank. extra_files: files such as config.json; any rank
     may pass them (the same path must have the same bytes on every rank that passes it). The options
     (PushOptions, or its fields as keywords) are taken from the root rank for version, metadata,
-    full and the keyframe policy. Returns the same PushResult on every rank. Without an initialized
+    full and the keyframe policy; a rank that gives a version or metadata other than the root's refuses
+    the push on every rank (the ranks would be pushing different steps), and so do different roots. Returns the same PushResult on every rank. Without an initialized
     torch.distributed process group it behaves as a world of one. device_baseline: this rank's, as for
     push_tensors (deltafs.publish.device_diff).
     """
     t0 = time.monotonic()
-    opts = PushOptions.of(options, **kw)
     comm = _Comm(group, root)
+
+    def start() -> _Call:
+        # Every check a rank makes on its own runs inside this first collective. A rank that raised before it would
+        # leave the others waiting in it, and its next call (the trainer's next step) would meet them there: two
+        # steps pushed as one version.
+        comm.check_root()
+        opts = PushOptions.of(options, **kw)
+        if not isinstance(tensors, Mapping):
+            raise UsageError(f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
+        if extra_files is not None and not isinstance(extra_files, Mapping):
+            raise UsageError(f"extra_files must be a mapping of paths to bytes, got {type(extra_files).__name__}")
+        mine.append(opts)  # stays on this rank (storage options, callbacks)
+        return _Call(comm.root, opts.version, dict(opts.metadata))
+
+    mine: list[PushOptions] = []
+    _check_same_call(collective(comm, "checking the call", start))
+    opts = mine[0]
     tensors = _gather_dtensors(comm, tensors)
     extra = dict(extra_files or {})
     owned = collective(comm, "checking what each rank owns", lambda: _describe(tensors, extra))

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
-from deltafs.errors import DeltafsError, is_local_write_failure, local_write_error
+from deltafs.errors import DeltafsError, UsageError, is_local_write_failure, local_write_error
 from deltafs.format.manifest import FileEntry, Manifest, path_clash
 from deltafs.parallel import default_threads
 from deltafs.progress import Progress
@@ -155,6 +155,7 @@ class RankReport:
     rederived: bool
     lapsed: bool  # its in-flight marker may have expired: the root checks every chunk
     bridge: tuple[list[FileEntry], EncodeStats] | None = None  # this rank's part of a full version's bridge
+    marker: str | None = None  # the key of its in-flight marker in the store it wrote to (None: it wrote nothing)
 
 
 @dataclass
@@ -403,7 +404,7 @@ class _Rank:
             bridge = self._encode_bridge(files) if self.decision.bridge else None
             assert self.guard is not None
             self.guard.refresh()  # protected again from here, whatever happened while encoding
-            return RankReport(entries, enc.stats, rederived, self.guard.lapsed, bridge)
+            return RankReport(entries, enc.stats, rederived, self.guard.lapsed, bridge, self.guard.key)
         raise AssertionError("unreachable")
 
     def _encode_bridge(self, files: list[SourceFile]) -> tuple[list[FileEntry], EncodeStats] | None:
@@ -458,6 +459,7 @@ class _Rank:
         if self.guard is not None:
             self.guard.refresh()
             lapsed = lapsed or self.guard.lapsed
+        self._check_same_store(repo, reports)
         bridge_bytes = self._write_bridge(man, reports, lapsed) if self.decision.bridge else 0
         try:
             size = commit_version(repo, man, head_seen=self.decision.head, stats=stats, lapsed=lapsed, guard=self.guard)
@@ -480,6 +482,19 @@ class _Rank:
             "bridge_bytes": bridge_bytes,
         }
         return Outcome(man.to_bytes(), size, result)
+
+    def _check_same_store(self, repo: Repository, reports: list[RankReport]) -> None:
+        """Every rank wrote its chunks where the root commits: its in-flight marker is in the root's store. A rank
+        given a copy of the store (the same store id at another path, a synced replica) passes the store-id check
+        at open; its chunks would be missing from the committed version. A rank whose marker may have lapsed is
+        covered by the root's check of every chunk instead (commit_version)."""
+        for rank, r in enumerate(reports):
+            if r.marker is None or r.lapsed or rank == self.world.rank:
+                continue
+            if not repo.objects.exists(r.marker):
+                raise UsageError(f"rank {rank} did not write to the store the root commits to ({repo.url}): its "
+                                 "in-flight marker is not there (a copy of the store at another path or URL?); "
+                                 "nothing was committed")
 
     def _write_bridge(self, man: Manifest, reports: list[RankReport], lapsed: bool) -> int:
         """The bridge of full version `man` from every rank's part, before `man` is committed; 0 if none."""

@@ -207,3 +207,47 @@ SCENARIOS = {
     "fail_then_succeed": fail_then_succeed,
     "die_while_writing": die_while_writing,
 }
+
+
+def local_error_then_continue(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """A trainer's loop that logs a failed push and goes on. At step 1 rank 1 alone passes a bad option: it used to
+    raise before the first collective, so its step-2 call met the others' step-1 call and version 2 mixed the two."""
+    _push(rank, world, {**args, "step": 0})
+    steps = []
+    for step in (1, 2):
+        kw = {"threads": 0} if rank == 1 and step == 1 else {}
+        try:
+            steps.append({"result": _push(rank, world, {**args, "step": step}, **kw)["result"]})
+        except Exception as exc:  # noqa: BLE001
+            steps.append({"error": type(exc).__name__, "message": str(exc)})
+    return {"steps": steps}
+
+
+def disagree_on_root(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Each rank names itself the root: the broadcasts would never meet (a wait for the group timeout)."""
+    return _push(rank, world, {**args, "step": 0}, root=rank)
+
+
+def rank_on_a_store_copy(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """After version 1, rank 1 is given a copy of the store (same store id, another path)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    _push(rank, world, {**args, "step": 0})
+    copy = args["store"] + "-copy"
+    if rank == 0:
+        shutil.copytree(args["store"], copy)
+    dist.barrier()
+    failed: dict[str, Any] = {}
+    try:
+        _push(rank, world, {**args, "step": 1, "store": copy if rank == 1 else args["store"]})
+    except Exception as exc:  # noqa: BLE001
+        failed = {"error": type(exc).__name__, "message": str(exc)}
+    dist.barrier()
+    again = _push(rank, world, {**args, "step": 1})["result"]
+    return {"failed": failed, "again": again}
+
+
+SCENARIOS.update(local_error_then_continue=local_error_then_continue, disagree_on_root=disagree_on_root,
+                 rank_on_a_store_copy=rank_on_a_store_copy)

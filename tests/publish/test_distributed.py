@@ -185,6 +185,62 @@ def test_a_group_broken_while_the_root_commits_never_says_not_committed(tmp_path
     assert_same(load_pulled(tmp_path / "dest"), model_at(1))
 
 
+def test_a_rank_failing_on_its_own_fails_the_step_everywhere_and_the_next_step_is_whole(tmp_path):
+    """Rank 1 alone passed a bad option at step 1 and raised before the first collective; the others waited there,
+    its step-2 call met their step-1 call, and version 2 was committed with two layers of step 2 and the rest of
+    step 1, labelled step 1 (adversarial pass). Every local check now runs inside the first collective."""
+    store = str(tmp_path / "store")
+    reports = run_ranks(tmp_path, 3, "local_error_then_continue", store=store, timeout=60)
+    for r in reports:
+        assert r is not None and r["ok"], r
+        first, second = r["steps"]
+        assert "error" in first and "threads" in first["message"], first
+        assert second["result"]["version"] == 2 and second["result"]["metadata"] == {"step": 2}, second
+    assert Repository.open(store).versions() == [1, 2]
+    pull(store, str(tmp_path / "dest"))
+    assert_same(load_pulled(tmp_path / "dest"), model_at(2))
+
+
+def test_ranks_naming_different_roots_are_refused_at_once(tmp_path):
+    """They waited for the process group's timeout (30 minutes by default) with "a rank died or hung?"."""
+    import time
+
+    store = str(tmp_path / "store")
+    t0 = time.monotonic()
+    reports = run_ranks(tmp_path, 2, "disagree_on_root", store=store, timeout=120)
+    assert time.monotonic() - t0 < 100
+    for r in reports:
+        assert r is not None and r["error"] == "UsageError" and "names root" in r["message"], r
+    assert not os.path.exists(os.path.join(store, "manifests"))
+
+
+def test_with_metadata_from_another_step_on_one_rank_nothing_is_written():
+    from deltafs.publish.distributed import _Call, _check_same_call
+
+    _check_same_call([_Call(0, None, {"step": 3}), _Call(0, None, {}), _Call(0, None, {"step": 3})])
+    with pytest.raises(UsageError, match=r"rank 2 gives metadata \{\"step\": 4\}"):
+        _check_same_call([_Call(0, None, {"step": 3}), _Call(0, None, {}), _Call(0, None, {"step": 4})])
+    with pytest.raises(UsageError, match="rank 1 pushes version 7"):
+        _check_same_call([_Call(0, 6, {}), _Call(0, 7, {})])
+    _check_same_call([_Call(1, None, {}), _Call(1, 9, {"a": 1})])  # the root (rank 1) gives both
+
+
+def test_a_rank_given_a_copy_of_the_store_fails_the_push_everywhere(tmp_path):
+    """A copy of the store (same store id at another path) passed the store-id check at open: the root committed a
+    version whose other chunks were only in the copy, pull exit 6 (adversarial pass). The root now finds each
+    rank's in-flight marker in its own store before it commits."""
+    store = str(tmp_path / "store")
+    reports = run_ranks(tmp_path, 3, "rank_on_a_store_copy", store=store, timeout=60)
+    for r in reports:
+        assert r is not None and r["ok"], r
+        assert "did not write to the store the root commits to" in r["failed"]["message"], r["failed"]
+        assert r["again"]["version"] == 2
+    assert Repository.open(store).versions() == [1, 2]
+    assert verify(store, all_versions=True).ok
+    pull(store, str(tmp_path / "dest"))
+    assert_same(load_pulled(tmp_path / "dest"), model_at(1))
+
+
 def test_without_a_process_group_it_is_a_world_of_one(tmp_path, monkeypatch):
     store = str(tmp_path / "store")
     res = push_distributed(store, model_at(0), extra_files={"config.json": CONFIG})
