@@ -70,7 +70,7 @@ class _Comm:
 
     @property
     def is_root(self) -> bool:
-        return self.rank == self.root
+        return bool(self.rank == self.root)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.dist is None:
