@@ -347,6 +347,9 @@ class HostStatus:
     group_wait: str | None = None  # why the group's switch waits, in words
     needs_restart: dict[str, Any] | None = None  # {"version", "reason"}: staged, but only a restart can serve it
     checksums: dict[str, str] = field(default_factory=dict)  # weight version -> loaded-weight checksum
+    # Engine groups: the versions this host has ready to load under DEST.deltafs/by-version/ (what a group's switch
+    # needs from every host); None from a watcher that predates the field.
+    held: list[int] | None = None
     started_at: str = field(default_factory=utcnow)
     updated_at: str = field(default_factory=utcnow)
     hostname: str = field(default_factory=hostname)
@@ -372,6 +375,9 @@ class HostStatus:
                 raise ValueError(f"fleet record lacks {f.name}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in values.get("checksums", {}).items()):
             raise ValueError("fleet record checksums must map versions to strings")
+        held = values.get("held")
+        if held is not None and not all(_is_of(v, int) for v in held):
+            raise ValueError("fleet record held must list integer versions")
         sync = values.get("last_sync")
         if sync is not None and not (_is_of(sync.get("version"), int) and all(
                 _is_of(sync.get(k), float) for k in ("pause_s", "sync_s"))):
@@ -390,7 +396,7 @@ _HOST_STATUS_TYPES: dict[str, tuple[type, bool]] = {
     "store_id": (str, True), "state": (str, False), "served_version": (int, True), "staged_version": (int, True),
     "last_error": (str, True), "last_error_at": (str, True), "failures": (int, False), "last_sync": (dict, True),
     "engine_group": (str, True), "engine_hosts": (int, False), "group_wait": (str, True), "needs_restart": (dict, True),
-    "checksums": (dict, False), "started_at": (str, False), "updated_at": (str, False), "hostname": (str, False),
+    "checksums": (dict, False), "held": (list, True), "started_at": (str, False), "updated_at": (str, False), "hostname": (str, False),
     "pid": (int, False),
 }
 

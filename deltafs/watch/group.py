@@ -47,9 +47,22 @@ def stable_path(dest: str, version: int, version_dir: str) -> str:
     return link
 
 
+def held_versions(dest: str) -> list[int]:
+    """The versions DEST.deltafs/by-version/ links to a version directory that is still there, ascending."""
+    links = os.path.join(LocalCheckpoint(dest).sidecar, BY_VERSION)
+    try:
+        names = os.listdir(links)
+    except OSError:
+        return []
+    return sorted(int(n[1:]) for n in names if n[:1] == "v" and n[1:].isdigit() and os.path.isdir(os.path.join(links, n)))
+
+
 def ready_hosts(objects: ObjectStore, group: str, version: int, *, store_id: str | None,
                 fresh_within: float = 300.0, now: _dt.datetime | None = None) -> tuple[set[str], list[HostStatus]]:
-    """Hosts of the group (live ledger entries of this store) that hold `version` staged or newer, and all members."""
+    """Hosts of the group (live ledger entries of this store) whose DEST.deltafs/by-version/v<version> is there to
+    load, and all members. A host that holds a newer version only is not ready: it may have skipped this one, or
+    cleaned it up, and the engine would load a path that host does not have. (A record without `held`, from an
+    older watcher, counts when it has this very version staged or served.)"""
     now = now or _dt.datetime.now(_dt.timezone.utc)
     members: list[HostStatus] = []
     ready: set[str] = set()
@@ -60,7 +73,6 @@ def ready_hosts(objects: ObjectStore, group: str, version: int, *, store_id: str
         if st.state == "stopped" or seen is None or (now - seen).total_seconds() > fresh_within:
             continue
         members.append(st)
-        have = max(v for v in (st.staged_version, st.served_version, -1) if v is not None)
-        if have >= version:
+        if version in (st.held if st.held is not None else (st.staged_version, st.served_version)):
             ready.add(st.host_id)
     return ready, members

@@ -49,7 +49,7 @@ from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
 from deltafs.store.repo import ForeignManifestError, Repository
 from deltafs.watch.boundary import Boundary, Immediate
-from deltafs.watch.group import GroupNotReadyError, ready_hosts, stable_path
+from deltafs.watch.group import GroupNotReadyError, held_versions, ready_hosts, stable_path
 from deltafs.watch.ledger import (
     HostStatus,
     check_host_id,
@@ -603,6 +603,8 @@ class Subscriber:
         except (DeltafsError, OSError) as exc:
             log.debug("no ledger update, the store is unreachable: %s", exc)
             return
+        if self.engine_group:
+            self.status.held = held_versions(self.dest)
         write_status(objects, self.status)
 
 

@@ -210,6 +210,39 @@ def test_multi_node_engine_switches_once_every_host_has_staged(trainer, staged_v
         follower.close()
 
 
+def test_multi_node_switch_waits_for_hosts_that_hold_that_very_version(trainer, staged_v1, tmp_path):
+    """A host that came back after the leader staged version 2 pulled version 3 directly; the group counted it
+    ready for 2 (it had "2 or newer") and the engine was sent by-version/v2, which that host never had
+    (adversarial pass). Each host now lists the versions it can load (`held`), and the group switches to one they
+    all hold."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            **FAST)
+        follower_dest = str(tmp_path / "node1-dest")
+        follower = Subscriber(trainer.store, follower_dest, None, host_id="node-1", engine_group="big",
+                              engine_hosts=2, **FAST)
+        leader.start()
+        trainer.push()
+        with pytest.raises(GroupNotReadyError):
+            leader.sync()  # version 2 staged; node 1 is down
+        trainer.push()
+        follower.start()
+        follower.sync()  # node 1 comes back and pulls the newest, version 3
+        assert ledger(trainer.store, "node-1").held == [3]
+        assert not os.path.exists(os.path.join(follower_dest + ".deltafs", "by-version", "v2"))
+        with pytest.raises(GroupNotReadyError, match="1/2 hosts have version 2"):
+            leader.apply()  # the boundary came for version 2: node 1 cannot load it
+        assert server.count("update") == 0
+        applied = leader.sync()  # the leader stages version 3, which both hold
+        assert applied is not None and applied.version == 3
+        sent = [e.detail["model_path"] for e in server.events if e.what == "update"]
+        assert sent == [os.path.join(os.path.abspath(dest) + ".deltafs", "by-version", "v3")]
+        assert same_weights(server.state_dict(), trainer.weights[3])
+        leader.close()
+        follower.close()
+
+
 def test_multi_node_host_that_never_stages_blocks_with_a_clear_status(trainer, staged_v1):
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
