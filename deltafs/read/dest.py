@@ -170,8 +170,10 @@ class LocalCheckpoint:
     def state(self) -> LocalState | None:
         """The state of the version DEST points to, or None if DEST is not managed by deltafs."""
         name = self.linked_name()
-        if name is None:
-            return None
+        return None if name is None else self.version_state(name)
+
+    def version_state(self, name: str) -> LocalState | None:
+        """The state of the version directory `name` beside DEST (linked or not), or None if it is not one."""
         version_dir = os.path.join(self.sidecar, name)
         try:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))

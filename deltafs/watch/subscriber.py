@@ -43,7 +43,7 @@ from deltafs.errors import (
     exit_code,
     short_problem,
 )
-from deltafs.read.dest import LocalCheckpoint
+from deltafs.read.dest import LocalCheckpoint, find_version_dir
 from deltafs.read.pull import PullResult, pull
 from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
@@ -296,6 +296,14 @@ class Subscriber:
             self.staged = None
             self.status.staged_version = None
             raise DestinationError(f"staged version {staged.version} vanished from {staged.path}; staging it again")
+        local = LocalCheckpoint(self.dest)
+        state = local.version_state(os.path.basename(staged.path))
+        changed = "its state record is unreadable" if state is None else local.check_files(state)
+        if changed is not None:  # bit rot or a stray writer while it waited: the engine must not load it
+            self.staged = None
+            self.status.staged_version = None
+            raise DestinationError(f"staged version {staged.version} changed on disk while it waited ({changed}); "
+                                   "staging it again")
         target = Target(staged.path, weight_version(staged.version))
         if self.engine_group:  # every host of the engine loads the same path from its own disk
             target = Target(stable_path(self.dest, staged.version, staged.path), target.version)
@@ -303,6 +311,12 @@ class Subscriber:
         checksum = None
         if self.engine is not None:
             previous = self.served if self.served and os.path.isdir(self.served.path) else None
+            if previous is not None:
+                prev_state = local.version_state(os.path.basename(os.path.realpath(previous.path)))
+                if prev_state is None or local.check_files(prev_state) is not None:
+                    log.warning("version %s's files changed on disk since it was loaded: no rollback to them if this "
+                                "switch fails", previous.version)
+                    previous = None
             if self.engine_group:
                 self._wait_for_group(staged.version)
                 if previous is not None:
@@ -311,13 +325,26 @@ class Subscriber:
             try:
                 # One switch per DEST's engine at a time, as reload_engine (cron mode) takes it: SGLang cannot take
                 # two updates at once, and the other's resume would end this one's pause mid-load.
-                with (LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"),
-                      SwitchRecord(self.dest).around(self.engine, target)):
-                    result = switch_engine(self.engine, target, previous)
+                with LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"):
+                    ahead = self._serves_newer(staged.version)
+                    if ahead is None:
+                        with SwitchRecord(self.dest).around(self.engine, target):
+                            result = switch_engine(self.engine, target, previous)
             except NeedsRestartError as exc:
                 self.status.needs_restart = {"version": staged.version, "reason": exc.reason}
                 self._set_state("needs-restart")
                 raise
+            if ahead is not None:
+                # Another process (a cron `pull --engine`) switched the engine past this version while it waited:
+                # switching now would take the engine back.
+                log.info("the engine already serves version %s (switched by another process); version %d is not "
+                         "loaded", ahead.version, staged.version)
+                self.staged = None
+                self.status.staged_version = None
+                self._now_serving(ahead)
+                record_checksum(self.status, int(ahead.version), loaded_checksum(self.engine))
+                self._set_state("serving")
+                return None
             pause, load, checksum = result.pause_seconds, result.load_seconds, result.checksum
         applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback, load)
         self.served = target
@@ -367,7 +394,28 @@ class Subscriber:
             raise NeedsRestartError(weight_version(staged.version), str(wanted.get("reason")))
         if self.engine is not None and not self.boundary.wait(self.engine, self.stop_event):
             return None
+        if self.engine is not None and self.boundary.name != "immediate":
+            self._catch_up()
         return self.apply()
+
+    def _catch_up(self) -> None:
+        """After a wait for the boundary: stage what the trainer pushed meanwhile, so this boundary switches to the
+        newest version (bursts coalesce) instead of to the one it waited with and the newest a whole task later. If
+        that cannot be staged now, the version in hand is switched to."""
+        staged = self.staged
+        try:
+            head = self.repo.head()
+            if staged is None or head is None or head.version <= staged.version:
+                return
+            log.info("version %d was pushed while version %d waited for the boundary; staging it first", head.version,
+                     staged.version)
+            self.poll()
+        except (DeltafsError, OSError) as exc:
+            log.warning("cannot stage the versions pushed while waiting for the boundary (%s); switching to version %d",
+                        exc, staged.version if staged else -1)
+            if staged is not None and os.path.isdir(staged.path):
+                self.staged = staged
+                self.status.staged_version = staged.version
 
     # --- the daemon loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -529,6 +577,19 @@ class Subscriber:
         else:
             self._set_state("waiting-group")
         raise GroupNotReadyError(message, timed_out=timed_out)
+
+    def _serves_newer(self, version: int) -> Target | None:
+        """What the engine serves when it reports a verified version of DEST at least `version` (loading that again
+        would be a needless pause), else None (also when it cannot be asked now: the switch finds that out itself)."""
+        assert self.engine is not None
+        try:
+            reported = self.engine.served_version()
+        except EngineError:
+            return None
+        if reported is None or not str(reported).isdigit() or int(reported) < version:
+            return None
+        found = find_version_dir(self.dest, str(reported))
+        return None if found is None else Target(found, str(reported))
 
     def _now_serving(self, target: Target) -> None:
         """The engine verifiably holds target although the switch reported a failure."""

@@ -287,3 +287,98 @@ def test_cron_reload_never_joins_a_switch_still_running_on_the_same_dest(trainer
                 reload_engine("sglang", server.url, dest=dest)
         assert server.count("update") == 0
         assert reload_engine("sglang", server.url, dest=dest).version == "2"
+
+
+class _Hook:
+    """A task boundary at which something else happens first (the orchestrator's signal arrives after it)."""
+
+    name = "signal"
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def wait(self, engine, stop) -> bool:
+        self.fn()
+        return not stop.is_set()
+
+    def close(self) -> None:
+        pass
+
+
+def _sent(server: WheelSGLang) -> list[str]:
+    return [os.path.basename(os.path.realpath(e.detail["model_path"])) for e in server.events if e.what == "update"]
+
+
+def test_a_boundary_switches_to_what_was_pushed_while_it_waited(trainer, staged_v1):
+    """Version 2 waited for the boundary while 3 was pushed: the boundary switched to 2 and 3 waited a whole task
+    (with an idle boundary: two forced pauses). It stages 3 first now, and switches once (adversarial pass)."""
+    from deltafs.read.pull import pull
+
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", boundary=_Hook(trainer.push),
+                         **FAST)
+        sub.start()
+        trainer.push()  # version 2, staged; version 3 arrives during the wait
+        applied = sub.sync()
+        assert applied is not None and applied.version == 3
+        assert server.count("update") == 1 and server.reported_versions()[-1] == "3"
+        assert same_weights(server.state_dict(), trainer.weights[3])
+        sub.close()
+        assert pull(trainer.store, dest).version == 3
+
+
+def test_the_watcher_never_takes_the_engine_back_to_an_older_version(trainer, staged_v1):
+    """A cron `pull --engine` moved the engine to version 3 while the watcher's version 2 waited for the boundary:
+    at the boundary the watcher switched it back to 2 and `status` said healthy (adversarial pass). Under the
+    engine lock it now asks what the engine serves and keeps a newer version."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **FAST)
+        sub.start()
+        trainer.push()
+        assert sub.poll().version == 2  # staged; now the boundary wait
+        trainer.push()
+        from deltafs.read.pull import pull
+
+        pull(trainer.store, dest)  # the cron run: pull, then switch the engine
+        assert reload_engine("sglang", server.url, dest=dest).version == "3"
+        assert sub.apply() is None  # the boundary came: nothing sent
+        assert _sent(server) == [os.path.basename(os.path.realpath(dest))]
+        assert server.reported_versions()[-1] == "3" and same_weights(server.state_dict(), trainer.weights[3])
+        assert sub.status.served_version == 3 and sub.status.staged_version is None
+        assert sub.sync() is None  # up to date
+        sub.close()
+
+
+def test_a_staged_version_changed_on_disk_while_it_waited_is_not_loaded(trainer, staged_v1):
+    """One byte of the staged model.safetensors changed while it waited for the boundary (bit rot, a stray writer):
+    the engine loaded it, reported the version and status said serving (adversarial pass). The files are checked
+    (sizes, install mtimes) right before the switch; the version is staged again, verified, and then loaded."""
+    from deltafs.errors import DestinationError
+
+    dest, v1_dir = staged_v1
+    staged: list[str] = []
+
+    def corrupt() -> None:
+        if staged:
+            return
+        path = os.path.join(sub.staged.path, "model.safetensors")
+        staged.append(path)
+        with open(path, "r+b") as fh:
+            fh.seek(os.path.getsize(path) - 3)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 1]))
+
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", boundary=_Hook(corrupt), **FAST)
+        sub.start()
+        trainer.push()
+        with pytest.raises(DestinationError, match="changed on disk while it waited"):
+            sub.sync()
+        assert server.count("update") == 0 and server.reported_versions()[-1] == "1"
+        applied = sub.sync()
+        assert applied is not None and applied.version == 2
+        assert same_weights(server.state_dict(), trainer.weights[2])
+        sub.close()
