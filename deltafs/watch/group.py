@@ -16,7 +16,7 @@ import uuid
 from deltafs.errors import NotReadyError
 from deltafs.read.dest import LocalCheckpoint
 from deltafs.store.base import ObjectStore
-from deltafs.watch.ledger import HostStatus, parse_time, read_statuses
+from deltafs.watch.ledger import CLOCK_AHEAD_TOLERANCE, HostStatus, parse_time, read_statuses
 
 BY_VERSION = "by-version"
 
@@ -70,8 +70,9 @@ def ready_hosts(objects: ObjectStore, group: str, version: int, *, store_id: str
         if st is None or st.engine_group != group or (store_id and st.store_id and st.store_id != store_id):
             continue
         seen = parse_time(st.updated_at)
-        if st.state == "stopped" or seen is None or (now - seen).total_seconds() > fresh_within:
-            continue
+        age = (now - seen).total_seconds() if seen is not None else None
+        if st.state == "stopped" or age is None or age > fresh_within or age < -CLOCK_AHEAD_TOLERANCE:
+            continue  # dead, or dated in the future: a clock running ahead cannot vouch that it is alive
         members.append(st)
         if version in (st.held if st.held is not None else (st.staged_version, st.served_version)):
             ready.add(st.host_id)

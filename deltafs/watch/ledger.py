@@ -130,6 +130,12 @@ class FleetReport:
                 "head_problem": self.head_problem, "healthy": self.healthy, "hosts": [r.to_json() for r in self.hosts]}
 
 
+# How far in the future a record's time may be (clocks of different hosts never agree exactly) before the record
+# no longer counts as a sign of life: a host whose clock runs an hour ahead would otherwise look alive for an hour
+# after it died.
+CLOCK_AHEAD_TOLERANCE = 60.0
+
+
 def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_HOST_STALE_AFTER, now: _dt.datetime | None = None) -> FleetReport:
     """Every host's ledger entry compared with HEAD."""
     head, stored = repo.heads()
@@ -148,9 +154,15 @@ def fleet_report(repo: Repository, *, stale_after: float = DEFAULT_HOST_STALE_AF
             continue
         lag = head_version - st.served_version if head_version is not None and st.served_version is not None else None
         seen = parse_time(st.updated_at)
-        stale = st.state != "stopped" and (seen is None or (now - seen).total_seconds() > stale_after)
+        age = (now - seen).total_seconds() if seen is not None else None
+        ahead = age is not None and age < -CLOCK_AHEAD_TOLERANCE  # "fresh" until this host's clock catches up
+        stale = st.state != "stopped" and (age is None or age > stale_after or ahead)
         problem = None
-        if st.store_id is not None and st.store_id != repo.store_id:
+        if ahead:
+            assert age is not None
+            problem = (f"its last report is dated {-age:.0f}s in the future ({st.updated_at}): its clock runs ahead, "
+                       "so whether it is alive cannot be told (synchronize the clocks, e.g. chrony)")
+        elif st.store_id is not None and st.store_id != repo.store_id:
             problem = f"records store {st.store_id[:8]}, not this store"
         elif st.needs_restart:
             problem = (f"version {st.needs_restart.get('version')} needs an engine restart "
@@ -187,6 +199,6 @@ def _checksum_disagreements(statuses: list[HostStatus]) -> dict[str, str]:
 
 
 # Keys, the timestamp and host-id rules live in deltafs.format; the watcher's callers use them from here.
-__all__ = ["CHECKSUMS_KEPT", "FLEET_PREFIX", "LEDGER_FORMAT", "STATES", "FleetReport", "FleetRow", "HostStatus",
+__all__ = ["CHECKSUMS_KEPT", "CLOCK_AHEAD_TOLERANCE", "FLEET_PREFIX", "LEDGER_FORMAT", "STATES", "FleetReport", "FleetRow", "HostStatus",
            "check_host_id", "default_host_id", "fleet_report", "ledger_key", "parse_time", "prune_statuses",
            "read_statuses", "record_checksum", "utcnow", "write_status"]

@@ -202,3 +202,19 @@ def test_a_record_of_the_wrong_types_is_an_unreadable_entry_not_a_crash(fleet, f
     result = status_cli(fleet.url)
     assert result.return_value == 1 and "fleet/h2.json" in result.stdout and "unreadable ledger entry" in result.stdout
     assert json.loads(status_cli(fleet.url, "--json").stdout)["healthy"] is False
+
+
+def test_a_host_whose_clock_runs_ahead_is_not_taken_for_alive(fleet):
+    """A host whose clock ran an hour ahead was SIGKILLed: `status --stale-after 5` never flagged it ("-3591s
+    ago") and an engine group counted it live (adversarial pass). A record dated more than a minute in the future
+    is a problem in status, and no sign of life for a group."""
+    from deltafs.watch.group import ready_hosts
+
+    earlier = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)  # this host's clock, an hour behind theirs
+    rows = {r.status.host_id: r for r in fleet_report(fleet, stale_after=5, now=earlier).hosts}
+    assert rows["rollout-a"].stale and "in the future" in rows["rollout-a"].problem
+    assert not fleet_report(fleet, now=earlier).healthy
+    assert fleet_report(fleet, now=dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=30)).hosts[0].problem is None
+    write_status(fleet.objects, host(fleet.store_id, "node-1", 3, engine_group="g", engine_hosts=2, held=[3]))
+    assert ready_hosts(fleet.objects, "g", 3, store_id=fleet.store_id)[0] == {"node-1"}
+    assert ready_hosts(fleet.objects, "g", 3, store_id=fleet.store_id, now=earlier)[0] == set()
