@@ -386,6 +386,9 @@ class Subscriber:
                 self._set_state("serving")
         staged = self.poll()
         if staged is None:
+            self._check_engine()
+            staged = self.staged  # staged there when the engine turned out to serve something else
+        if staged is None:
             self._beat()
             return None
         wanted = self.status.needs_restart
@@ -577,6 +580,31 @@ class Subscriber:
         else:
             self._set_state("waiting-group")
         raise GroupNotReadyError(message, timed_out=timed_out)
+
+    _last_engine_check = 0.0
+
+    def _check_engine(self) -> None:
+        """Every heartbeat, ask the engine what it serves. An engine restarted by an operator or a supervisor may
+        serve another checkpoint than the version this watcher switched it to, and nothing else would show it until
+        the next push: status said "serving 3, LAG 0" for the restarted engine (adversarial pass). A different
+        answer makes the watcher learn what it serves again, and switch it to the newest version if that is not it."""
+        if self.engine is None or self.served is None or self._unconfirmed:
+            return
+        if time.monotonic() - self._last_engine_check < self.heartbeat:
+            return
+        self._last_engine_check = time.monotonic()
+        try:
+            reported = self.engine.served_version()
+        except EngineError as exc:
+            log.debug("cannot ask the engine what it serves: %s", exc)
+            return
+        if reported != self.served.version:
+            log.warning("the engine now reports weight_version %r, not %s (restarted?); finding out what it serves",
+                        reported, self.served.version)
+            self._learn_served()
+            if self.served is None:  # not a version of DEST: switch it to the newest again, now
+                self.status.served_version = None
+                self.poll()
 
     def _serves_newer(self, version: int) -> Target | None:
         """What the engine serves when it reports a verified version of DEST at least `version` (loading that again

@@ -382,3 +382,28 @@ def test_a_staged_version_changed_on_disk_while_it_waited_is_not_loaded(trainer,
         assert applied is not None and applied.version == 2
         assert same_weights(server.state_dict(), trainer.weights[2])
         sub.close()
+
+
+def test_an_engine_restarted_from_another_checkpoint_is_noticed_without_a_push(trainer, staged_v1, tmp_path):
+    """The engine served version 2 and was restarted from other weights (it reports "default"): the watcher sent
+    nothing and status said "serving 2, LAG 0" until the next push (adversarial pass). Every heartbeat it now asks
+    the engine what it serves, and switches it back to the newest version."""
+    import requests
+    from sglang_standin import random_weights, write_checkpoint
+
+    dest, v1_dir = staged_v1
+    other = write_checkpoint(str(tmp_path / "other"), random_weights(CONFIG, 7), CONFIG)
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **{**FAST, "heartbeat": 0.0})
+        sub.start()
+        trainer.push()
+        assert sub.sync().version == 2
+        # What a restart from another checkpoint looks like to the watcher (SGLang's own update code here).
+        reply = requests.post(f"{server.url}/update_weights_from_disk",
+                              json={"model_path": other, "weight_version": "default"}, timeout=30)
+        assert reply.status_code == 200 and server.reported_versions()[-1] == "default"
+        applied = sub.sync()
+        assert applied is not None and applied.version == 2
+        assert server.reported_versions()[-1] == "2" and same_weights(server.state_dict(), trainer.weights[2])
+        assert sub.status.served_version == 2 and sub.sync() is None
+        sub.close()
