@@ -26,6 +26,7 @@ from deltafs import metrics
 from deltafs.defaults import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 from deltafs.engines import weight_version
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, Target
+from deltafs.engines.compat import restart_reason
 from deltafs.engines.inflight import SwitchRecord
 from deltafs.engines.switch import current_target, loaded_checksum, switch_engine
 from deltafs.errors import (
@@ -395,6 +396,14 @@ class Subscriber:
         if wanted and staged.version == int(wanted["version"]):  # still not hot-switchable; keep serving
             self._set_state("needs-restart")
             raise NeedsRestartError(weight_version(staged.version), str(wanted.get("reason")))
+        if self.engine is not None and self.served is not None and os.path.isdir(self.served.path):
+            # A version only a restart can serve is known now: waiting for a boundary (up to --max-wait of an idle
+            # one) would only delay saying so.
+            reason = restart_reason(self.served.path, staged.path)
+            if reason is not None:
+                self.status.needs_restart = {"version": staged.version, "reason": reason}
+                self._set_state("needs-restart")
+                raise NeedsRestartError(weight_version(staged.version), reason)
         if self.engine is not None and not self.boundary.wait(self.engine, self.stop_event):
             return None
         if self.engine is not None and self.boundary.name != "immediate":

@@ -407,3 +407,20 @@ def test_an_engine_restarted_from_another_checkpoint_is_noticed_without_a_push(t
         assert server.reported_versions()[-1] == "2" and same_weights(server.state_dict(), trainer.weights[2])
         assert sub.status.served_version == 2 and sub.sync() is None
         sub.close()
+
+
+def test_a_version_that_needs_a_restart_is_reported_before_the_boundary_wait(trainer, staged_v1):
+    """With an idle boundary on a busy engine, "needs a restart" was said only after --max-wait (adversarial pass):
+    the boundary was waited for a switch that could not happen. The config check now runs first."""
+    waited: list[bool] = []
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0",
+                         boundary=_Hook(lambda: waited.append(True)), **FAST)
+        sub.start()
+        trainer.push(extra_files={"config.json": json.dumps(dict(CONFIG, rope_theta=20000.0)).encode()})
+        with pytest.raises(NeedsRestartError, match="config config.json changed"):
+            sub.sync()
+        assert waited == [] and server.count("update") == 0
+        assert ledger(trainer.store).state == "needs-restart"
+        sub.close()
