@@ -226,7 +226,18 @@ def pull_cmd(
 
         # Every run, "already current" ones too: a run whose pull worked but whose reload failed
         # is repaired by the next run. reload_engine is a no-op when the engine serves the version.
-        switched = reload_engine(engine, engine_url, dest=dest, api_key=os.environ.get("DELTAFS_ENGINE_API_KEY"))
+        try:
+            switched = reload_engine(engine, engine_url, dest=dest, api_key=os.environ.get("DELTAFS_ENGINE_API_KEY"))
+        except LockHeldError as exc:
+            if not once:
+                raise
+            # A watcher (or the previous cron run) is switching this engine right now: the next run reloads it if
+            # it still must. The pull's result stands.
+            out.info(f"deltafs: {exc}; the engine is not reloaded this run")
+            data["engine_reloaded"] = False
+            data["status"] = "busy"
+            out.result(data, None)
+            return EXIT_BUSY
         data["engine_reloaded"] = switched is not None
     if res.repaired:
         human = f"repaired {dest} (version {res.version}): {res.repaired}; {human_bytes(res.bytes_read)} read, {res.seconds:.2f}s"

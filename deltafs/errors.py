@@ -128,7 +128,7 @@ EXIT_MEANINGS: dict[int, str] = {
     11: "not every host of a multi-node engine has the version staged yet (`watch --once`)",
     12: "local write failed: disk full, a file where a directory must go, a name too long (the message names the path)",
     EXIT_CURRENT: "`pull --once`: already current",
-    EXIT_BUSY: "`pull --once`: another pull holds DEST's lock",
+    EXIT_BUSY: "`pull --once`: another pull holds DEST's lock, or another process is switching DEST's engine",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C; SIGTERM to a one-shot command outside an engine switch)",
     EXIT_OUTPUT_CLOSED: "stdout was closed before the result was written (a reader such as `head` stopped first); "
                         "what the command did is done",

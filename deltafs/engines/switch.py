@@ -33,6 +33,10 @@ def switch_engine(engine: Engine, target: Target, previous: Target | None) -> Sw
     """
     if previous is not None and os.path.isdir(previous.path):
         reason = restart_reason(previous.path, target.path)
+        if reason is not None and not os.path.isdir(previous.path):
+            # Removed while compared (another process's cleanup: cron beside a watcher): its files read as missing,
+            # which says nothing about the new version. As when it was gone before: no comparison, no rollback.
+            reason, previous = None, None
         if reason is not None:
             raise NeedsRestartError(target.version, reason)
     if getattr(engine, "loads_from_disk", False):

@@ -433,7 +433,7 @@ class LocalCheckpoint:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
         except FileNotFoundError:
             return []
-        stale = [n for n in os.listdir(self.sidecar) if _is_staging(n, os.lstat(os.path.join(self.sidecar, n)))]
+        stale = [n for n, st in _entries(self.sidecar).items() if _is_staging(n, st)]
         _remove_trees([os.path.join(self.sidecar, n) for n in stale])
         return stale
 
@@ -457,7 +457,7 @@ class LocalCheckpoint:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
         except FileNotFoundError:
             return []
-        entries = {n: os.lstat(os.path.join(self.sidecar, n)) for n in os.listdir(self.sidecar)}
+        entries = _entries(self.sidecar)
         versions = self._versions_by_age(entries)
         linked = self.linked_name()  # the current version, also when its record is damaged: engines may read it
         keep_names = {n for n in (linked, also_keep if keep >= 2 else None) if n is not None and n in versions}
@@ -609,6 +609,18 @@ def _tree_segment_digest(fd: int, seg: Segment, chunk_bytes: int) -> str | None:
             return None
         chunk_digests.append(digests.chunk_digest(data.data))
     return digests.segment_digest(chunk_digests, seg.size)
+
+
+def _entries(directory: str) -> dict[str, os.stat_result]:
+    """lstat of every entry of directory; an entry gone between the listing and its lstat (another process's switch
+    record or temporary file: a cron run beside a watcher) is left out."""
+    out = {}
+    for name in os.listdir(directory):
+        try:
+            out[name] = os.lstat(os.path.join(directory, name))
+        except FileNotFoundError:
+            continue
+    return out
 
 
 def _is_state(path: str) -> bool:

@@ -421,7 +421,18 @@ class Subscriber:
                 return
             log.info("version %d was pushed while version %d waited for the boundary; staging it first", head.version,
                      staged.version)
-            self.poll()
+            newer = self.poll()
+            served = self.served
+            if (newer is not None and newer is not staged and served is not None and os.path.isdir(served.path)
+                    and os.path.isdir(staged.path)):
+                reason = restart_reason(served.path, newer.path)
+                if reason is not None and restart_reason(served.path, staged.path) is None:
+                    # Only a restart can serve the newer one: switch to the version in hand now (it is newer than
+                    # what the engine serves); the next cycle says the newer one needs the restart.
+                    log.info("version %d needs an engine restart (%s); switching to version %d at this boundary",
+                             newer.version, reason, staged.version)
+                    self.staged = staged
+                    self.status.staged_version = staged.version
         except (DeltafsError, OSError) as exc:
             log.warning("cannot stage the versions pushed while waiting for the boundary (%s); switching to version %d",
                         exc, staged.version if staged else -1)
@@ -623,10 +634,11 @@ class Subscriber:
             reported = self.engine.served_version()
         except EngineError:
             return None
-        if reported is None or not str(reported).isdigit() or int(reported) < version:
+        text = str(reported) if reported is not None else ""
+        if not (text.isascii() and text.isdigit()) or int(text) < version:  # "²".isdigit(), but int("²") fails
             return None
-        found = find_version_dir(self.dest, str(reported))
-        return None if found is None else Target(found, str(reported))
+        found = find_version_dir(self.dest, text)
+        return None if found is None else Target(found, text)
 
     def _now_serving(self, target: Target) -> None:
         """The engine verifiably holds target although the switch reported a failure."""

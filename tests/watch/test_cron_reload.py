@@ -164,3 +164,68 @@ def test_an_interrupted_switch_leaves_its_record_for_the_next_process(tmp_path):
     with pytest.raises(RuntimeError), record.around(Remote(), Target(dest, "2")):
         raise RuntimeError("the switch failed")
     assert not os.path.exists(record.path)
+
+
+def test_a_cron_run_while_another_process_switches_the_engine_is_busy_not_an_error(trainer, tmp_path, engine_server):
+    """The pull is done; the engine lock is held by a watcher mid-switch: exit 8 "error" fired cron alerts for a
+    harmless overlap (adversarial pass). It is the quiet "busy" of --once (101) now; the next run reloads."""
+    import json
+
+    from deltafs.read.dest import LocalCheckpoint
+    from deltafs.read.pull import pull
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    pull(trainer.store, dest)
+    reload_engine("sglang", engine_server.url, dest=dest)
+    trainer.push()
+    with LocalCheckpoint(dest).lock(name="engine.lock"):  # the watcher's switch
+        busy = subprocess.run([sys.executable, "-c", MAIN, "pull", trainer.store, dest, "--once", "--json", "--engine",
+                               "sglang", "--engine-url", engine_server.url], capture_output=True, text=True, timeout=60)
+    assert busy.returncode == 101, (busy.stdout, busy.stderr)
+    result = json.loads(busy.stdout)
+    assert result["status"] == "busy" and result["engine_reloaded"] is False and result["version"] == 2
+    assert engine_server.weight_version == "1" and local_version(dest).version == 2
+    again = pull_once(trainer.store, dest, engine_server.url)
+    assert again.returncode == 0, again.stderr
+    assert engine_server.weight_version == "2"
+
+
+def test_a_previous_version_removed_while_compared_is_no_restart_reason(trainer, tmp_path, engine_server, monkeypatch):
+    """A watcher's cleanup removed the version the engine served while a cron run compared it with the new one: its
+    files read as missing, and the run said "needs an engine restart: config config.json removed", exit 10
+    (adversarial pass). A previous version gone during the comparison counts as gone before it: no comparison."""
+    import shutil
+
+    from deltafs.engines import switch
+    from deltafs.read.pull import pull
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    pull(trainer.store, dest)
+    reload_engine("sglang", engine_server.url, dest=dest)
+    trainer.push()
+    pull(trainer.store, dest)
+    real = switch.restart_reason
+
+    def removed_meanwhile(served: str, new: str):
+        shutil.rmtree(served)  # the other process's cleanup, mid-comparison
+        return real(served, new)
+
+    monkeypatch.setattr(switch, "restart_reason", removed_meanwhile)
+    assert reload_engine("sglang", engine_server.url, dest=dest) is not None
+    assert engine_server.weight_version == "2" and same_weights(engine_server.state_dict(), trainer.weights[2])
+
+
+def test_cleanup_survives_entries_that_vanish_while_it_lists(tmp_path, monkeypatch):
+    """A cron run's cleanup listed DEST.deltafs while a watcher's switch record came and went: lstat raised
+    FileNotFoundError and the run exited 1 after a successful pull (adversarial pass)."""
+    import os
+
+    from deltafs.read.dest import LocalCheckpoint
+
+    local = LocalCheckpoint(str(tmp_path / "dest"))
+    local.ensure_sidecar()
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: [*real(p), "engine-switch.json", ".tmp-" + "0" * 32])
+    assert local.cleanup(keep=2) == [] and local.remove_stale_staging() == []

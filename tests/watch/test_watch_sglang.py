@@ -424,3 +424,46 @@ def test_a_version_that_needs_a_restart_is_reported_before_the_boundary_wait(tra
         assert waited == [] and server.count("update") == 0
         assert ledger(trainer.store).state == "needs-restart"
         sub.close()
+
+
+def test_catching_up_at_the_boundary_keeps_the_version_in_hand_when_the_newer_needs_a_restart(trainer, staged_v1):
+    """Version 2 waited for the boundary; version 3, pushed meanwhile, changes config.json. Catching up staged 3,
+    which cannot be hot-switched, and the engine stayed on 1 until a restart (adversarial pass on the catch-up).
+    The boundary switches to 2 now; the next cycle says 3 needs the restart."""
+    dest, v1_dir = staged_v1
+    pushed: list[int] = []
+
+    def push_config_change() -> None:
+        if not pushed:
+            pushed.append(trainer.push(extra_files={"config.json": json.dumps(dict(CONFIG, rope_theta=9.0)).encode()}))
+
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", boundary=_Hook(push_config_change),
+                         **FAST)
+        sub.start()
+        trainer.push()
+        applied = sub.sync()
+        assert applied is not None and applied.version == 2
+        assert server.reported_versions()[-1] == "2" and same_weights(server.state_dict(), trainer.weights[2])
+        with pytest.raises(NeedsRestartError, match="config config.json changed"):
+            sub.sync()
+        assert ledger(trainer.store).needs_restart["version"] == 3 and server.reported_versions()[-1] == "2"
+        sub.close()
+
+
+def test_an_engine_reporting_a_non_ascii_digit_does_not_crash_the_watcher(trainer, staged_v1):
+    """'²'.isdigit() is true but int('²') raises: the never-backwards check crashed the watcher thread."""
+    import requests
+
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **FAST)
+        sub.start()
+        trainer.push()
+        assert sub.poll().version == 2
+        reply = requests.post(f"{server.url}/update_weights_from_disk",
+                              json={"model_path": v1_dir, "weight_version": "\u00b2"}, timeout=30)
+        assert reply.status_code == 200 and server.reported_versions()[-1] == "\u00b2"
+        applied = sub.apply()
+        assert applied is not None and applied.version == 2 and server.reported_versions()[-1] == "2"
+        sub.close()
