@@ -50,7 +50,7 @@ from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
 from deltafs.store.repo import ForeignManifestError, Repository
 from deltafs.watch.boundary import Boundary, Immediate
-from deltafs.watch.group import GroupNotReadyError, held_versions, ready_hosts, stable_path
+from deltafs.watch.group import BY_VERSION, GroupNotReadyError, held_versions, ready_hosts, stable_path
 from deltafs.watch.ledger import (
     HostStatus,
     check_host_id,
@@ -544,13 +544,16 @@ class Subscriber:
     def _pull_one(self, version: int) -> PullResult:
         """pull() verifies every byte and itself falls back to the nearest full version when the
         local base is unusable; what is left to handle here is a DEST of another store."""
-        kwargs: dict[str, Any] = {"version": version, "keep": self.keep, "threads": self.threads,
+        # pull's cleanup and recycling spare the newest version directories by mtime; touching the one the engine
+        # serves keeps it as the rollback target however many versions arrive meanwhile, and on an engine group's
+        # follower the ones the group's engine serves and is switching to (its ranks on this host read them here),
+        # which are kept on top of --keep.
+        in_use = self._group_versions_in_use()
+        kwargs: dict[str, Any] = {"version": version, "keep": self.keep + len(in_use), "threads": self.threads,
                                   "recycle": self.recycle}
-        if self.served is not None:
-            # pull's cleanup keeps the newest version directories by mtime; touching the one the
-            # engine serves keeps it as the rollback target however many versions arrive meanwhile.
+        for path in ([self.served.path] if self.served is not None else []) + in_use:
             try:
-                os.utime(self.served.path)
+                os.utime(path)
             except OSError:
                 pass
         try:
@@ -576,6 +579,23 @@ class Subscriber:
             raise
         except DeltafsError as exc:
             raise NothingVerifiableError(f"version {version} cannot be verified: {exc}") from exc
+
+    def _group_versions_in_use(self) -> list[str]:
+        """On an engine group's host without the engine's HTTP API (a follower): the version directories the group's
+        engine serves or is switching to, as the leader's ledger entry says. The engine's ranks on this host load them
+        from this disk: a pull here must neither rewrite (recycle) nor remove them (an adversarial pass had a
+        follower's pulls rewrite the version the engine was loading with a newer version's bytes)."""
+        if not self.engine_group or self.engine is not None:
+            return []
+        try:
+            _, members = ready_hosts(self.repo.objects, self.engine_group, 0, store_id=self.status.store_id)
+        except (DeltafsError, OSError) as exc:
+            log.debug("cannot read the engine group's ledger entries: %s", exc)
+            return []
+        links = os.path.join(LocalCheckpoint(self.dest).sidecar, BY_VERSION)
+        in_use = {v for m in members if m.engine != "none" for v in (m.served_version, m.staged_version) if v is not None}
+        paths = [os.path.realpath(os.path.join(links, f"v{v}")) for v in sorted(in_use)]
+        return [p for p in paths if os.path.isdir(p)]
 
     def _wait_for_group(self, version: int) -> None:
         """Raise GroupNotReadyError until every host of the engine group has the version staged."""

@@ -467,3 +467,36 @@ def test_an_engine_reporting_a_non_ascii_digit_does_not_crash_the_watcher(traine
         applied = sub.apply()
         assert applied is not None and applied.version == 2 and server.reported_versions()[-1] == "2"
         sub.close()
+
+
+def test_a_group_follower_keeps_the_versions_the_engine_serves_and_loads(trainer, staged_v1, tmp_path):
+    """A follower kept pulling while the group's engine loaded by-version/v2 from its disk: after three pushes its
+    pull recycled that directory, and the engine's ranks there read version 5's bytes mid-load (adversarial pass).
+    A follower now keeps the versions the leader's ledger entry names (served, staged) out of cleanup and recycling."""
+    from safetensors.torch import load_file
+
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            **FAST)
+        follower_dest = str(tmp_path / "node1-dest")
+        follower = Subscriber(trainer.store, follower_dest, None, host_id="node-1", engine_group="big",
+                              engine_hosts=2, keep=3, **FAST)
+        leader.start()
+        follower.start()
+        follower.sync()  # version 1
+        trainer.push()
+        follower.sync()  # version 2
+        assert leader.poll().version == 2  # staged: the leader's switch to it is about to send by-version/v2
+        links = os.path.join(follower_dest + ".deltafs", "by-version")
+        before = {v: os.path.realpath(os.path.join(links, f"v{v}")) for v in (1, 2)}
+        for _ in range(3):
+            trainer.push()
+            follower.sync()
+        for v, path in before.items():
+            assert os.path.realpath(os.path.join(links, f"v{v}")) == path and os.path.isdir(path), v
+            assert same_weights(load_file(os.path.join(path, "model.safetensors")), trainer.weights[v]), v
+        applied = leader.apply()
+        assert applied is not None and applied.version == 2
+        leader.close()
+        follower.close()
