@@ -63,7 +63,9 @@ class _Comm:
     def check_root(self) -> None:
         """UsageError for a root outside the group; then the root's global rank is known (for broadcasts)."""
         root = self.root
-        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world:
+        if isinstance(root, bool) or not isinstance(root, int):
+            raise UsageError(f"root must be an int (a rank of the group), got {type(root).__name__} {root!r}")
+        if not 0 <= root < self.world:
             raise UsageError(f"root rank {root!r} is not in a group of {self.world} ranks")
         if self.dist is not None:
             self.root_global = self.dist.get_global_rank(self.group, root) if self.group is not None else root

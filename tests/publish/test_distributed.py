@@ -301,3 +301,17 @@ def test_a_rank_whose_files_cannot_be_made_fails_every_rank_at_once(tmp_path):
     assert reports[0]["error"] == "DistributedPushError" and "rank 1 failed" in reports[0]["message"], reports[0]
     assert all(r["seconds"] < 30 for r in reports), reports
     assert not (store / "manifests").exists()
+
+
+def test_a_root_that_is_no_rank_is_refused_in_words_that_say_so(tmp_path):
+    """root=np.int64(0) was "root rank np.int64(0) is not in a group of 1 ranks", which reads as out of range."""
+    import numpy as np
+
+    store = str(tmp_path / "store")
+    with pytest.raises(UsageError, match="root must be an int"):
+        push_distributed(store, model_at(0), root=np.int64(0))
+    with pytest.raises(UsageError, match="root must be an int"):
+        push_distributed(store, model_at(0), root=True)
+    with pytest.raises(UsageError, match="root rank 3 is not in a group of 1 ranks"):
+        push_distributed(store, model_at(0), root=3)
+    assert push_distributed(store, model_at(0)).version == 1
