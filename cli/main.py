@@ -139,7 +139,16 @@ def _setup_logging() -> None:
     root.setLevel(os.environ.get("DELTAFS_LOG_LEVEL", "WARNING").upper())
 
 
+def _stdout_is_null() -> bool:
+    try:
+        st, null = os.fstat(1), os.stat(os.devnull)
+    except (OSError, ValueError):
+        return False
+    return (st.st_rdev, st.st_ino) == (null.st_rdev, null.st_ino)
+
+
 def main() -> None:
+    was_null = _stdout_is_null()
     _setup_logging()
     try:
         rc = app(standalone_mode=False)
@@ -147,7 +156,12 @@ def main() -> None:
             sys.stderr.write("deltafs: interrupted\n")
         if isinstance(rc, int) and not isinstance(rc, bool):
             sys.exit(rc)
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code == 1 and (type(sys.stdout).__name__ == "PacifyFlushWrapper" or (not was_null and _stdout_is_null())):
+            # click's and rich's own answers to a closed stdout (help text, which typer writes straight to the
+            # console): click swaps in that wrapper, rich points stdout at /dev/null; both exit 1, the code of an
+            # internal error here.
+            sys.exit(EXIT_OUTPUT_CLOSED)
         raise
     except KeyboardInterrupt:
         sys.stderr.write("deltafs: interrupted\n")

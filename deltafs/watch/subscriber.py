@@ -44,7 +44,7 @@ from deltafs.errors import (
     exit_code,
     short_problem,
 )
-from deltafs.read.dest import LocalCheckpoint, find_version_dir
+from deltafs.read.dest import LocalCheckpoint, find_version_dir, read_version_state
 from deltafs.read.pull import PullResult, pull
 from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
@@ -216,6 +216,7 @@ class Subscriber:
             log.error("cannot ask the engine what it serves: %s", exc)
             return
         self._unconfirmed = False
+        self._engine_said = reported
         if found is not None and reported != found.version:
             # Started without --weight-version: known from model_path. If that path is DEST itself, it
             # names what DEST pointed to at launch; reload once so the engine reports a version.
@@ -348,6 +349,10 @@ class Subscriber:
                 return None
             pause, load, checksum = result.pause_seconds, result.load_seconds, result.checksum
         applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback, load)
+        self._engine_said = None
+        if self.engine is not None:  # what it reports after this switch: what _check_engine compares with
+            with contextlib.suppress(EngineError):
+                self._engine_said = self.engine.served_version()
         self.served = target
         self.staged = None
         self._unconfirmed = False
@@ -422,6 +427,16 @@ class Subscriber:
             log.info("version %d was pushed while version %d waited for the boundary; staging it first", head.version,
                      staged.version)
             newer = self.poll()
+            if newer is not None and newer is not staged and self.engine_group:
+                ready, _ = ready_hosts(self.repo.objects, self.engine_group, newer.version,
+                                       store_id=self.status.store_id)
+                if len(ready | {self.status.host_id}) < self.engine_hosts:
+                    # Its hosts do not all hold it yet: this boundary switches the group to the version they hold.
+                    log.info("not every host of engine group %s holds version %d yet; switching to version %d at "
+                             "this boundary", self.engine_group, newer.version, staged.version)
+                    self.staged = staged
+                    self.status.staged_version = staged.version
+                    return
             served = self.served
             if (newer is not None and newer is not staged and served is not None and os.path.isdir(served.path)
                     and os.path.isdir(staged.path)):
@@ -622,6 +637,7 @@ class Subscriber:
         raise GroupNotReadyError(message, timed_out=timed_out)
 
     _last_engine_check = 0.0
+    _engine_said: str | None = None  # what served_version() answered at the last check (None: not asked since)
 
     def _check_engine(self) -> None:
         """Every heartbeat, ask the engine what it serves. An engine restarted by an operator or a supervisor may
@@ -633,18 +649,24 @@ class Subscriber:
         if time.monotonic() - self._last_engine_check < self.heartbeat:
             return
         self._last_engine_check = time.monotonic()
-        try:
-            reported = self.engine.served_version()
-        except EngineError as exc:
-            log.debug("cannot ask the engine what it serves: %s", exc)
+        with contextlib.ExitStack() as held:
+            try:  # not while another process switches this engine (a cron run): its load answers in between
+                held.enter_context(LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"))
+                reported = self.engine.served_version()
+            except (DeltafsError, OSError) as exc:
+                log.debug("not asking the engine what it serves now: %s", exc)
+                return
+        # Compared with what it said last: an engine that reports no version, or a label of its own ("default",
+        # started on a version directory), is not taken for a restarted one at every heartbeat.
+        said, self._engine_said = self._engine_said, reported
+        if reported is None or said is None or reported == said:
             return
-        if reported != self.served.version:
-            log.warning("the engine now reports weight_version %r, not %s (restarted?); finding out what it serves",
-                        reported, self.served.version)
-            self._learn_served()
-            if self.served is None:  # not a version of DEST: switch it to the newest again, now
-                self.status.served_version = None
-                self.poll()
+        log.warning("the engine now reports weight_version %r, not %r (restarted?); finding out what it serves",
+                    reported, said)
+        self._learn_served()
+        if self.served is None:  # not a version of DEST: switch it to the newest again, now
+            self.status.served_version = None
+            self.poll()
 
     def _serves_newer(self, version: int) -> Target | None:
         """What the engine serves when it reports a verified version of DEST at least `version` (loading that again
@@ -658,7 +680,14 @@ class Subscriber:
         if not (text.isascii() and text.isdigit()) or int(text) < version:  # "²".isdigit(), but int("²") fails
             return None
         found = find_version_dir(self.dest, text)
-        return None if found is None else Target(found, text)
+        if found is None:
+            return None
+        try:  # a version directory of this store: one left from a store deleted and made again says nothing
+            if read_version_state(found)[1].get("store_id") != self.repo.store_id:
+                return None
+        except (DeltafsError, OSError):
+            return None
+        return Target(found, text)
 
     def _now_serving(self, target: Target) -> None:
         """The engine verifiably holds target although the switch reported a failure."""

@@ -293,7 +293,8 @@ def test_a_closed_stdout_is_exit_141_and_quiet(tmp_path, maker):
     store = str(tmp_path / "store")
     run_cli("push", maker.write(), store, check=0)
     exe = os.path.join(os.path.dirname(sys.executable), "deltafs")
-    for args in (["verify", store, "--all"], ["log", store, "--json"], ["show", store], ["version"]):
+    for args in (["verify", store, "--all"], ["log", store, "--json"], ["show", store], ["version"], ["--help"],
+                 ["push", "--help"], []):
         read, write = os.pipe()
         os.close(read)
         try:

@@ -500,3 +500,92 @@ def test_a_group_follower_keeps_the_versions_the_engine_serves_and_loads(trainer
         assert applied is not None and applied.version == 2
         leader.close()
         follower.close()
+
+
+def test_a_new_run_at_the_same_store_url_is_loaded_although_the_engine_reports_a_higher_number(tmp_path):
+    """The engine served version 3 of a run whose store was deleted and pushed again (the new run at version 2):
+    the never-backwards check found the old run's version 3 beside DEST, took "3" for newer and kept the engine on
+    the old run (review of the check). Only a version directory of this store counts."""
+    import shutil
+
+    from deltafs.read.pull import pull
+    from watch_helpers import Trainer
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    old = Trainer(store, str(tmp_path / "cache-old"))
+    old.push()
+    v1_dir = pull(store, dest).path
+    for _ in range(2):
+        old.push()
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(store, dest, engine(server), host_id="rollout-0", **FAST)
+        sub.start()
+        assert sub.sync().version == 3
+        shutil.rmtree(store)
+        new = Trainer(store, str(tmp_path / "cache-new"))
+        for _ in range(2):
+            new.push()
+        sub._forget_store()  # as after a poll that found the store gone
+        applied = sub.sync()
+        assert applied is not None and applied.version == 2
+        assert server.reported_versions()[-1] == "2" and same_weights(server.state_dict(), new.weights[2])
+        sub.close()
+
+
+def test_an_engine_that_reports_no_version_or_its_own_label_is_not_reloaded_at_every_heartbeat(trainer, staged_v1,
+                                                                                                 caplog):
+    """The heartbeat's "what do you serve?" took an engine answering None (allowed for third-party engines) or its
+    own label ("default": SGLang started without --weight-version) for a restarted one: a reload per heartbeat, or a
+    false warning per heartbeat (review of the check). It compares with what the engine said last."""
+    import logging
+
+    class NoVersion(SGLangEngine):
+        def served_version(self):
+            return None
+
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        quiet = NoVersion(server.url, timeout=2, load_timeout=10, poll_interval=0.1)
+        sub = Subscriber(trainer.store, dest, quiet, host_id="rollout-0", **{**FAST, "heartbeat": 0.0})
+        sub.start()
+        trainer.push()
+        assert sub.sync() is not None
+        for _ in range(4):
+            assert sub.sync() is None
+        assert server.count("update") == 1
+        sub.close()
+    with WheelSGLang(v1_dir) as server, caplog.at_level(logging.WARNING, logger="deltafs.watch"):
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-1", **{**FAST, "heartbeat": 0.0})
+        sub.start()
+        assert server.reported_versions() == ["default"]
+        sub.sync()  # switches it to version 2 (it learned version 1 from model_path)
+        updates = server.count("update")
+        for _ in range(4):
+            assert sub.sync() is None
+        assert server.count("update") == updates and "restarted?" not in caplog.text
+        sub.close()
+
+
+def test_a_group_boundary_switches_to_what_every_host_holds_when_the_newest_is_not_there_yet(trainer, staged_v1,
+                                                                                            tmp_path):
+    """Version 3 was pushed while the group's version 2 waited for the boundary: catching up staged 3, which the
+    follower did not hold yet, and the boundary passed with no switch at all (review of the catch-up). It switches
+    the group to 2 now; 3 follows once every host holds it."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            boundary=_Hook(lambda: trainer.push() if len(trainer.weights) == 2 else None), **FAST)
+        follower = Subscriber(trainer.store, str(tmp_path / "node1-dest"), None, host_id="node-1", engine_group="big",
+                              engine_hosts=2, **FAST)
+        leader.start()
+        follower.start()
+        trainer.push()
+        follower.sync()  # holds version 2
+        applied = leader.sync()  # version 3 arrives at the boundary; node 1 does not hold it
+        assert applied is not None and applied.version == 2 and server.reported_versions()[-1] == "2"
+        follower.sync()
+        applied = leader.sync()
+        assert applied is not None and applied.version == 3
+        assert same_weights(server.state_dict(), trainer.weights[3])
+        leader.close()
+        follower.close()
