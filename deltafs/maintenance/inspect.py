@@ -90,8 +90,8 @@ def diff(store: str | Repository, a: int, b: int, *, storage_options: dict[str, 
     Tensors whose digests are equal are not read; the others are rebuilt (digest-checked) and
     compared element by element (bitwise, so NaNs and -0.0 count as the bytes they are).
     """
-    check_version(a, "version A")  # a usage error (exit 2), as show's and pull's --version, before the store is read
-    check_version(b, "version B")
+    a = check_version(a, "version A")  # a usage error (exit 2), as show's and pull's --version, before the store is read
+    b = check_version(b, "version B")
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     ra, rb = open_version(repo, a), open_version(repo, b)
     sa = {t.name: t for t in ra.tensors()}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,8 +64,12 @@ class _Comm:
     def check_root(self) -> None:
         """UsageError for a root outside the group; then the root's global rank is known (for broadcasts)."""
         root = self.root
-        if isinstance(root, bool) or not isinstance(root, int):
-            raise UsageError(f"root must be an int (a rank of the group), got {type(root).__name__} {root!r}")
+        try:
+            if isinstance(root, bool):
+                raise TypeError
+            root = self.root = operator.index(root)  # numpy's integers too
+        except TypeError:
+            raise UsageError(f"root must be an int (a rank of the group), got {type(root).__name__} {root!r}") from None
         if not 0 <= root < self.world:
             raise UsageError(f"root rank {root!r} is not in a group of {self.world} ranks")
         if self.dist is not None:
@@ -112,8 +117,9 @@ class _Call:
 
 def _check_same_call(calls: list[_Call]) -> None:
     """UsageError on every rank when the ranks' calls are not one push: another root, or another version number or
-    metadata (the root's are the version's, so a rank may leave them out, but one that gives them must give the
-    root's: ranks that disagree are pushing different steps, say after one of them failed a step on its own)."""
+    metadata `step` (the root's metadata is the version's, so a rank may leave these out or give other keys, such as
+    its own loss; but a rank that gives a version or a step must give the root's: ranks that disagree are pushing
+    different steps, say after one of them failed a step on its own)."""
     root = calls[0].root
     problems = [f"rank {r} names root {c.root!r}, rank 0 root {root!r}" for r, c in enumerate(calls) if c.root != root]
     if not problems:
@@ -121,15 +127,18 @@ def _check_same_call(calls: list[_Call]) -> None:
         for r, c in enumerate(calls):
             if c.version is not None and c.version != ref.version:
                 problems.append(f"rank {r} pushes version {c.version}, the root (rank {root}) {ref.version}")
-            if c.metadata and c.metadata != ref.metadata:
-                problems.append(f"rank {r} gives metadata {_short(c.metadata)}, the root (rank {root}) "
-                                f"{_short(ref.metadata)}")
+            if STEP_KEY in c.metadata and c.metadata[STEP_KEY] != ref.metadata.get(STEP_KEY):
+                problems.append(f"rank {r} gives {STEP_KEY} {_short(c.metadata[STEP_KEY])}, the root (rank {root}) "
+                                f"{_short(ref.metadata.get(STEP_KEY))}")
     if problems:
         raise UsageError("multi-rank push refused: the ranks are not making the same push (" + "; ".join(problems[:3])
                          + (" …" if len(problems) > 3 else "") + "); nothing was written")
 
 
-def _short(metadata: Mapping[str, Any]) -> str:
+STEP_KEY = "step"  # the metadata key every rank's call must agree on when it gives it
+
+
+def _short(metadata: Any) -> str:
     text = json.dumps(metadata, sort_keys=True, default=str)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -247,8 +256,8 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
     or DTensors with the same names on every rank. extra_files: files such as config.json; any rank
     may pass them (the same path must have the same bytes on every rank that passes it). The options
     (PushOptions, or its fields as keywords) are taken from the root rank for version, metadata,
-    full and the keyframe policy; a rank that gives a version or metadata other than the root's refuses
-    the push on every rank (the ranks would be pushing different steps), and so do different roots. Returns the same PushResult on every rank. Without an initialized
+    full and the keyframe policy; a rank that gives a version or a metadata `step` other than the root's
+    refuses the push on every rank (the ranks would be pushing different steps), and so do different roots. Returns the same PushResult on every rank. Without an initialized
     torch.distributed process group it behaves as a world of one. device_baseline: this rank's, as for
     push_tensors (deltafs.publish.device_diff).
     """
@@ -266,7 +275,8 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
         if extra_files is not None and not isinstance(extra_files, Mapping):
             raise UsageError(f"extra_files must be a mapping of paths to bytes, got {type(extra_files).__name__}")
         mine.append(opts)  # stays on this rank (storage options, callbacks)
-        return _Call(comm.root, opts.version, dict(opts.metadata))
+        step = {STEP_KEY: opts.metadata[STEP_KEY]} if STEP_KEY in opts.metadata else {}
+        return _Call(comm.root, opts.version, step)
 
     mine: list[PushOptions] = []
     _check_same_call(collective(comm, "checking the call", start))

@@ -38,8 +38,8 @@ class PushOptions:
     link: str = "auto"  # see LINK_MODES
 
     def __post_init__(self) -> None:
-        if self.version is not None:
-            check_version(self.version)  # before anything is written: a bad number never reaches the store
+        if self.version is not None:  # before anything is written: a bad number never reaches the store
+            object.__setattr__(self, "version", check_version(self.version))  # an int (numpy's integers too)
         try:
             canonical_json(dict(self.metadata))
         except (TypeError, ValueError) as exc:

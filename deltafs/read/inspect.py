@@ -122,7 +122,7 @@ def open_version(store: str | Repository, version: int | None = None, *,
                  storage_options: dict[str, Any] | None = None) -> VersionReader:
     """A read-only view of one version (default: HEAD) whose tensors are rebuilt on demand."""
     if version is not None:
-        check_version(version)
+        version = check_version(version)
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     from deltafs.read.pull import resolve_version
 

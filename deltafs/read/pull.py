@@ -102,6 +102,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
     """
     t0 = time.monotonic()
     _check_arguments(dest, version, threads, keep, storage_options)
+    version = None if version is None else check_version(version)  # an int from here (numpy's integers too)
     repo = store if isinstance(store, Repository) else Repository.open(store, storage_options)
     local = LocalCheckpoint(dest)
     refuse_nested(local, repo.objects.local_root)

@@ -301,7 +301,7 @@ class Subscriber:
         local = LocalCheckpoint(self.dest)
         state = local.version_state(os.path.basename(staged.path))
         changed = "its state record is unreadable" if state is None else local.check_files(state)
-        if changed is not None:  # bit rot or a stray writer while it waited: the engine must not load it
+        if changed is not None:  # a stray writer while it waited (sizes, mtimes): the engine must not load it
             self.staged = None
             self.status.staged_version = None
             raise DestinationError(f"staged version {staged.version} changed on disk while it waited ({changed}); "
@@ -357,7 +357,7 @@ class Subscriber:
         self.staged = None
         self._unconfirmed = False
         self._noticed = {v: t for v, t in self._noticed.items() if v > staged.version}
-        self._group_since.pop(staged.version, None)
+        self._group_since = {v: t for v, t in self._group_since.items() if v > staged.version}
         self.status.served_version = staged.version
         self.status.staged_version = None
         self.status.needs_restart = None
@@ -620,7 +620,10 @@ class Subscriber:
         if len(ready) >= self.engine_hosts:
             self.status.group_wait = None
             return
-        since = self._group_since.setdefault(version, time.monotonic())
+        self._group_since.setdefault(version, time.monotonic())
+        # Since the group first waited for any version not switched to yet: with pushes faster than the hosts take
+        # them, each new version would restart the clock and --group-timeout would never report the wait.
+        since = min(self._group_since.values())
         waited = time.monotonic() - since  # (taken after `since`: the other order printed "waiting -0s")
         behind = sorted(f"{m.host_id} (has {m.staged_version or m.served_version})" for m in members
                         if m.host_id not in ready)

@@ -59,3 +59,23 @@ def test_diff_and_show_refuse_a_version_outside_the_range_as_bad_arguments(tmp_p
         diff(store, 1, MAX_VERSION + 1)
     with pytest.raises(UsageError):
         open_version(store, -1)
+
+
+def test_numpy_integers_are_version_numbers_as_their_values(tmp_path, maker):
+    """check_version refused numpy's integers (and the diff/show checks added later would have too): they are taken
+    as their values, and a push records a plain int."""
+    import numpy as np
+
+    from deltafs.maintenance.inspect import diff
+    from deltafs.read.inspect import open_version
+    from deltafs.read.pull import pull
+
+    store = str(tmp_path / "store")
+    assert push(store, maker.write(), version=np.int64(4)).version == 4
+    maker.advance()
+    push(store, maker.write("b"), version=np.int32(5))
+    assert open_version(store, np.int64(4)).manifest.version == 4
+    assert [r.name for r in diff(store, np.int64(4), np.uint8(5))]
+    assert pull(store, str(tmp_path / "dest"), version=np.int64(4)).version == 4
+    with pytest.raises(UsageError, match="must be an integer"):
+        push(store, maker.write("c"), version=6.0)

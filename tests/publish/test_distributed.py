@@ -218,7 +218,7 @@ def test_with_metadata_from_another_step_on_one_rank_nothing_is_written():
     from deltafs.publish.distributed import _Call, _check_same_call
 
     _check_same_call([_Call(0, None, {"step": 3}), _Call(0, None, {}), _Call(0, None, {"step": 3})])
-    with pytest.raises(UsageError, match=r"rank 2 gives metadata \{\"step\": 4\}"):
+    with pytest.raises(UsageError, match="rank 2 gives step 4, the root .rank 0. 3"):
         _check_same_call([_Call(0, None, {"step": 3}), _Call(0, None, {}), _Call(0, None, {"step": 4})])
     with pytest.raises(UsageError, match="rank 1 pushes version 7"):
         _check_same_call([_Call(0, 6, {}), _Call(0, 7, {})])
@@ -309,9 +309,9 @@ def test_a_root_that_is_no_rank_is_refused_in_words_that_say_so(tmp_path):
 
     store = str(tmp_path / "store")
     with pytest.raises(UsageError, match="root must be an int"):
-        push_distributed(store, model_at(0), root=np.int64(0))
+        push_distributed(store, model_at(0), root=0.0)
     with pytest.raises(UsageError, match="root must be an int"):
         push_distributed(store, model_at(0), root=True)
     with pytest.raises(UsageError, match="root rank 3 is not in a group of 1 ranks"):
         push_distributed(store, model_at(0), root=3)
-    assert push_distributed(store, model_at(0)).version == 1
+    assert push_distributed(store, model_at(0), root=np.int64(0)).version == 1  # numpy's integers are ranks too

@@ -352,7 +352,7 @@ def test_the_watcher_never_takes_the_engine_back_to_an_older_version(trainer, st
 
 
 def test_a_staged_version_changed_on_disk_while_it_waited_is_not_loaded(trainer, staged_v1):
-    """One byte of the staged model.safetensors changed while it waited for the boundary (bit rot, a stray writer):
+    """One byte of the staged model.safetensors was rewritten while it waited for the boundary (a stray writer):
     the engine loaded it, reported the version and status said serving (adversarial pass). The files are checked
     (sizes, install mtimes) right before the switch; the version is staged again, verified, and then loaded."""
     from deltafs.errors import DestinationError
@@ -589,3 +589,23 @@ def test_a_group_boundary_switches_to_what_every_host_holds_when_the_newest_is_n
         assert same_weights(server.state_dict(), trainer.weights[3])
         leader.close()
         follower.close()
+
+
+def test_the_group_timeout_counts_from_the_first_wait_whatever_versions_arrive(trainer, staged_v1):
+    """With pushes faster than a follower takes them, each new version restarted the group's wait and
+    --group-timeout never reported it (review of the held-version rule)."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            group_timeout=60.0, **FAST)
+        leader.start()
+        trainer.push()
+        with pytest.raises(GroupNotReadyError) as info:
+            leader.sync()
+        assert not info.value.timed_out
+        leader._group_since = {v: t - 70.0 for v, t in leader._group_since.items()}  # 70 s ago
+        trainer.push()  # a new version: the wait goes on, and has lasted 70 s
+        with pytest.raises(GroupNotReadyError) as info:
+            leader.sync()
+        assert info.value.timed_out and "waited past 60s" in str(info.value) and "version 3" in str(info.value)
+        leader.close()
