@@ -334,16 +334,22 @@ def push_megatron(model_or_chunks: Any, store: Any, options: PushOptions | None 
     device_baseline: a DeviceBaseline kept for the run (one per rank with multi_rank), so only the elements that
     changed since the last push cross from the accelerator to the host (deltafs.publish.device_diff).
     """
-    opts = PushOptions.of(options, **kw)
     if vocab_size is None and config is not None and config.get("vocab_size"):
         vocab_size = int(config["vocab_size"])
-    info = describe(model_or_chunks, vocab_size=vocab_size)
-    cfg = hf_config(info, hf_arch=hf_arch, base=config)  # refuse a bad config before any collective
-    files = {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}
-    files |= dict(extra_files or {})
-    if multi_rank:
-        from deltafs.publish import push_distributed
 
+    def prepare() -> tuple[PushOptions, ModelInfo, dict[str, bytes]]:
+        opts = PushOptions.of(options, **kw)
+        info = describe(model_or_chunks, vocab_size=vocab_size)
+        cfg = hf_config(info, hf_arch=hf_arch, base=config)  # refuse a bad config before any collective
+        files = {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}
+        return opts, info, files | dict(extra_files or {})
+
+    if multi_rank:
+        from deltafs.publish.distributed import on_every_rank, push_distributed
+
+        # Checked inside a collective: a rank refusing its own options alone would leave the others in the push's
+        # first collective, where its next call (the next step) would meet them.
+        opts, info, files = on_every_rank("checking the call", prepare)
         stage, _, stage_groups, _ = _stage(model_or_chunks, vocab_size, groups, info)
         # Only the rank holding the embeddings names the extra files, so they are written once.
         mine = files if stage is not None and stage_groups.pp_rank == 0 else None
@@ -351,6 +357,7 @@ def push_megatron(model_or_chunks: Any, store: Any, options: PushOptions | None 
 
     from deltafs.publish import push_tensors
 
+    opts, info, files = prepare()
     tensors = megatron_to_hf(model_or_chunks, groups=groups, info=info)
     if tensors is None:
         return None

@@ -24,9 +24,9 @@ import hashlib
 import json
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import Any, TypeVar, Unpack
 
 from deltafs.errors import SourceError, UsageError
 from deltafs.format.manifest import path_clash
@@ -35,6 +35,9 @@ from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.publish.pipeline import DistributedPushError, RankWork, World, collective, run
 from deltafs.publish.source import MAX_HEADER_BYTES, Piece, memory_source, safetensors_segments
+
+
+T = TypeVar("T")
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -103,6 +106,22 @@ class _Comm:
 def _broken(exc: RuntimeError) -> DistributedPushError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return DistributedPushError(f"the process group failed (a rank died or hung?): {first[:300]}; version not committed")
+
+
+def on_every_rank(what: str, fn: Callable[[], T], *, group: Any = None) -> T:
+    """fn() on this rank, inside a collective over `group` (torch.distributed's default group when None): if it raises
+    on any rank, it raises on every rank. For a caller's own checks before a push_distributed: a rank that failed on
+    its own before the push's first collective would leave the others waiting there, and its next call (the next
+    step) would meet them: two steps pushed as one version."""
+    comm = _Comm(group, 0)
+    box: list[T] = []
+
+    def run() -> bool:
+        box.append(fn())
+        return True
+
+    collective(comm, what, run)
+    return box[0]
 
 
 # --- the call: the same on every rank -----------------------------------------------------------------
@@ -308,4 +327,4 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
         return run(comm, store, made[0], opts, t0=t0)
 
 
-__all__ = ["DistributedPushError", "push_distributed", "shard_name"]
+__all__ = ["DistributedPushError", "on_every_rank", "push_distributed", "shard_name"]

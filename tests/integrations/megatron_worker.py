@@ -84,8 +84,18 @@ def main() -> None:
             with torch.no_grad():
                 logits = (mc.forward(model, toks) if pp == 1 else
                           pipeline_logits(model if vpp else [model], toks, pp_rank, pp, tiny))
-            result = push_megatron(model, spec["store"], vocab_size=tiny.vocab, metadata={"step": step},
-                                   cache_dir=spec["cache"], **spec.get("push", {}))
+            # "rank_push": {"1:1": {"threads": 0}} gives rank 1 a bad option at step 1 only; with "continue_on_error"
+            # a failed push is recorded (error-<rank>-<step>.txt) and the loop goes on, as a trainer's would.
+            mine = spec.get("rank_push", {}).get(f"{rank}:{step}", {})
+            try:
+                result = push_megatron(model, spec["store"], vocab_size=tiny.vocab, metadata={"step": step},
+                                       cache_dir=spec["cache"], **(spec.get("push", {}) | mine))
+            except Exception as exc:  # noqa: BLE001 - recorded for the test
+                if not spec.get("continue_on_error"):
+                    raise
+                with open(os.path.join(spec["out"], f"error-{rank}-{step}.txt"), "w") as fh:
+                    fh.write(f"{type(exc).__name__}: {exc}")
+                continue
             multi_rank = spec.get("push", {}).get("multi_rank", False)
             if multi_rank:
                 assert result is not None, f"rank {rank} got no push result from a multi-rank push"

@@ -28,12 +28,13 @@ WORKER = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
 
 def run_job(tmp_path: Any, *, tp: int, pp: int, tiny: mc.Tiny, steps: int, vpp: int | None = None, dp: int = 1,
             dtype: str = "float32", push: dict[str, Any] | None = None,
-            rank_tiny: dict[str, Any] | None = None, expect_ok: bool = True) -> tuple[dict[str, Any], list[str]]:
+            rank_tiny: dict[str, Any] | None = None, expect_ok: bool = True,
+            **more: Any) -> tuple[dict[str, Any], list[str]]:
     world = tp * pp * dp
     spec = {"tp": tp, "pp": pp, "vpp": vpp, "dtype": dtype, "steps": steps,
             "store": str(tmp_path / "store"), "cache": str(tmp_path / "cache"), "out": str(tmp_path),
             "tiny": {k: v for k, v in asdict(tiny).items() if k != "dtype"}, "rank_tiny": rank_tiny or {},
-            "push": push or {}}
+            "push": push or {}, **more}
     port = mc.free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=mc.env_for_rank(r, world, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
@@ -135,3 +136,20 @@ def test_shapes_that_disagree_between_ranks_fail_on_every_rank_before_anything_i
     for out in outputs:
         assert "MegatronLayoutError" in out and "mlp.linear_fc1.weight on TP rank" in out, out[-3000:]
     assert not (tmp_path / "store").exists()
+
+
+def test_one_rank_refusing_its_options_fails_that_step_everywhere_and_the_next_is_whole(tmp_path: Any) -> None:
+    """push_megatron(multi_rank=True) checked its options before any collective: a rank refusing its own (threads=0
+    at step 1) left the other in push_distributed's first collective, where its step-2 call met it (review of the
+    push_distributed fix). The checks run inside a collective now: step 1 fails on both ranks, step 2 is version 2."""
+    from deltafs.store.repo import Repository
+
+    tiny = mc.Tiny()
+    run_job(tmp_path, tp=2, pp=1, tiny=tiny, steps=2, push={"multi_rank": True},
+            rank_push={"1:1": {"threads": 0}}, continue_on_error=True)
+    for rank in (0, 1):
+        assert "threads" in (tmp_path / f"error-{rank}-1.txt").read_text(), rank
+    repo = Repository.open(str(tmp_path / "store"))
+    assert repo.versions() == [1, 2]
+    assert [repo.manifest(v).metadata["step"] for v in (1, 2)] == [0, 2]
+    assert json.loads((tmp_path / "push-2.json").read_text())["version"] == 2
