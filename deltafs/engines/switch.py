@@ -31,18 +31,23 @@ def switch_engine(engine: Engine, target: Target, previous: Target | None) -> Sw
     compared with previous (config, tokenizer, tensor names or shapes): a hot switch would serve the
     new tensors under the old config, or keep old values for tensors the new version lacks.
     """
-    if previous is not None and os.path.isdir(previous.path):
-        reason = restart_reason(previous.path, target.path)
-        if reason is not None and not os.path.isdir(previous.path):
-            # Removed while compared (another process's cleanup: cron beside a watcher): its files read as missing,
-            # which says nothing about the new version. As when it was gone before: no comparison, no rollback.
-            reason, previous = None, None
-        if reason is not None:
-            raise NeedsRestartError(target.version, reason)
+    reason = restart_needed(previous.path, target.path) if previous is not None else None
+    if reason is not None:
+        raise NeedsRestartError(target.version, reason)
     if getattr(engine, "loads_from_disk", False):
         warm_page_cache(target.path)  # outside the pause: the engine's own loader then reads from memory
     result = engine.switch(target, previous)
     return dataclasses.replace(result, checksum=loaded_checksum(engine))
+
+
+def restart_needed(previous: str, target: str) -> str | None:
+    """Why loading version directory `target` over `previous` needs an engine restart (restart_reason), or None; also
+    None when `previous` is gone, before or during the comparison: another process's cleanup (a cron run beside a
+    watcher) renames a version away at once, its files then read as missing, and that says nothing about target."""
+    if not os.path.isdir(previous):
+        return None
+    reason = restart_reason(previous, target)
+    return reason if reason is None or os.path.isdir(previous) else None
 
 
 def warm_page_cache(path: str, *, block: int = 8 << 20) -> int:

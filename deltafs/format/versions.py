@@ -19,7 +19,7 @@ VERSION_DIGITS = 10
 def check_version(version: int, what: str = "version") -> int:
     """version as an int if it is one in MIN_VERSION..MAX_VERSION (an integer of another type, numpy's say, is taken
     as its value); UsageError (exit 2) otherwise."""
-    if isinstance(version, bool):
+    if isinstance(version, bool) or "bool" in str(getattr(version, "dtype", "")):  # numpy's and torch's too
         raise UsageError(f"{what} must be an integer, got {version!r} ({type(version).__name__})")
     try:
         version = operator.index(version)

@@ -334,30 +334,30 @@ def push_megatron(model_or_chunks: Any, store: Any, options: PushOptions | None 
     device_baseline: a DeviceBaseline kept for the run (one per rank with multi_rank), so only the elements that
     changed since the last push cross from the accelerator to the host (deltafs.publish.device_diff).
     """
-    if vocab_size is None and config is not None and config.get("vocab_size"):
-        vocab_size = int(config["vocab_size"])
-
-    def prepare() -> tuple[PushOptions, ModelInfo, dict[str, bytes]]:
+    def prepare() -> tuple[PushOptions, ModelInfo, dict[str, bytes], int | None]:
         opts = PushOptions.of(options, **kw)
-        info = describe(model_or_chunks, vocab_size=vocab_size)
+        vocab = vocab_size
+        if vocab is None and config is not None and config.get("vocab_size"):
+            vocab = int(config["vocab_size"])
+        info = describe(model_or_chunks, vocab_size=vocab)
         cfg = hf_config(info, hf_arch=hf_arch, base=config)  # refuse a bad config before any collective
         files = {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}
-        return opts, info, files | dict(extra_files or {})
+        return opts, info, files | dict(extra_files or {}), vocab
 
     if multi_rank:
         from deltafs.publish.distributed import on_every_rank, push_distributed
 
         # Checked inside a collective: a rank refusing its own options alone would leave the others in the push's
         # first collective, where its next call (the next step) would meet them.
-        opts, info, files = on_every_rank("checking the call", prepare)
-        stage, _, stage_groups, _ = _stage(model_or_chunks, vocab_size, groups, info)
+        opts, info, files, vocab = on_every_rank("checking the call", prepare)
+        stage, _, stage_groups, _ = _stage(model_or_chunks, vocab, groups, info)
         # Only the rank holding the embeddings names the extra files, so they are written once.
         mine = files if stage is not None and stage_groups.pp_rank == 0 else None
         return push_distributed(store, stage or {}, opts, extra_files=mine, device_baseline=device_baseline)
 
     from deltafs.publish import push_tensors
 
-    opts, info, files = prepare()
+    opts, info, files, _ = prepare()
     tensors = megatron_to_hf(model_or_chunks, groups=groups, info=info)
     if tensors is None:
         return None

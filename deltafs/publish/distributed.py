@@ -68,7 +68,7 @@ class _Comm:
         """UsageError for a root outside the group; then the root's global rank is known (for broadcasts)."""
         root = self.root
         try:
-            if isinstance(root, bool):
+            if isinstance(root, bool) or "bool" in str(getattr(root, "dtype", "")):
                 raise TypeError
             root = self.root = operator.index(root)  # numpy's integers too
         except TypeError:

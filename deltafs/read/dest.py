@@ -476,11 +476,12 @@ class LocalCheckpoint:
             if _is_staging(n, st):
                 doomed.append(full)
             elif n in versions and n not in keep_names:
-                if background:
-                    try:
-                        full = self._to_staging(full)
-                    except OSError:
-                        continue  # stays a version until the next cleanup; the caller's work is done already
+                # Renamed first, in both modes: it stops being a version at once, so a reader comparing it (an
+                # engine switch's restart check) finds it gone, never half-deleted.
+                try:
+                    full = self._to_staging(full)
+                except OSError:
+                    continue  # stays a version until the next cleanup; the caller's work is done already
                 doomed.append(full)
             else:
                 continue
@@ -494,7 +495,8 @@ class LocalCheckpoint:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(full)
             elif TEMP_FILE.match(n) and stat.S_ISREG(st.st_mode):
-                os.unlink(full)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(full)
         if background and doomed:
             self.deleting = threading.Thread(target=_remove_trees, args=(doomed,), name="deltafs-cleanup")
             self.deleting.start()
@@ -503,7 +505,7 @@ class LocalCheckpoint:
     def _versions_by_age(self, entries: dict[str, os.stat_result] | None = None) -> list[str]:
         """Names of the sidecar's version directories (with their state file), oldest mtime first."""
         if entries is None:
-            entries = {n: os.lstat(os.path.join(self.sidecar, n)) for n in os.listdir(self.sidecar)}
+            entries = _entries(self.sidecar)
         return sorted((n for n, st in entries.items() if VERSION_DIR.match(n) and stat.S_ISDIR(st.st_mode)
                        and _is_state(os.path.join(self.sidecar, n + ".json"))),
                       key=lambda n: entries[n].st_mtime)
@@ -513,8 +515,8 @@ class LocalCheckpoint:
             self._check_own_dir(self.sidecar, os.lstat(self.sidecar))
         except (FileNotFoundError, DestinationError):
             return []
-        return sorted(os.path.join(self.sidecar, n) for n in os.listdir(self.sidecar)
-                      if VERSION_DIR.match(n) and stat.S_ISDIR(os.lstat(os.path.join(self.sidecar, n)).st_mode))
+        return sorted(os.path.join(self.sidecar, n) for n, st in _entries(self.sidecar).items()
+                      if VERSION_DIR.match(n) and stat.S_ISDIR(st.st_mode))
 
 
 def _is_staging(name: str, st: os.stat_result) -> bool:

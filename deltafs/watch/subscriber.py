@@ -26,9 +26,8 @@ from deltafs import metrics
 from deltafs.defaults import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 from deltafs.engines import weight_version
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, Target
-from deltafs.engines.compat import restart_reason
 from deltafs.engines.inflight import SwitchRecord
-from deltafs.engines.switch import current_target, loaded_checksum, switch_engine
+from deltafs.engines.switch import current_target, loaded_checksum, restart_needed, switch_engine
 from deltafs.errors import (
     DeltafsError,
     DestinationError,
@@ -320,6 +319,12 @@ class Subscriber:
                                 "switch fails", previous.version)
                     previous = None
             if self.engine_group:
+                # No group wait for a version the engine already serves (another process switched it): asked again
+                # under the lock below, this only spares the wait.
+                ahead = self._serves_newer(staged.version)
+                if ahead is not None:
+                    self._already_serving(ahead, staged)
+                    return None
                 self._wait_for_group(staged.version)
                 if previous is not None:
                     previous = Target(stable_path(self.dest, int(previous.version), previous.path), previous.version)
@@ -337,15 +342,7 @@ class Subscriber:
                 self._set_state("needs-restart")
                 raise
             if ahead is not None:
-                # Another process (a cron `pull --engine`) switched the engine past this version while it waited:
-                # switching now would take the engine back.
-                log.info("the engine already serves version %s (switched by another process); version %d is not "
-                         "loaded", ahead.version, staged.version)
-                self.staged = None
-                self.status.staged_version = None
-                self._now_serving(ahead)
-                record_checksum(self.status, int(ahead.version), loaded_checksum(self.engine))
-                self._set_state("serving")
+                self._already_serving(ahead, staged)
                 return None
             pause, load, checksum = result.pause_seconds, result.load_seconds, result.checksum
         applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback, load)
@@ -401,10 +398,10 @@ class Subscriber:
         if wanted and staged.version == int(wanted["version"]):  # still not hot-switchable; keep serving
             self._set_state("needs-restart")
             raise NeedsRestartError(weight_version(staged.version), str(wanted.get("reason")))
-        if self.engine is not None and self.served is not None and os.path.isdir(self.served.path):
+        if self.engine is not None and self.served is not None:
             # A version only a restart can serve is known now: waiting for a boundary (up to --max-wait of an idle
             # one) would only delay saying so.
-            reason = restart_reason(self.served.path, staged.path)
+            reason = restart_needed(self.served.path, staged.path)
             if reason is not None:
                 self.status.needs_restart = {"version": staged.version, "reason": reason}
                 self._set_state("needs-restart")
@@ -438,10 +435,9 @@ class Subscriber:
                     self.status.staged_version = staged.version
                     return
             served = self.served
-            if (newer is not None and newer is not staged and served is not None and os.path.isdir(served.path)
-                    and os.path.isdir(staged.path)):
-                reason = restart_reason(served.path, newer.path)
-                if reason is not None and restart_reason(served.path, staged.path) is None:
+            if newer is not None and newer is not staged and served is not None and os.path.isdir(staged.path):
+                reason = restart_needed(served.path, newer.path)
+                if reason is not None and restart_needed(served.path, staged.path) is None:
                     # Only a restart can serve the newer one: switch to the version in hand now (it is newer than
                     # what the engine serves); the next cycle says the newer one needs the restart.
                     log.info("version %d needs an engine restart (%s); switching to version %d at this boundary",
@@ -620,6 +616,8 @@ class Subscriber:
         if len(ready) >= self.engine_hosts:
             self.status.group_wait = None
             return
+        served = self.status.served_version  # waits for versions served since (by any path) are over
+        self._group_since = {v: t for v, t in self._group_since.items() if served is None or v > served}
         self._group_since.setdefault(version, time.monotonic())
         # Since the group first waited for any version not switched to yet: with pushes faster than the hosts take
         # them, each new version would restart the clock and --group-timeout would never report the wait.
@@ -652,13 +650,15 @@ class Subscriber:
         if time.monotonic() - self._last_engine_check < self.heartbeat:
             return
         self._last_engine_check = time.monotonic()
-        with contextlib.ExitStack() as held:
-            try:  # not while another process switches this engine (a cron run): its load answers in between
-                held.enter_context(LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"))
-                reported = self.engine.served_version()
-            except (DeltafsError, OSError) as exc:
-                log.debug("not asking the engine what it serves now: %s", exc)
-                return
+        try:
+            reported = self.engine.served_version()
+            # Not while another process switches this engine (a cron run): its load answers in between. Tested
+            # after asking, and let go at once: holding the lock over the request would turn that run away.
+            with LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"):
+                pass
+        except (DeltafsError, OSError) as exc:
+            log.debug("not comparing what the engine serves now: %s", exc)
+            return
         # Compared with what it said last: an engine that reports no version, or a label of its own ("default",
         # started on a version directory), is not taken for a restarted one at every heartbeat.
         said, self._engine_said = self._engine_said, reported
@@ -670,6 +670,20 @@ class Subscriber:
         if self.served is None:  # not a version of DEST: switch it to the newest again, now
             self.status.served_version = None
             self.poll()
+
+    def _already_serving(self, ahead: Target, staged: Staged) -> None:
+        """Another process (a cron `pull --engine`) switched the engine to `ahead`, at least as new as the staged
+        version, while it waited: switching now would take the engine back. Nothing is sent."""
+        assert self.engine is not None
+        log.info("the engine already serves version %s (switched by another process); version %d is not loaded",
+                 ahead.version, staged.version)
+        self.staged = None
+        self.status.staged_version = None
+        self._now_serving(ahead)
+        self._group_since = {v: t for v, t in self._group_since.items() if v > int(ahead.version)}
+        self.status.group_wait = None
+        record_checksum(self.status, int(ahead.version), loaded_checksum(self.engine))
+        self._set_state("serving")
 
     def _serves_newer(self, version: int) -> Target | None:
         """What the engine serves when it reports a verified version of DEST at least `version` (loading that again
@@ -695,6 +709,7 @@ class Subscriber:
     def _now_serving(self, target: Target) -> None:
         """The engine verifiably holds target although the switch reported a failure."""
         self.served = target
+        self._engine_said = target.version
         self.status.served_version = int(target.version)
         if self.staged is not None and weight_version(self.staged.version) == target.version:
             self.staged = None

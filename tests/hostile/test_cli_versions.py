@@ -79,3 +79,8 @@ def test_numpy_integers_are_version_numbers_as_their_values(tmp_path, maker):
     assert pull(store, str(tmp_path / "dest"), version=np.int64(4)).version == 4
     with pytest.raises(UsageError, match="must be an integer"):
         push(store, maker.write("c"), version=6.0)
+    import torch
+
+    for boolean in (np.bool_(True), torch.tensor(True)):
+        with pytest.raises(UsageError, match="must be an integer"):
+            push(store, maker.write("c"), version=boolean)

@@ -227,5 +227,30 @@ def test_cleanup_survives_entries_that_vanish_while_it_lists(tmp_path, monkeypat
     local = LocalCheckpoint(str(tmp_path / "dest"))
     local.ensure_sidecar()
     real = os.listdir
-    monkeypatch.setattr(os, "listdir", lambda p: [*real(p), "engine-switch.json", ".tmp-" + "0" * 32])
+    monkeypatch.setattr(os, "listdir", lambda p: [*real(p), "engine-switch.json", ".tmp-" + "0" * 32,
+                                                  "v0000000009-0000aaaa"])
     assert local.cleanup(keep=2) == [] and local.remove_stale_staging() == []
+    from deltafs.read.dest import find_version_dir
+
+    assert local.version_dirs() == [] and find_version_dir(local.dest, "9") is None
+
+
+def test_cleanup_renames_a_version_away_before_deleting_it(trainer, tmp_path, monkeypatch):
+    """A cron run's restart check compared the served version while a cleanup's rmtree deleted it file by file:
+    config.json already gone, the directory still there, "needs an engine restart" (review). Cleanup renames a
+    doomed version first in both modes, so it is gone at once and the check says nothing."""
+    import os
+
+    from deltafs.read import dest as dest_module
+    from deltafs.read.dest import LocalCheckpoint
+    from deltafs.read.pull import pull
+
+    dest = str(tmp_path / "dest")
+    for _ in range(3):
+        trainer.push()
+        pull(trainer.store, dest, keep=3)
+    removed: list[str] = []
+    monkeypatch.setattr(dest_module, "_remove_trees", lambda paths: removed.extend(paths))
+    assert LocalCheckpoint(dest).cleanup(keep=1) != []
+    assert removed and all(os.path.basename(p).startswith("staging-") for p in removed), removed
+

@@ -609,3 +609,87 @@ def test_the_group_timeout_counts_from_the_first_wait_whatever_versions_arrive(t
             leader.sync()
         assert info.value.timed_out and "waited past 60s" in str(info.value) and "version 3" in str(info.value)
         leader.close()
+
+
+def test_the_served_version_removed_by_another_process_is_no_restart_reason(trainer, staged_v1, monkeypatch):
+    """A cron run's cleanup removed the directory of the version the watcher's engine serves while the watcher's
+    check before the boundary compared it: its files read as missing, "needs an engine restart" was set and raised
+    every cycle (review). A served version that goes away during the comparison is not compared."""
+    import uuid
+
+    from deltafs.engines import compat, switch
+
+    real = compat.restart_reason
+
+    def removed_meanwhile(served: str, new: str):
+        if os.path.isdir(served):  # what a cleanup does: renamed away at once, then deleted
+            os.rename(served, os.path.join(os.path.dirname(served), f"staging-{uuid.uuid4().hex[:12]}"))
+        return real(served, new)
+
+    monkeypatch.setattr(switch, "restart_reason", removed_meanwhile)
+    from deltafs.watch import subscriber as subscriber_module
+
+    monkeypatch.setattr(subscriber_module, "restart_reason", removed_meanwhile, raising=False)  # (before the fix)
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", boundary=_Hook(lambda: None),
+                         **FAST)
+        sub.start()
+        trainer.push()
+        applied = sub.sync()
+        assert applied is not None and applied.version == 2 and sub.status.needs_restart is None
+        assert same_weights(server.state_dict(), trainer.weights[2])
+        sub.close()
+
+
+def test_a_group_wait_ended_without_a_switch_does_not_count_towards_the_next(trainer, staged_v1):
+    """The group's wait for version 2 ended when another process moved the engine to 2; its start stayed recorded,
+    and the first wait for version 3 reported the group timeout at once (review)."""
+    from deltafs.read.pull import pull
+
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            group_timeout=60.0, **FAST)
+        leader.start()
+        trainer.push()
+        with pytest.raises(GroupNotReadyError):
+            leader.sync()
+        leader._group_since = {v: t - 70.0 for v, t in leader._group_since.items()}  # that wait began 70 s ago
+        pull(trainer.store, dest)
+        assert reload_engine("sglang", server.url, dest=dest).version == "2"  # a cron run
+        assert leader.apply() is None  # the engine serves 2 already
+        trainer.push()
+        with pytest.raises(GroupNotReadyError) as info:
+            leader.sync()
+        assert not info.value.timed_out, str(info.value)
+        leader.close()
+
+
+def test_the_heartbeat_check_does_not_hold_the_engine_lock_over_its_request(trainer, staged_v1):
+    """It held DEST's engine lock for the whole served_version() request (up to the engine's timeout), turning a
+    cron reload away as busy in the meantime (review)."""
+    from deltafs.errors import LockHeldError
+    from deltafs.read.dest import LocalCheckpoint
+
+    dest, v1_dir = staged_v1
+    seen: list[str] = []
+
+    class Probing(SGLangEngine):
+        def served_version(self):
+            try:
+                with LocalCheckpoint(dest).lock(wait=False, name="engine.lock"):
+                    seen.append("free")
+            except LockHeldError:
+                seen.append("held")
+            return super().served_version()
+
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        probing = Probing(server.url, timeout=2, load_timeout=10, poll_interval=0.1)
+        sub = Subscriber(trainer.store, dest, probing, host_id="rollout-0", **{**FAST, "heartbeat": 0.0})
+        sub.start()
+        seen.clear()
+        for _ in range(3):
+            assert sub.sync() is None
+        assert seen and set(seen) == {"free"}, seen
+        sub.close()
