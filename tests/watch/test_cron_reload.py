@@ -19,6 +19,19 @@ def pull_once(store: str, dest: str, url: str) -> subprocess.CompletedProcess:
                            "--engine-url", url], capture_output=True, text=True, timeout=60)
 
 
+def _engine_on_1_dest_on_2(trainer, tmp_path, engine_server) -> str:
+    """Versions 1 and 2 pulled into DEST (returned), the engine switched to 1."""
+    from deltafs.read.pull import pull
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    pull(trainer.store, dest)
+    reload_engine("sglang", engine_server.url, dest=dest)
+    trainer.push()
+    pull(trainer.store, dest)
+    return dest
+
+
 def test_pull_once_reloads_the_engine(trainer, tmp_path, engine_server):
     dest = str(tmp_path / "dest")
     trainer.push()
@@ -34,14 +47,8 @@ def test_pull_once_reloads_the_engine(trainer, tmp_path, engine_server):
 
 
 def test_failed_reload_rolls_back_to_the_version_the_engine_served(trainer, tmp_path, engine_server):
-    from deltafs.read.pull import pull
 
-    dest = str(tmp_path / "dest")
-    trainer.push()
-    pull(trainer.store, dest)
-    reload_engine("sglang", engine_server.url, dest=dest)
-    trainer.push()
-    pull(trainer.store, dest)
+    dest = _engine_on_1_dest_on_2(trainer, tmp_path, engine_server)
     engine_server.inject("success_false")
     with pytest.raises(SwitchError, match="serving version 1 again"):
         reload_engine("sglang", engine_server.url, dest=dest)
@@ -198,14 +205,8 @@ def test_a_previous_version_removed_while_compared_is_no_restart_reason(trainer,
     import shutil
 
     from deltafs.engines import switch
-    from deltafs.read.pull import pull
 
-    dest = str(tmp_path / "dest")
-    trainer.push()
-    pull(trainer.store, dest)
-    reload_engine("sglang", engine_server.url, dest=dest)
-    trainer.push()
-    pull(trainer.store, dest)
+    dest = _engine_on_1_dest_on_2(trainer, tmp_path, engine_server)
     real = switch.restart_reason
 
     def removed_meanwhile(served: str, new: str):

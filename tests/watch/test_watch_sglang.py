@@ -184,11 +184,22 @@ def test_loaded_weight_checksums_are_recorded_and_disagreement_is_reported(train
         sub_b.close()
 
 
+def _leader(trainer, dest: str, server: WheelSGLang, **kw) -> Subscriber:
+    """The watcher of a two-host engine group ("big") on the host serving SGLang's HTTP API."""
+    return Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2, **kw)
+
+
+def _group_loaded(server: WheelSGLang, dest: str, trainer, version: int) -> None:
+    """The group's one switch sent the path that is the same on every host, and the engine holds that version."""
+    sent = [e.detail["model_path"] for e in server.events if e.what == "update"]
+    assert sent == [os.path.join(os.path.abspath(dest) + ".deltafs", "by-version", f"v{version}")]
+    assert same_weights(server.state_dict(), trainer.weights[version])
+
+
 def test_multi_node_engine_switches_once_every_host_has_staged(trainer, staged_v1, tmp_path):
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
-                            **FAST)
+        leader = _leader(trainer, dest, server, **FAST)
         follower = Subscriber(trainer.store, str(tmp_path / "node1-dest"), None, host_id="node-1", engine_group="big",
                               engine_hosts=2, **FAST)
         leader.start()
@@ -203,9 +214,7 @@ def test_multi_node_engine_switches_once_every_host_has_staged(trainer, staged_v
         follower.sync()  # node 1 stages version 2 and records it
         applied = leader.sync()
         assert applied is not None and applied.version == 2
-        sent = [e.detail["model_path"] for e in server.events if e.what == "update"]
-        assert sent == [os.path.join(os.path.abspath(dest) + ".deltafs", "by-version", "v2")]
-        assert same_weights(server.state_dict(), trainer.weights[2])
+        _group_loaded(server, dest, trainer, 2)
         leader.close()
         follower.close()
 
@@ -217,8 +226,7 @@ def test_multi_node_switch_waits_for_hosts_that_hold_that_very_version(trainer, 
     all hold."""
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
-                            **FAST)
+        leader = _leader(trainer, dest, server, **FAST)
         follower_dest = str(tmp_path / "node1-dest")
         follower = Subscriber(trainer.store, follower_dest, None, host_id="node-1", engine_group="big",
                               engine_hosts=2, **FAST)
@@ -236,9 +244,7 @@ def test_multi_node_switch_waits_for_hosts_that_hold_that_very_version(trainer, 
         assert server.count("update") == 0
         applied = leader.sync()  # the leader stages version 3, which both hold
         assert applied is not None and applied.version == 3
-        sent = [e.detail["model_path"] for e in server.events if e.what == "update"]
-        assert sent == [os.path.join(os.path.abspath(dest) + ".deltafs", "by-version", "v3")]
-        assert same_weights(server.state_dict(), trainer.weights[3])
+        _group_loaded(server, dest, trainer, 3)
         leader.close()
         follower.close()
 
@@ -246,8 +252,7 @@ def test_multi_node_switch_waits_for_hosts_that_hold_that_very_version(trainer, 
 def test_multi_node_host_that_never_stages_blocks_with_a_clear_status(trainer, staged_v1):
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
-                            group_timeout=0.0, **FAST)
+        leader = _leader(trainer, dest, server, group_timeout=0.0, **FAST)
         leader.start()
         trainer.push()
         with running(leader):
@@ -303,6 +308,15 @@ class _Hook:
 
     def close(self) -> None:
         pass
+
+
+def _relabel(server: WheelSGLang, model_path: str, label: str) -> None:
+    """Load model_path under weight_version `label` behind the watcher's back (SGLang's own update code)."""
+    import requests
+
+    reply = requests.post(f"{server.url}/update_weights_from_disk",
+                          json={"model_path": model_path, "weight_version": label}, timeout=30)
+    assert reply.status_code == 200 and server.reported_versions()[-1] == label
 
 
 def _sent(server: WheelSGLang) -> list[str]:
@@ -388,7 +402,6 @@ def test_an_engine_restarted_from_another_checkpoint_is_noticed_without_a_push(t
     """The engine served version 2 and was restarted from other weights (it reports "default"): the watcher sent
     nothing and status said "serving 2, LAG 0" until the next push (adversarial pass). Every heartbeat it now asks
     the engine what it serves, and switches it back to the newest version."""
-    import requests
     from sglang_standin import random_weights, write_checkpoint
 
     dest, v1_dir = staged_v1
@@ -399,9 +412,7 @@ def test_an_engine_restarted_from_another_checkpoint_is_noticed_without_a_push(t
         trainer.push()
         assert sub.sync().version == 2
         # What a restart from another checkpoint looks like to the watcher (SGLang's own update code here).
-        reply = requests.post(f"{server.url}/update_weights_from_disk",
-                              json={"model_path": other, "weight_version": "default"}, timeout=30)
-        assert reply.status_code == 200 and server.reported_versions()[-1] == "default"
+        _relabel(server, other, "default")
         applied = sub.sync()
         assert applied is not None and applied.version == 2
         assert server.reported_versions()[-1] == "2" and same_weights(server.state_dict(), trainer.weights[2])
@@ -453,7 +464,6 @@ def test_catching_up_at_the_boundary_keeps_the_version_in_hand_when_the_newer_ne
 
 def test_an_engine_reporting_a_non_ascii_digit_does_not_crash_the_watcher(trainer, staged_v1):
     """'²'.isdigit() is true but int('²') raises: the never-backwards check crashed the watcher thread."""
-    import requests
 
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
@@ -461,9 +471,7 @@ def test_an_engine_reporting_a_non_ascii_digit_does_not_crash_the_watcher(traine
         sub.start()
         trainer.push()
         assert sub.poll().version == 2
-        reply = requests.post(f"{server.url}/update_weights_from_disk",
-                              json={"model_path": v1_dir, "weight_version": "\u00b2"}, timeout=30)
-        assert reply.status_code == 200 and server.reported_versions()[-1] == "\u00b2"
+        _relabel(server, v1_dir, "\u00b2")
         applied = sub.apply()
         assert applied is not None and applied.version == 2 and server.reported_versions()[-1] == "2"
         sub.close()
@@ -477,8 +485,7 @@ def test_a_group_follower_keeps_the_versions_the_engine_serves_and_loads(trainer
 
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
-                            **FAST)
+        leader = _leader(trainer, dest, server, **FAST)
         follower_dest = str(tmp_path / "node1-dest")
         follower = Subscriber(trainer.store, follower_dest, None, host_id="node-1", engine_group="big",
                               engine_hosts=2, keep=3, **FAST)
@@ -573,8 +580,8 @@ def test_a_group_boundary_switches_to_what_every_host_holds_when_the_newest_is_n
     the group to 2 now; 3 follows once every host holds it."""
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
-                            boundary=_Hook(lambda: trainer.push() if len(trainer.weights) == 2 else None), **FAST)
+        hook = _Hook(lambda: trainer.push() if len(trainer.weights) == 2 else None)  # version 3, once
+        leader = _leader(trainer, dest, server, boundary=hook, **FAST)
         follower = Subscriber(trainer.store, str(tmp_path / "node1-dest"), None, host_id="node-1", engine_group="big",
                               engine_hosts=2, **FAST)
         leader.start()
@@ -596,8 +603,7 @@ def test_the_group_timeout_counts_from_the_first_wait_whatever_versions_arrive(t
     --group-timeout never reported it (review of the held-version rule)."""
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
-                            group_timeout=60.0, **FAST)
+        leader = _leader(trainer, dest, server, group_timeout=60.0, **FAST)
         leader.start()
         trainer.push()
         with pytest.raises(GroupNotReadyError) as info:
@@ -649,8 +655,7 @@ def test_a_group_wait_ended_without_a_switch_does_not_count_towards_the_next(tra
 
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
-                            group_timeout=60.0, **FAST)
+        leader = _leader(trainer, dest, server, group_timeout=60.0, **FAST)
         leader.start()
         trainer.push()
         with pytest.raises(GroupNotReadyError):
