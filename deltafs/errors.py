@@ -6,6 +6,7 @@ The README's "Exit codes" table is this table; keep them the same.
 from __future__ import annotations
 
 import errno
+import operator
 import re
 
 
@@ -136,6 +137,17 @@ EXIT_MEANINGS: dict[int, str] = {
 
 # Local OS errors that are the user's disk, not a bug.
 _LOCAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EROFS}
+
+
+def integer(value: object) -> int | None:
+    """value as an int when it is an integer of any kind (Python's, numpy's, a torch scalar's: operator.index), never
+    a bool of any kind; None otherwise. What version numbers and ranks accept."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def check_count(value: object, what: str, least: int) -> int:

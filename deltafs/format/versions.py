@@ -7,9 +7,7 @@ timestamp (13 digits) is not a version; use it as metadata (`--meta step=...`).
 
 from __future__ import annotations
 
-import operator
-
-from deltafs.errors import UsageError
+from deltafs.errors import UsageError, integer
 
 MIN_VERSION = 0
 MAX_VERSION = 9_999_999_999
@@ -19,12 +17,10 @@ VERSION_DIGITS = 10
 def check_version(version: int, what: str = "version") -> int:
     """version as an int if it is one in MIN_VERSION..MAX_VERSION (an integer of another type, numpy's say, is taken
     as its value); UsageError (exit 2) otherwise."""
-    if isinstance(version, bool) or "bool" in str(getattr(version, "dtype", "")):  # numpy's and torch's too
+    value = integer(version)  # numpy's integers too; no bool of any kind
+    if value is None:
         raise UsageError(f"{what} must be an integer, got {version!r} ({type(version).__name__})")
-    try:
-        version = operator.index(version)
-    except TypeError:
-        raise UsageError(f"{what} must be an integer, got {version!r} ({type(version).__name__})") from None
+    version = value
     if not MIN_VERSION <= version <= MAX_VERSION:
         raise UsageError(f"{what} {version!r} is outside {MIN_VERSION}..{MAX_VERSION} "
                          f"(at most {VERSION_DIGITS} digits; put timestamps in --meta)")

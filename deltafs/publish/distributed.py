@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Unpack
 
-from deltafs.errors import SourceError, UsageError
+from deltafs.errors import SourceError, UsageError, integer
 from deltafs.format.manifest import path_clash
 from deltafs.publish.device_diff import DeviceBaseline, baseline_push
 from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_bytes, make_shard, shard_file_name
@@ -66,13 +65,10 @@ class _Comm:
 
     def check_root(self) -> None:
         """UsageError for a root outside the group; then the root's global rank is known (for broadcasts)."""
-        root = self.root
-        try:
-            if isinstance(root, bool) or "bool" in str(getattr(root, "dtype", "")):
-                raise TypeError
-            root = self.root = operator.index(root)  # numpy's integers too
-        except TypeError:
-            raise UsageError(f"root must be an int (a rank of the group), got {type(root).__name__} {root!r}") from None
+        root = integer(self.root)  # numpy's integers too
+        if root is None:
+            raise UsageError(f"root must be an int (a rank of the group), got {type(self.root).__name__} {self.root!r}")
+        self.root = root
         if not 0 <= root < self.world:
             raise UsageError(f"root rank {root!r} is not in a group of {self.world} ranks")
         if self.dist is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,7 +212,7 @@ class HfShard:
         pos = len(self.header)
         for t in self.tensors:
             data = t.data
-            out.append((pos, data if isinstance(data, (DeviceBytes, StridedBytes)) else memoryview(data)))  # type: ignore[arg-type]
+            out.append((pos, data if is_range_bytes(data) else memoryview(data)))  # type: ignore[arg-type]
             pos += t.nbytes
         return out
 
@@ -275,12 +276,11 @@ def collect_tensors(tensors: Mapping[str, Any], baseline: DeviceBaseline | None 
     """Check names and dtypes and take each tensor's bytes (tensor_bytes), in the mapping's order."""
     out = [HfTensor(name, check_tensor(name, t), tuple(t.shape), tensor_bytes(t, baseline, name))
            for name, t in tensors.items()]
-    if len({t.name for t in out}) != len(out):  # a custom Mapping can yield a name twice
-        seen: set[str] = set()
-        twice = next(t.name for t in out if t.name in seen or seen.add(t.name))  # type: ignore[func-returns-value]
+    names = Counter(t.name for t in out)
+    if len(names) != len(out):  # a custom Mapping can yield a name twice
+        twice = next(name for name, n in names.items() if n > 1)
         raise UsageError(f"tensor {twice!r} appears twice in the mapping")
-    wait_for_devices({t.data.device for t in out if isinstance(t.data, (DeviceBytes, StridedBytes))
-                      and t.data.device != "cpu"})
+    wait_for_devices({t.data.device for t in out if not isinstance(t.data, np.ndarray)} - {"cpu"})
     return out
 
 
