@@ -29,12 +29,17 @@ class GroupNotReadyError(NotReadyError):
         super().__init__(message)
 
 
+def by_version(dest: str, version: int | None = None) -> str:
+    """DEST.deltafs/by-version, or with a version its link there, DEST.deltafs/by-version/v<version>."""
+    links = os.path.join(LocalCheckpoint(dest).sidecar, BY_VERSION)
+    return links if version is None else os.path.join(links, f"v{int(version)}")
+
+
 def stable_path(dest: str, version: int, version_dir: str) -> str:
     """DEST.deltafs/by-version/v<version>, a symlink to version_dir; the same path on every host."""
-    local = LocalCheckpoint(dest)
-    links = os.path.join(local.sidecar, BY_VERSION)
+    links = by_version(dest)
     os.makedirs(links, exist_ok=True)
-    link = os.path.join(links, f"v{int(version)}")
+    link = by_version(dest, version)
     rel = os.path.relpath(os.path.realpath(version_dir), os.path.realpath(links))
     if not (os.path.islink(link) and os.readlink(link) == rel):
         tmp = os.path.join(links, f".tmp-{uuid.uuid4().hex[:8]}")
@@ -49,12 +54,29 @@ def stable_path(dest: str, version: int, version_dir: str) -> str:
 
 def held_versions(dest: str) -> list[int]:
     """The versions DEST.deltafs/by-version/ links to a version directory that is still there, ascending."""
-    links = os.path.join(LocalCheckpoint(dest).sidecar, BY_VERSION)
+    links = by_version(dest)
     try:
         names = os.listdir(links)
     except OSError:
         return []
     return sorted(int(n[1:]) for n in names if n[:1] == "v" and n[1:].isdigit() and os.path.isdir(os.path.join(links, n)))
+
+
+def group_members(objects: ObjectStore, group: str, *, store_id: str | None, fresh_within: float = 300.0,
+                  now: _dt.datetime | None = None) -> list[HostStatus]:
+    """The group's hosts with a live ledger entry of this store: not stopped, heard from within fresh_within
+    seconds, and not dated in the future (a clock running ahead cannot vouch that it is alive)."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    members: list[HostStatus] = []
+    for _, st, _ in read_statuses(objects):
+        if st is None or st.engine_group != group or (store_id and st.store_id and st.store_id != store_id):
+            continue
+        seen = parse_time(st.updated_at)
+        age = (now - seen).total_seconds() if seen is not None else None
+        if st.state == "stopped" or age is None or age > fresh_within or age < -CLOCK_AHEAD_TOLERANCE:
+            continue
+        members.append(st)
+    return members
 
 
 def ready_hosts(objects: ObjectStore, group: str, version: int, *, store_id: str | None,
@@ -63,17 +85,7 @@ def ready_hosts(objects: ObjectStore, group: str, version: int, *, store_id: str
     load, and all members. A host that holds a newer version only is not ready: it may have skipped this one, or
     cleaned it up, and the engine would load a path that host does not have. (A record without `held`, from an
     older watcher, counts when it has this very version staged or served.)"""
-    now = now or _dt.datetime.now(_dt.timezone.utc)
-    members: list[HostStatus] = []
-    ready: set[str] = set()
-    for _, st, _ in read_statuses(objects):
-        if st is None or st.engine_group != group or (store_id and st.store_id and st.store_id != store_id):
-            continue
-        seen = parse_time(st.updated_at)
-        age = (now - seen).total_seconds() if seen is not None else None
-        if st.state == "stopped" or age is None or age > fresh_within or age < -CLOCK_AHEAD_TOLERANCE:
-            continue  # dead, or dated in the future: a clock running ahead cannot vouch that it is alive
-        members.append(st)
-        if version in (st.held if st.held is not None else (st.staged_version, st.served_version)):
-            ready.add(st.host_id)
+    members = group_members(objects, group, store_id=store_id, fresh_within=fresh_within, now=now)
+    ready = {st.host_id for st in members
+             if version in (st.held if st.held is not None else (st.staged_version, st.served_version))}
     return ready, members

@@ -49,7 +49,7 @@ from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
 from deltafs.store.repo import ForeignManifestError, Repository
 from deltafs.watch.boundary import Boundary, Immediate
-from deltafs.watch.group import BY_VERSION, GroupNotReadyError, held_versions, ready_hosts, stable_path
+from deltafs.watch.group import GroupNotReadyError, by_version, group_members, held_versions, ready_hosts, stable_path
 from deltafs.watch.ledger import (
     HostStatus,
     check_host_id,
@@ -354,7 +354,6 @@ class Subscriber:
         self.staged = None
         self._unconfirmed = False
         self._noticed = {v: t for v, t in self._noticed.items() if v > staged.version}
-        self._group_since = {v: t for v, t in self._group_since.items() if v > staged.version}
         self.status.served_version = staged.version
         self.status.staged_version = None
         self.status.needs_restart = None
@@ -431,8 +430,7 @@ class Subscriber:
                     # Its hosts do not all hold it yet: this boundary switches the group to the version they hold.
                     log.info("not every host of engine group %s holds version %d yet; switching to version %d at "
                              "this boundary", self.engine_group, newer.version, staged.version)
-                    self.staged = staged
-                    self.status.staged_version = staged.version
+                    self._stage_again(staged)
                     return
             served = self.served
             if newer is not None and newer is not staged and served is not None and os.path.isdir(staged.path):
@@ -442,14 +440,17 @@ class Subscriber:
                     # what the engine serves); the next cycle says the newer one needs the restart.
                     log.info("version %d needs an engine restart (%s); switching to version %d at this boundary",
                              newer.version, reason, staged.version)
-                    self.staged = staged
-                    self.status.staged_version = staged.version
+                    self._stage_again(staged)
         except (DeltafsError, OSError) as exc:
             log.warning("cannot stage the versions pushed while waiting for the boundary (%s); switching to version %d",
                         exc, staged.version if staged else -1)
             if staged is not None and os.path.isdir(staged.path):
-                self.staged = staged
-                self.status.staged_version = staged.version
+                self._stage_again(staged)
+
+    def _stage_again(self, staged: Staged) -> None:
+        """Make `staged` (the version in hand before the catch-up) the one this boundary switches to."""
+        self.staged = staged
+        self.status.staged_version = staged.version
 
     # --- the daemon loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -599,13 +600,12 @@ class Subscriber:
         if not self.engine_group or self.engine is not None:
             return []
         try:
-            _, members = ready_hosts(self.repo.objects, self.engine_group, 0, store_id=self.status.store_id)
+            members = group_members(self.repo.objects, self.engine_group, store_id=self.status.store_id)
         except (DeltafsError, OSError) as exc:
             log.debug("cannot read the engine group's ledger entries: %s", exc)
             return []
-        links = os.path.join(LocalCheckpoint(self.dest).sidecar, BY_VERSION)
         in_use = {v for m in members if m.engine != "none" for v in (m.served_version, m.staged_version) if v is not None}
-        paths = [os.path.realpath(os.path.join(links, f"v{v}")) for v in sorted(in_use)]
+        paths = [os.path.realpath(by_version(self.dest, v)) for v in sorted(in_use)]
         return [p for p in paths if os.path.isdir(p)]
 
     def _wait_for_group(self, version: int) -> None:
@@ -616,7 +616,8 @@ class Subscriber:
         if len(ready) >= self.engine_hosts:
             self.status.group_wait = None
             return
-        served = self.status.served_version  # waits for versions served since (by any path) are over
+        # Waits for versions served since, by this watcher's switch or any other path, are over.
+        served = self.status.served_version
         self._group_since = {v: t for v, t in self._group_since.items() if served is None or v > served}
         self._group_since.setdefault(version, time.monotonic())
         # Since the group first waited for any version not switched to yet: with pushes faster than the hosts take
@@ -680,7 +681,6 @@ class Subscriber:
         self.staged = None
         self.status.staged_version = None
         self._now_serving(ahead)
-        self._group_since = {v: t for v, t in self._group_since.items() if v > int(ahead.version)}
         self.status.group_wait = None
         record_checksum(self.status, int(ahead.version), loaded_checksum(self.engine))
         self._set_state("serving")
