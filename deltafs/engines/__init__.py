@@ -20,7 +20,7 @@ from typing import Any
 
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, SwitchResult, Target
 from deltafs.engines.inflight import SwitchRecord
-from deltafs.engines.switch import current_target, switch_engine
+from deltafs.engines.switch import current_target, same_checkpoint, switch_engine
 from deltafs.engines.versions import find_version_dir, weight_version
 from deltafs.errors import UsageError
 
@@ -137,16 +137,20 @@ def _reload(engine: Engine, url: str | None, path: str, version: int, dest: str 
             previous_version: int | None, record: SwitchRecord | None = None) -> SwitchResult | None:
     engine.resume()  # a run killed mid-switch may have left it paused
     wanted = weight_version(version)
-    if engine.served_version() == wanted:
-        return None
-    # DEST was just pulled: a model_path of DEST itself says nothing about what the engine holds.
-    served = current_target(engine, dest) if dest is not None else None
-    if served is not None and served.version == wanted:
-        return None
+    target = Target(path, wanted)
+    if dest is None:
+        if engine.served_version() == wanted:
+            return None
+        served = None
+    else:
+        # The number alone is not enough: a new run's version 1 is not the old run's (current_target). DEST was
+        # just pulled: a model_path of DEST itself says nothing about what the engine holds.
+        served = current_target(engine, dest)
+        if same_checkpoint(served, target):
+            return None
     previous = served
     if previous_path is not None and previous_version is not None:
         previous = Target(previous_path, weight_version(previous_version))
-    target = Target(path, wanted)
     with record.around(engine, target) if record is not None else contextlib.nullcontext():
         result = switch_engine(engine, target, previous)
     log.info("engine %s now serves version %s (paused %.3fs)", url, wanted, result.pause_seconds)

@@ -14,7 +14,7 @@ import os
 from deltafs.buffers import aligned_empty
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchResult, Target
 from deltafs.engines.compat import restart_reason
-from deltafs.engines.versions import find_version_dir, read_version_manifest, weight_version
+from deltafs.engines.versions import labelled_version_dirs, read_version_manifest, weight_version
 from deltafs.errors import EngineError, FormatError
 from deltafs.read.dest import LocalCheckpoint
 
@@ -103,17 +103,31 @@ def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) 
     when started without --weight-version), from the model_path it loaded. A model_path that is
     DEST itself names whatever DEST pointed to when the engine loaded it, which is the version DEST
     points to now only if nothing was pulled since: pass trust_dest_link only then.
+
+    A number names a directory only within one store: when DEST holds that number from two (a store
+    made again by a new run) the model_path decides, and without one it is unknown (None); a model_path
+    naming another of DEST's version directories than the number's (the old run's, perhaps removed
+    since) is unknown too. Loading again costs a pause; trusting the number would keep the old run's
+    weights for good.
     """
     reported = engine.served_version()
-    if reported is not None:
-        found = find_version_dir(dest, reported)
-        if found is not None:
-            return Target(found, reported)
+    labelled = labelled_version_dirs(dest, reported) if reported is not None else []
+    local = LocalCheckpoint(dest)
+    path = _loaded_from(engine, local) if labelled else None
+    if labelled:
+        if path is not None:
+            real = os.path.realpath(path)
+            for found, manifest in labelled:
+                if os.path.realpath(found) == real:
+                    return Target(found, weight_version(manifest.version))
+            if os.path.dirname(real) == os.path.realpath(local.sidecar):
+                return None  # it loaded another of DEST's version directories (maybe removed since) than the number's
+        one_store = len({manifest.store_id for _, manifest in labelled}) == 1
+        return Target(labelled[0][0], weight_version(labelled[0][1].version)) if one_store else None
     ask = getattr(engine, "served_path", None)
     path = ask() if ask is not None else None
     if not path:
         return None
-    local = LocalCheckpoint(dest)
     if os.path.abspath(path).rstrip("/") == local.dest:
         state = local.state() if trust_dest_link else None
         return Target(state.path, weight_version(state.version)) if state else None
@@ -124,4 +138,30 @@ def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) 
                 return Target(candidate, weight_version(read_version_manifest(candidate).version))
             except FormatError:
                 return None
+    return None
+
+
+def _loaded_from(engine: Engine, local: LocalCheckpoint) -> str | None:
+    """The directory the engine says it loaded (SGLang's model_path), or None where it does not say or names DEST
+    itself (a launch from DEST: the link has moved since)."""
+    ask = getattr(engine, "served_path", None)
+    path = ask() if ask is not None else None
+    if not path or os.path.abspath(path).rstrip("/") == local.dest:
+        return None
+    return str(path)
+
+
+def same_checkpoint(served: Target | None, target: Target) -> bool:
+    """Whether the version directory an engine serves (current_target) is `target`: the same version of the same
+    store (equal manifests), not merely the same number."""
+    if served is None or served.version != target.version:
+        return False
+    try:
+        return read_version_manifest(served.path).digest == read_version_manifest(target.path).digest
+    except FormatError:
+        return False
+    try:
+        return read_version_manifest(served.path).digest == read_version_manifest(target.path).digest
+    except FormatError:
+        return False
     return None

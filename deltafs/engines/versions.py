@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from deltafs.format.manifest import Manifest
-from deltafs.read.dest import find_version_dir, read_version_state, weight_version
+from deltafs.read.dest import find_version_dir, labelled_version_dirs, read_version_state, weight_version
 
 
 def reported_version(info: dict[str, Any]) -> str | None:
@@ -22,4 +22,4 @@ def read_version_manifest(version_dir: str) -> Manifest:
     return read_version_state(version_dir)[0]
 
 
-__all__ = ["find_version_dir", "read_version_manifest", "reported_version", "weight_version"]
+__all__ = ["find_version_dir", "labelled_version_dirs", "read_version_manifest", "reported_version", "weight_version"]

@@ -823,12 +823,23 @@ def weight_version(version: int) -> str:
     return str(int(version))
 
 
-def find_version_dir(dest: str, version: str) -> str | None:
-    """The verified version directory beside DEST whose weight version is `version`, if pull kept it."""
+def labelled_version_dirs(dest: str, version: str) -> list[tuple[str, Manifest]]:
+    """The verified version directories beside DEST whose weight version is `version`, newest name first, with their
+    manifests. More than one store can have left one: a store deleted and pushed again by a new run starts over at
+    version 1, and a pull (--force, or a watcher) keeps the old run's directories until cleanup."""
+    found = []
     for path in reversed(LocalCheckpoint(dest).version_dirs()):
         try:
-            if weight_version(read_version_state(path)[0].version) == version:
-                return path
+            manifest = read_version_state(path)[0]
         except FormatError:
             continue
-    return None
+        if weight_version(manifest.version) == version:
+            found.append((path, manifest))
+    return found
+
+
+def find_version_dir(dest: str, version: str) -> str | None:
+    """The verified version directory beside DEST whose weight version is `version`, if pull kept it; None also when
+    directories of that number from two stores are there: the number alone does not say which one an engine holds."""
+    found = labelled_version_dirs(dest, version)
+    return found[0][0] if found and len({m.store_id for _, m in found}) == 1 else None

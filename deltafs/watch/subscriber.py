@@ -43,7 +43,7 @@ from deltafs.errors import (
     exit_code,
     short_problem,
 )
-from deltafs.read.dest import LocalCheckpoint, find_version_dir, read_version_state
+from deltafs.read.dest import LocalCheckpoint, read_version_state
 from deltafs.read.pull import PullResult, pull
 from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
@@ -686,25 +686,23 @@ class Subscriber:
         self._set_state("serving")
 
     def _serves_newer(self, version: int) -> Target | None:
-        """What the engine serves when it reports a verified version of DEST at least `version` (loading that again
-        would be a needless pause), else None (also when it cannot be asked now: the switch finds that out itself)."""
+        """What the engine serves when it is a verified version of DEST from this store, at least `version` (loading
+        that again would be a needless pause), else None (also when it cannot be asked now: the switch finds that out
+        itself). current_target tells an old run's directory of the same number from this run's."""
         assert self.engine is not None
         try:
-            reported = self.engine.served_version()
+            found = current_target(self.engine, self.dest)
         except EngineError:
             return None
-        text = str(reported) if reported is not None else ""
-        if not (text.isascii() and text.isdigit()) or int(text) < version:  # "²".isdigit(), but int("²") fails
-            return None
-        found = find_version_dir(self.dest, text)
-        if found is None:
+        text = found.version if found is not None else ""
+        if found is None or not (text.isascii() and text.isdigit()) or int(text) < version:  # "²".isdigit()
             return None
         try:  # a version directory of this store: one left from a store deleted and made again says nothing
-            if read_version_state(found)[1].get("store_id") != self.repo.store_id:
+            if read_version_state(found.path)[1].get("store_id") != self.repo.store_id:
                 return None
         except (DeltafsError, OSError):
             return None
-        return Target(found, text)
+        return found
 
     def _now_serving(self, target: Target) -> None:
         """The engine verifiably holds target although the switch reported a failure."""

@@ -99,7 +99,11 @@ def test_a_cron_run_after_a_killed_watchers_switch_waits_for_that_load(trainer, 
         json.dump({"version": "2", "path": staged.path, "pid": 1, "deadline": time.time() + 20}, fh)
     engine_server.paused = True  # the killed watcher's pause; its load of version 2 still runs
     updates, continues = engine_server.count("update"), engine_server.count("continue")
-    threading.Timer(1.5, lambda: setattr(engine_server, "weight_version", "2")).start()
+
+    def load_finishes() -> None:  # as the killed watcher's load sets them
+        engine_server.model_path, engine_server.weight_version = staged.path, "2"
+
+    threading.Timer(1.5, load_finishes).start()
     t0 = time.monotonic()
     assert reload_engine("sglang", engine_server.url, dest=dest) is None  # the killed watcher's load did it
     assert time.monotonic() - t0 >= 1.0
@@ -255,3 +259,53 @@ def test_cleanup_renames_a_version_away_before_deleting_it(trainer, tmp_path, mo
     assert LocalCheckpoint(dest).cleanup(keep=1) != []
     assert removed and all(os.path.basename(p).startswith("staging-") for p in removed), removed
 
+
+
+def _new_run_at_the_same_url(trainer, tmp_path):
+    """The store deleted and pushed again by a new run (a new store id; other weights), at version 1."""
+    import shutil
+
+    from watch_helpers import Trainer
+
+    shutil.rmtree(trainer.store)
+    rerun = Trainer(trainer.store, str(tmp_path / "rerun-cache"))
+    rerun._current = {k: v + 1 for k, v in rerun._current.items()}
+    rerun.push()
+    return rerun
+
+
+@pytest.mark.parametrize("keep", [2, 1])
+def test_a_new_runs_version_with_the_number_the_engine_reports_is_loaded(trainer, tmp_path, engine_server, keep):
+    """The engine served version 1 of the old run; DEST was replaced (--force) by version 1 of a new run at the same
+    store URL. The engine's "1" is the old run's: reload_engine said "already serving" and the engine kept the old
+    run's weights for good (every later cron run agreed). A number DEST holds from two stores proves nothing, nor
+    one whose old run's directory is gone (keep=1) while the engine's model_path still names it."""
+    from deltafs.read.pull import pull
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    pull(trainer.store, dest)
+    reload_engine("sglang", engine_server.url, dest=dest)
+    rerun = _new_run_at_the_same_url(trainer, tmp_path)
+    pull(trainer.store, dest, force=True, keep=keep)
+    assert reload_engine("sglang", engine_server.url, dest=dest) is not None
+    assert same_weights(engine_server.state_dict(), rerun.weights[1])
+    # Now the engine's model_path names the new run's directory: no reload at every run from here on.
+    assert reload_engine("sglang", engine_server.url, dest=dest) is None
+
+
+def test_a_failed_switch_to_a_new_run_rolls_back_to_the_old_runs_weights(trainer, tmp_path, engine_server):
+    """Same set-up, the switch fails: the rollback target is what the engine serves (the old run's version 1, found
+    from its model_path), never the new run's directory of the same number."""
+    from deltafs.read.pull import pull
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    pull(trainer.store, dest)
+    reload_engine("sglang", engine_server.url, dest=dest)
+    _new_run_at_the_same_url(trainer, tmp_path)
+    pull(trainer.store, dest, force=True)
+    engine_server.inject("success_false")
+    with pytest.raises(SwitchError, match="serving version 1 again"):
+        reload_engine("sglang", engine_server.url, dest=dest)
+    assert same_weights(engine_server.state_dict(), trainer.weights[1])

@@ -266,7 +266,7 @@ def test_a_watcher_restarted_while_its_killed_switch_still_loads_waits_for_that_
 
     def load_finishes():
         time.sleep(1.5)
-        engine_server.weight_version = "2"
+        engine_server.model_path, engine_server.weight_version = staged.path, "2"  # as a finished load sets them
 
     threading.Thread(target=load_finishes, daemon=True).start()
     t0 = time.monotonic()

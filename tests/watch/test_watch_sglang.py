@@ -698,3 +698,37 @@ def test_the_heartbeat_check_does_not_hold_the_engine_lock_over_its_request(trai
             assert sub.sync() is None
         assert seen and set(seen) == {"free"}, seen
         sub.close()
+
+
+def test_a_new_runs_version_with_the_number_the_engine_serves_is_loaded(tmp_path, monkeypatch):
+    """The engine served version 1 of a run whose store was deleted and pushed again by a new run (other weights),
+    also at version 1: DEST then holds a version 1 of each store, and the never-backwards check took whichever
+    directory came first for what the engine holds; when that was the new run's, it kept the engine on the old run's
+    weights for good. The engine's model_path tells the two apart."""
+    import shutil
+    import uuid
+
+    from deltafs.read import dest as dest_module
+    from deltafs.read.pull import pull
+    from watch_helpers import Trainer
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    old = Trainer(store, str(tmp_path / "cache-old"))
+    old.push()
+    v1_dir = pull(store, dest).path
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(store, dest, engine(server), host_id="rollout-0", **FAST)
+        sub.start()
+        assert sub.sync() is None and sub.status.served_version == 1
+        shutil.rmtree(store)
+        new = Trainer(store, str(tmp_path / "cache-new"))
+        new._current = {k: v + 1 for k, v in new._current.items()}
+        new.push()
+        # The new run's directory sorts after the old one's (its name ends in 8 random hex digits).
+        real = uuid.uuid4
+        monkeypatch.setattr(dest_module.uuid, "uuid4", lambda: uuid.UUID(int=(0xFFFFFFFF << 96) | real().int >> 32))
+        sub._forget_store()  # as after a poll that found the store gone
+        applied = sub.sync()
+        assert applied is not None and applied.version == 1
+        assert same_weights(server.state_dict(), new.weights[1])
+        sub.close()
