@@ -27,7 +27,7 @@ import xxhash
 
 from deltafs.buffers import aligned_empty, open_regular, pread_aligned
 from deltafs import codec
-from deltafs.errors import ChunkNotFoundError, DeltafsError, IntegrityError, ObjectNotFoundError
+from deltafs.errors import ChunkNotFoundError, DeltafsError, DestinationError, IntegrityError, ObjectNotFoundError
 from deltafs.format import digests
 from deltafs.format.manifest import DELTA_CODECS, ChunkRef, FileEntry, Segment
 from deltafs.parallel import ordered_map
@@ -165,8 +165,10 @@ class _FileOut:
     """A file being rebuilt: chunk digests land here from any thread; complete when `left` reaches 0."""
 
     entry: FileEntry
-    fd: int | None
+    path: str | None  # where it is written (None: only hashed)
+    ident: tuple[int, ...] | None  # _identity() of the file made for it: reopened, it must be the same one
     left: int
+    fd: int | None = None  # open only while its chunks are written: a version of 100,000 files must not need as many
     chunk_digests: dict[str, list[bytes | None]] = field(default_factory=dict)
     seg_left: dict[str, int] = field(default_factory=dict)
 
@@ -419,15 +421,7 @@ class Builder:
     def _build_parallel(self, to_build: list[FileEntry], out_dir: str | None) -> None:
         if out_dir is not None:
             _check_space(out_dir, sum(f.size - _reusable_bytes(out_dir, f) for f in to_build))
-        outs: list[_FileOut] = []
-        try:
-            for f in to_build:
-                outs.append(self._open_out(f, out_dir))
-        except BaseException:
-            for out in outs:
-                if out.fd is not None:
-                    os.close(out.fd)
-            raise
+        outs = [self._open_out(f, out_dir) for f in to_build]
         by_path = {o.entry.path: o for o in outs}
         lock = threading.Lock()
         runs = self._runs(to_build)
@@ -454,8 +448,10 @@ class Builder:
                     # Written and hashed from the same memory: the run's chunks, one after another in buf.
                     total = sum(sizes)
                     out = by_path[run[0].file.path]
-                    if out.fd is not None:
-                        pwrite_all(out.fd, buf[:total].data, run[0].seg.offset + run[0].index * self.chunk_bytes)
+                    if out.path is not None:
+                        with lock:  # opened by the first run that writes it, closed by _finish_file
+                            fd = out.fd = out.fd if out.fd is not None else _reopen(out)
+                        pwrite_all(fd, buf[:total].data, run[0].seg.offset + run[0].index * self.chunk_bytes)
                     digest_list = [digests.chunk_digest(v) for v in _slices(buf, sizes)]
                     self.on_bytes(total)
                     done: list[Segment] = []
@@ -501,15 +497,18 @@ class Builder:
                     os.close(out.fd)
 
     def _open_out(self, f: FileEntry, out_dir: str | None) -> _FileOut:
-        fd = None
+        """The file made at its size (every byte below it is written next: segments tile the file), and closed."""
+        path = ident = None
         if out_dir is not None:
-            fd = _open_for_rewrite(_mkparents(out_dir, f.path))
+            path = _mkparents(out_dir, f.path)
+            fd = _open_for_rewrite(path)
             try:
-                os.ftruncate(fd, f.size)  # every byte below size is written next (segments tile the file)
-            except BaseException:
+                os.ftruncate(fd, f.size)
+                st = os.fstat(fd)
+            finally:
                 os.close(fd)
-                raise
-        out = _FileOut(f, fd, sum(len(s.chunks) for s in f.segments))
+            ident = _identity(st)
+        out = _FileOut(f, path, ident, sum(len(s.chunks) for s in f.segments))
         for seg in f.segments:
             out.chunk_digests[seg.key] = [None] * len(seg.chunks)
             out.seg_left[seg.key] = len(seg.chunks)
@@ -528,8 +527,12 @@ class Builder:
         if got != f.digest:
             raise IntegrityError(f"version {self.chain.target.version}: file {f.path} digest mismatch",
                                  expected=f.digest, actual=got)
-        if out.fd is not None:
-            os.fsync(out.fd)
+        if out.path is not None:
+            fd, out.fd = (out.fd if out.fd is not None else _reopen(out)), None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     # v1: segment and file digests are streams over the bytes, so chunks are hashed in file order.
     def _build_in_order(self, to_build: list[FileEntry], out_dir: str | None) -> None:
@@ -642,6 +645,24 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """A file's identity until something changes it: its inode, and its ctime, since a file made in place of a removed
+    one can be given the freed inode number."""
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def _reopen(out: _FileOut) -> int:
+    """The file _open_out made for `out`, open for writing: never through a link, and never another file put in its
+    place since (the staging directory is ours, but a planted name must fail the build, not receive its bytes)."""
+    assert out.path is not None
+    fd = os.open(out.path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    if _identity(os.fstat(fd)) != out.ident:
+        os.close(fd)
+        raise DestinationError(f"{out.path} was replaced while version files were written into it; nothing was "
+                               "installed")
+    return fd
+
+
 def _open_for_rewrite(path: str) -> int:
     """A file to write a version's bytes into: the regular, single-link file already at path (a recycled
     version's: its pages are reused, not allocated again), else a new one. Never through a symlink."""
@@ -650,8 +671,10 @@ def _open_for_rewrite(path: str) -> int:
         fd = os.open(path, flags)
     except FileNotFoundError:
         return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError:
-        pass  # a link (ELOOP), a file made read-only, a directory: replaced below
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise  # the process's or the host's limits, not the file's: replacing it would not help
+        # a link (ELOOP), a file made read-only, a directory: replaced below
     else:
         if rewritable(os.fstat(fd)):
             return fd
