@@ -388,10 +388,11 @@ class Manifest:
         }
 
     def count(self, name: str, default: int = 0) -> int:
-        """stats[name] where it is a non-negative integer, else `default`: stats are informative (FORMAT.md), so a
-        missing or odd value (another writer's null, a string) reads as absent instead of failing `log` or a push."""
+        """stats[name] where it is a non-negative integer below 2**63, else `default`: stats are informative
+        (FORMAT.md), so a missing or odd value (another writer's null, a string, a number no store could hold) reads
+        as absent instead of failing `log` or a push."""
         value = self.stats.get(name)
-        return value if type(value) is int and value >= 0 else default
+        return value if type(value) is int and 0 <= value < 1 << 63 else default
 
     def seal(self) -> Manifest:
         """Return a copy whose digest field is the hash of its body."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 from deltafs.format.keys import MAX_VERSION, manifest_key
 from deltafs.publish import push
 from deltafs.store.repo import Repository
@@ -32,10 +34,21 @@ def test_other_spellings_are_strays_not_silently_skipped(tmp_path, maker):
     assert strays == ["manifests/v00000000001.json", "manifests/v10000000000.json"]
 
 
-def test_odd_stats_of_another_writer_do_not_break_log_or_push(tmp_path, maker):
-    """Stats are informative (FORMAT.md): a manifest whose counts are null, strings or negative (another writer,
-    a hand edit, re-sealed) made `log` and every ordinary push fail with an internal error, exit 1 (adversarial
-    pass). They read as absent now: log shows the version, the push goes on, and what it pulls is right."""
+ODD_STATS = [
+    {"full_bytes": "x", "chunk_bytes_stored": None, "elements_total": -5, "elements_changed": None,
+     "since_full": "y", "chain_bytes": "z", "chunks_total": 1.5},
+    # Beyond any real count: `log` divided them as floats (OverflowError, exit 1; adversarial pass).
+    {"full_bytes": 10**400, "chunk_bytes_stored": 10**400, "elements_total": 2**63, "elements_changed": 10**400,
+     "since_full": 10**30, "chain_bytes": 2**64, "chunks_total": 10**400},
+]
+
+
+@pytest.mark.parametrize("odd", ODD_STATS)
+def test_odd_stats_of_another_writer_do_not_break_log_or_push(tmp_path, maker, odd):
+    """Stats are informative (FORMAT.md): a manifest whose counts are null, strings, negative or beyond any real count
+    (another writer, a hand edit, re-sealed) made `log` and every ordinary push fail with an internal error, exit 1
+    (adversarial passes). They read as absent now: log shows the version, the push goes on, and what it pulls is
+    right."""
     import dataclasses
     import json
 
@@ -46,8 +59,6 @@ def test_odd_stats_of_another_writer_do_not_break_log_or_push(tmp_path, maker):
     push(url, maker.write())
     repo = Repository.open(url)
     man = repo.manifest(2)
-    odd = {"full_bytes": "x", "chunk_bytes_stored": None, "elements_total": -5, "elements_changed": None,
-           "since_full": "y", "chain_bytes": "z", "chunks_total": 1.5}
     bad = dataclasses.replace(man, stats=odd).seal()
     with open(os.path.join(url, manifest_key(2)), "wb") as fh:
         fh.write(bad.encode())
