@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -148,6 +149,9 @@ def _stdout_is_null() -> bool:
 
 
 def main() -> None:
+    # SIGTERM (timeout, systemd, a supervisor) ends a command as Ctrl-C does: its cleanup runs (staging removed,
+    # locks released) and it exits 130. Commands that must finish an engine switch first install their own.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     was_null = _stdout_is_null()
     _setup_logging()
     try:

@@ -123,7 +123,8 @@ EXIT_MEANINGS: dict[int, str] = {
     5: "malformed or unknown-format manifest, HEAD or store config (including file paths that cannot coexist)",
     6: "integrity failure: digest mismatch, corrupt, truncated or missing chunk; `verify` found a problem",
     7: "version conflict (another writer committed first)",
-    8: "lock held (another gc on the store, another pull on DEST)",
+    8: "lock held (another gc on the store, another push using the same push cache, another process switching "
+       "DEST's engine); a plain `pull` waits for another pull on DEST instead, and says so",
     9: "DEST refused: another store's checkpoint, foreign files, or a path beside DEST that deltafs did not make",
     10: "the engine refused or failed an update, or the version needs an engine restart",
     11: "not every host of a multi-node engine has the version staged yet (`watch --once`)",

@@ -266,11 +266,14 @@ class LocalCheckpoint:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise DestinationError(f"{os.path.join(self.sidecar, name)} is not a lock file deltafs made (remove it)")
+            what = "pushing with this cache" if name == "push.lock" else f"updating {self.dest}"
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                what = "pushing with this cache" if name == "push.lock" else f"updating {self.dest}"
-                raise LockHeldError(f"another deltafs process is {what}") from None
+                if not wait:
+                    raise LockHeldError(f"another deltafs process is {what}") from None
+                log.warning("another deltafs process is %s; waiting for it to finish", what)
+                fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
