@@ -290,8 +290,12 @@ class Builder:
                 try:
                     payload = self.source.get(rec, self._shared is None or rec.object in self._shared)
                 except ObjectNotFoundError:
-                    raise ChunkNotFoundError(f"chunk {rec.object} of {key[2:]} (version {self.chain.target.version}) "
-                                             f"is missing from {self.repo.url}") from None
+                    raise ChunkNotFoundError(f"version {self.chain.target.version}: {task.file.path}: {_what(task.seg)}, "
+                                             f"chunk {i}: object {rec.object} is missing from {self.repo.url}") from None
+                except IntegrityError as exc:  # say where it belongs: the store's error knows only the object
+                    raise IntegrityError(f"version {self.chain.target.version}: {task.file.path}: {_what(task.seg)}, "
+                                         f"chunk {i}: {exc.what}", expected=exc.expected,
+                                         actual=exc.actual) from None
             try:
                 # In place: every codec checks its payload before it writes to out (= the base here).
                 value = codec.decode(rec.codec, payload, value, size, task.seg.itemsize, out=out)

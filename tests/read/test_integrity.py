@@ -44,6 +44,11 @@ def test_corrupt_chunk_is_named_and_dest_keeps_old_version(tmp_path, maker):
     with pytest.raises(IntegrityError) as err:
         pull(store, dest)
     assert os.path.basename(victim) in str(err.value)
+    # README: "naming version, file, tensor and chunk" (it named the object only; review of the docs).
+    man = Repository.open(store).manifest(2)
+    owners = [f"version 2: {f.path}: tensor {s.key[2:]}, chunk {i}: " for f in man.files for s in f.segments
+              for i, c in enumerate(s.chunks) if c.object == os.path.basename(victim)]
+    assert any(str(err.value).startswith(o) for o in owners), (str(err.value), owners)
     assert files_of(dest) == before and local_version(dest).version == 1
     rep = verify(store, version=2)
     assert not rep.ok and any(os.path.basename(victim) in p for p in rep.problems)
@@ -54,7 +59,7 @@ def test_missing_chunk_fails_cleanly(tmp_path, maker):
     os.unlink(_delta_chunk_paths(store, 2)[0])
     rep = verify(store, all_versions=True)
     assert not rep.ok and any("version 2" in p and "missing" in p for p in rep.problems)
-    with pytest.raises(Exception, match="missing"):
+    with pytest.raises(Exception, match=r"^version 2: .+: tensor .+, chunk \d+: object .+ is missing"):
         pull(store, str(tmp_path / "dest"))
     assert not os.path.lexists(tmp_path / "dest")
 
