@@ -188,8 +188,9 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def _write(self, key: str, data: bytes) -> None: ...
 
-    def _create(self, key: str, data: bytes) -> bool:
-        """Write only if absent. Here a check then a write: two writers can both win (atomic_create=False)."""
+    def _create(self, key: str, data: bytes, equal_is_ours: bool = True) -> bool:
+        """Write only if absent. Here a check then a write: two writers can both win (atomic_create=False).
+        equal_is_ours: see put_if_absent (only stores that can be answered "exists" to their own resend use it)."""
         if self._isfile(key):
             return False
         self._write(key, data)
@@ -270,13 +271,18 @@ class ObjectStore(abc.ABC):
     def put(self, key: str, data: bytes) -> None:
         self._call("write", key, lambda: self._write(key, data))
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, equal_is_ours: bool = True) -> bool:
         """Write only if nothing is there; True when this call created the object.
 
-        Atomic only where capabilities.atomic_create says so. S3 cannot tell its own write whose
-        reply was lost from a conflict, and answers True whenever the stored bytes equal data.
+        Atomic only where capabilities.atomic_create says so. S3 and GCS cannot tell their own write
+        whose reply was lost (a resend answered "exists") from an object that was there before: with
+        equal_is_ours they answer True whenever the stored bytes equal data, which is right for
+        records that are never written twice with the same bytes (manifests carry their creation
+        time). Content-addressed objects pass False: equal bytes are all that any writer of that key
+        leaves, so they say nothing, and "was there" is the safe answer (a push checks such a chunk
+        before its commit; one it counts as its own write, gc may have removed: FORMAT.md).
         """
-        return self._call("write", key, lambda: self._create(key, data))
+        return self._call("write", key, lambda: self._create(key, data, equal_is_ours))
 
     def exists(self, key: str) -> bool:
         return bool(self._call("check", key, lambda: self._isfile(key)))
@@ -309,11 +315,12 @@ class ObjectStore(abc.ABC):
         return dict(self._pool(unique, lambda k: (k, self.get(k, referenced=referenced))))
 
     def put_many(self, items: dict[str, bytes], if_absent: bool = True) -> dict[str, bool]:
-        """Write several objects in parallel; per key, True when this call wrote it (always, with if_absent=False)."""
+        """Write several content-addressed objects in parallel; per key, True when this call wrote it (always, with
+        if_absent=False; with if_absent, an object of equal bytes already there is False: put_if_absent)."""
 
         def one(key: str) -> tuple[str, bool]:
             if if_absent:
-                return key, self.put_if_absent(key, items[key])
+                return key, self.put_if_absent(key, items[key], equal_is_ours=False)
             self.put(key, items[key])
             return key, True
 

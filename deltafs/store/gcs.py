@@ -130,7 +130,7 @@ class GCSObjectStore(FsspecObjectStore):
             raise
 
     # --- create-if-absent ------------------------------------------------------------------------
-    async def _acreate(self, key: str, data: bytes) -> bool:
+    async def _acreate(self, key: str, data: bytes, equal_is_ours: bool) -> bool:
         """One single-request upload with ifGenerationMatch=0; False when another object is there.
 
         A 412 to a create deltafs retried (after a dropped connection whose request had in fact
@@ -144,14 +144,14 @@ class GCSObjectStore(FsspecObjectStore):
             await self.fs._pipe_file(path, data, mode="create", chunksize=len(data) + 1)
             return True
         except FileExistsError:
-            return bytes(await self.fs._cat_file(path)) == data
+            return equal_is_ours and bytes(await self.fs._cat_file(path)) == data
 
-    def _create(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: bytes, equal_is_ours: bool = True) -> bool:
         if not self.capabilities.atomic_create:
-            return super()._create(key, data)
+            return super()._create(key, data, equal_is_ours)
         from fsspec.asyn import sync
 
-        return bool(sync(self.fs.loop, self._acreate, key, data, **self.deadline()))
+        return bool(sync(self.fs.loop, self._acreate, key, data, equal_is_ours, **self.deadline()))
 
 
 def _filesystem_class() -> Any:

@@ -175,7 +175,7 @@ class LocalObjectStore(ObjectStore):
         finally:
             os.close(dir_fd)
 
-    def _create(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: bytes, equal_is_ours: bool = True) -> bool:
         dir_fd, name = self._parent_fd(key)
         try:
             tmp = self._write_temp(dir_fd, data)

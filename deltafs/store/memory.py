@@ -14,6 +14,6 @@ class MemoryObjectStore(FsspecObjectStore):
     capabilities = Capabilities(atomic_put=True, atomic_create=True)
     _lock = threading.Lock()
 
-    def _create(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: bytes, equal_is_ours: bool = True) -> bool:
         with self._lock:
-            return super()._create(key, data)
+            return super()._create(key, data, equal_is_ours)

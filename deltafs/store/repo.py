@@ -214,7 +214,7 @@ class Repository:
     def put_chunk(self, data: bytes, oid: str | None = None) -> tuple[str, bool]:
         """Store a chunk under the sha256 of its bytes (oid, if the caller already hashed them); returns (id, newly_written)."""
         oid = oid or hashlib.sha256(data).hexdigest()
-        return oid, self.objects.put_if_absent(chunk_key(oid), data)
+        return oid, self.objects.put_if_absent(chunk_key(oid), data, equal_is_ours=False)
 
     def get_chunk(self, oid: str, size: int | None = None) -> bytes:
         """The chunk's bytes, checked against its id (and its size, when the manifest gives it).

@@ -86,17 +86,17 @@ class S3ObjectStore(FsspecObjectStore):
         """
         return self._read(key, None) == data
 
-    def _create(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: bytes, equal_is_ours: bool = True) -> bool:
         """Create key with If-None-Match: *; False when another writer's object is there."""
         if not self.capabilities.atomic_create:
-            return super()._create(key, data)
+            return super()._create(key, data, equal_is_ours)
         try:
             self.fs.pipe_file(self.path(key), data, mode="create", **self.deadline())
             return True
         except FileExistsError:
-            return self._ours(key, data)
+            return equal_is_ours and self._ours(key, data)
         except OSError as exc:
             if not self._unsupported(exc):
                 raise
         self.declare(atomic_create=False)  # the server refused If-None-Match (501): check then write
-        return super()._create(key, data)
+        return super()._create(key, data, equal_is_ours)

@@ -117,6 +117,13 @@ class StoreSuite:
         assert store.put_if_absent("manifests/v1", b"second") is False
         assert store.get("manifests/v1") == b"first"
 
+    def test_put_if_absent_of_equal_bytes_already_there_is_not_this_calls_write(self, store: ObjectStore) -> None:
+        """A content-addressed object already there (equal bytes: whoever wrote it) is "was there", never "written
+        now": a push counts only the latter as its own, and gc may remove the former meanwhile. S3 and GCS answered
+        "written now" on their 412 (adversarial pass: a version committed without a chunk gc had removed)."""
+        assert store.put_if_absent("chunks/ab/" + "ab" * 32, b"chunk", equal_is_ours=False) is True
+        assert store.put_if_absent("chunks/ab/" + "ab" * 32, b"chunk", equal_is_ours=False) is False
+
     def test_put_if_absent_race_has_exactly_one_winner(self, store: ObjectStore) -> None:
         if not store.capabilities.atomic_create:
             pytest.skip("backend does not claim atomic_create")
