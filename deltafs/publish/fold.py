@@ -70,7 +70,8 @@ def write_fold(repo: Repository, man: Manifest, parts: list[FoldPart], guard: Pu
                                   stats, role="fold_of", created=utcnow())
     if not is_fold_of(folded, man):
         raise DeltafsError("the source changed after the version was committed")
-    ensure_chunks(repo, folded.files, stats, lapsed=False, guard=guard)
+    # The push's marker kept its new chunks from a gc, unless it lapsed (a process frozen meanwhile): then all.
+    ensure_chunks(repo, folded.files, stats, lapsed=guard.lapsed if guard is not None else False, guard=guard)
     data = folded.encode()
     repo.objects.put_if_absent(fold_key(man.version), data)  # after its chunks, like a commit
     return stats.stored + len(data)

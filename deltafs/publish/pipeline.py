@@ -206,8 +206,12 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
         assert outcome.manifest is not None
         man = Manifest.from_bytes(outcome.manifest, where=f"manifest of version {decision.version}")
         rank.install_committed(man)
-        rank.close_guard()
+        # The marker stays until the fold is written: the fold's chunks are as young as this push and only the
+        # marker keeps a gc from removing them before the fold names them. Not "committing" meanwhile (the
+        # version is committed; a gc need not wait for the fold's encode): write_fold marks it again.
+        rank.after_commit()
         fold_bytes = rank.fold(man) if opts.fold else 0
+        rank.close_guard()
     return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes,
                          "base_rederived": any(r.rederived for r in reports)})
 
@@ -264,6 +268,13 @@ class _Rank:
         if self.files:
             self.guard = PushGuard(repo.objects).__enter__()
             self.stack.callback(self.close_guard)
+
+    def after_commit(self) -> None:
+        if self.guard is not None:
+            try:
+                self.guard.committing(False)
+            except Exception as exc:  # noqa: BLE001 - committed already; a gc then waits for the marker to lapse
+                log.warning("cannot update this push's marker in the store after the commit: %s", exc)
 
     def close_guard(self) -> None:
         if self.guard is not None:

@@ -104,3 +104,36 @@ def test_a_restarted_trainer_rebuilds_its_keyframe_cache_from_the_store(tmp_path
     src3 = gen.root / "step2"
     pull(store, str(tmp_path / "d"))
     assert files_of(tmp_path / "d") == files_of(src3)
+
+
+def test_a_gc_while_the_fold_is_written_keeps_the_folds_new_chunks(tmp_path, maker, monkeypatch):
+    """`push --fold` let its in-flight marker go at the commit, before it wrote the fold: a gc (grace 0) meanwhile
+    removed the fold's new chunks, and the fold was written naming missing objects; every new host then fell back to
+    the full chain (adversarial pass). The marker stays until the fold is written."""
+    from deltafs.format.manifest import referenced_objects
+    from deltafs.publish import fold as fold_module
+    from deltafs.store.repo import Repository
+
+    store = str(tmp_path / "store")
+    cache = str(tmp_path / "cache")
+    for _ in range(2):
+        push(store, maker.write(), cache_dir=cache)
+        maker.advance()
+    real = fold_module.ensure_chunks
+    ran: list[object] = []
+
+    def gc_meanwhile(repo, files, stats, **kw):  # the fold's chunks are written; its file is not yet
+        ran.append(gc(store, keep_last=100, grace=0, settle=0))
+        return real(repo, files, stats, **kw)
+
+    monkeypatch.setattr(fold_module, "ensure_chunks", gc_meanwhile)
+    res = push(store, maker.write(), cache_dir=cache, fold=True)
+    assert ran and res.version == 3 and res.fold_bytes > 0
+    repo = Repository.open(store)
+    fold = load_fold(repo, repo.manifest(3))
+    assert fold is not None
+    missing = [o for o in referenced_objects(fold.files) if not repo.has_chunk(o)]
+    assert not missing
+    dest = tmp_path / "dest"
+    pulled = pull(store, str(dest))
+    assert pulled.from_full and not pulled.fallback
