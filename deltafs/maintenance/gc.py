@@ -121,7 +121,8 @@ def gc(store: str | Repository, *, keep_last: int, keep_full: int = 0, grace: fl
     with lock.hold(wait=wait):
         locked_at = time.monotonic()
         plan = make_plan(repo, keep_last=keep_last, keep_full=keep_full, grace=grace)
-        result = _execute(repo, plan, locked_at=locked_at, settle=settle, threads=threads, on_delete=on_delete)
+        result = _execute(repo, plan, locked_at=locked_at, settle=settle, threads=threads, on_delete=on_delete,
+                          lock=lock)
     result.seconds = time.monotonic() - t0
     return result
 
@@ -239,10 +240,15 @@ def _manifest(repo: Repository, version: int) -> Manifest:
                           "run 'deltafs verify --all'") from None
 
 
+# gc checks that its lock is still its own before each batch of this many chunk deletions (StoreLock.check_held).
+DELETE_BATCH = 256
+
+
 def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float, threads: int,
-             on_delete: Callable[[str], None] | None) -> GcResult:
+             on_delete: Callable[[str], None] | None, lock: StoreLock) -> GcResult:
     result = GcResult(plan, executed=True)
     _absorb_new_versions(repo, plan)
+    lock.check_held()
     for v in sorted(plan.folds, reverse=True):  # folds first: no fold outlives its version
         if on_delete:
             on_delete(fold_key(v))
@@ -274,8 +280,11 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
             on_delete(key)
         repo.objects.delete(key)
 
-    for _ in ordered_map(delete, list(plan.chunks), threads):
-        result.chunks_removed += 1
+    doomed = list(plan.chunks)
+    for start in range(0, len(doomed), DELETE_BATCH):
+        lock.check_held()  # a push that sees no gc lock commits: never delete after losing it
+        for _ in ordered_map(delete, doomed[start:start + DELETE_BATCH], threads):
+            result.chunks_removed += 1
     for name in plan.temp_files:
         repo.objects.remove_leftover(name)
     for key in plan.dead_markers:

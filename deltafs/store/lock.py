@@ -142,6 +142,17 @@ class StoreLock:
                 )
             time.sleep(min(poll, max(0.05, deadline - time.monotonic())))
 
+    def check_held(self) -> None:
+        """Raise LockHeldError unless the lock object is still this one's. Two processes taking over one stale lock
+        at once can both believe they hold it (each reads it stale, one deletes and creates its own, the other's
+        delete then removes that): the loser finds out here, before its next destructive step."""
+        current = read_lock(self.objects, self.key)
+        if current is None or current.owner != self.owner:
+            self.held = False
+            taken = f"taken by {current.describe()}" if current is not None else "removed"
+            raise LockHeldError(f"{self.objects.url}: {self.key} was {taken} while this {self.purpose} held it; "
+                                "stopped before deleting anything more")
+
     def release(self) -> None:
         if not self.held:
             return

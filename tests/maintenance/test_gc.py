@@ -358,3 +358,26 @@ def test_a_store_outage_while_gc_reads_manifests_is_exit_3_not_a_damaged_store(t
         gc(store, keep_last=1, grace=0, settle=0)
     assert exit_code(info.value) == 3 and "verify" not in str(info.value)
     assert sorted(os.listdir(os.path.join(store, "manifests"))) == before
+
+
+def test_a_gc_whose_lock_another_gc_took_over_stops_before_deleting_chunks(tmp_path, maker):
+    """Two gcs taking over one stale lock at once can both believe they hold it: each reads it stale, one deletes it
+    and creates its own, the other's delete (a slow round trip later) removes that one and creates a third. The
+    first then deleted chunks under a lock no longer its own: once the second released, a push saw no gc and
+    committed chunks the first was deleting (adversarial pass). A gc checks its lock before its chunk deletions."""
+    store = str(tmp_path / "store")
+    push_history(store, maker, 3, keyframe_every=2)  # full 1, 3
+    before = _chunks_on_disk(store)
+    objects = Repository.open(store).objects
+    other = StoreLock(objects, purpose="gc")
+
+    def taken_over(key: str) -> None:  # the other gc's delete of "the stale lock", then its own lock
+        if not other.held:
+            objects.delete(GC_LOCK_KEY)
+            other.acquire()
+
+    with pytest.raises(LockHeldError, match="was taken by .* while this gc held it"):
+        gc(store, keep_last=1, grace=0, settle=0, on_delete=taken_over)
+    assert _chunks_on_disk(store) == before  # no chunk deleted after the lock was lost
+    assert StoreLock(objects).try_acquire() is not None  # the other gc's lock is left alone
+    other.release()
