@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any
 
+from deltafs.progress import binary_size
+
 
 # Control characters other than newline and tab, as escapes: text a store controls (file paths, tensor names,
 # metadata) must not move the cursor, clear the screen or set a window title through `show`, `log` or `verify`.
@@ -64,9 +66,4 @@ class Output:
             sys.stderr.write(terminal_safe(message) + "\n")
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+human_bytes = binary_size  # one format for sizes, the CLI's and the logs'

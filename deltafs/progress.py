@@ -43,6 +43,15 @@ class Progress:
             self._bar.stop()
 
 
+def binary_size(n: float) -> str:
+    """A size in binary units (B, KiB, MiB, GiB, TiB): what the CLI and the logs print."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
 def binary_rate(per_second: float) -> str:
     """Bytes per second in binary units (KiB/s, MiB/s, GiB/s)."""
     for unit in ("B/s", "KiB/s", "MiB/s", "GiB/s"):

@@ -26,7 +26,7 @@ def import_requests(engine: str, extra: str) -> Any:
     try:
         import requests
     except ImportError:
-        raise UsageError(f"the {engine} adapter needs requests: pip install 'deltafs[{extra}]'") from None
+        raise UsageError(f"the {engine} adapter needs requests: pip install requests (deltafs's [{extra}] extra)") from None
     return requests
 
 

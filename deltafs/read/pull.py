@@ -32,7 +32,7 @@ from deltafs.format.keys import manifest_key
 from deltafs.format.manifest import Head
 from deltafs.format.versions import check_version
 from deltafs.read.dest import LocalCheckpoint, LocalState, check_layout, precheck, refuse_foreign, refuse_nested
-from deltafs.progress import Progress
+from deltafs.progress import Progress, binary_size
 from deltafs.read.chain import MAX_BRIDGES, Chain, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource, LocalBaseError
 from deltafs.store.repo import Repository
@@ -142,8 +142,9 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             fallback = True
         local.drop_chunk_cache()
         local.cleanup(keep=keep, also_keep=previous)
-        log.info("pulled version %d into %s from %s (%d bytes read)", target, dest,
-                 "a full version" if chain.local is None else f"version {chain.local.version}", source.bytes_read)
+        log.info("pulled version %d into %s from %s (%s read)", target, dest,
+                 "a full version" if chain.local is None else f"version {chain.local.version}",
+                 binary_size(source.bytes_read))
         return PullResult(
             version=target,
             previous=state.version if state else None,

@@ -178,7 +178,7 @@ def open_gcs(url: str, options: dict[str, Any], *, retry: RetryPolicy, workers: 
         if _FS_CLASS is None:
             _FS_CLASS = _filesystem_class()
     except ImportError as exc:
-        raise StoreError(f"no backend installed for gs:// ({exc}); run: pip install 'deltafs[gcs]'") from None
+        raise StoreError(f"no backend installed for gs:// ({exc}); run: pip install gcsfs (deltafs's [gcs] extra)") from None
     GCSFileSystem = _FS_CLASS
     options = dict(options)
     # Listings are our source of truth for versions: never answer them from a cache.

@@ -23,7 +23,7 @@ from deltafs.store.options import check_option_names, check_option_values
 log = logging.getLogger("deltafs.store")
 
 # Which pip extra brings the fsspec backend for a protocol, for the error message.
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+_EXTRAS = {"s3": ("s3", "s3fs"), "s3a": ("s3", "s3fs"), "gs": ("gcs", "gcsfs"), "gcs": ("gcs", "gcsfs")}
 
 # Keys accepted under storage_options["deltafs"].
 DELTAFS_OPTIONS = {
@@ -107,7 +107,7 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
     scheme = url.split(":/", 1)[0] if ":/" in url and "://" not in url else None
     if scheme in _KNOWN_SCHEMES:
         # "s3:/bucket/run" would be a local directory named "s3:" in the working directory, silently.
-        raise UsageError(f"{url} is not a {scheme}:// URL (one slash after the colon) and would be a local path; "
+        raise UsageError(f"{url} is not a valid {scheme}:// URL (one slash after the colon) and would be a local path; "
                          f"write {scheme}://{url.split(':/', 1)[1].lstrip('/')}")
     protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
     if protocol in ("s3", "s3a") and not rest.strip("/"):
@@ -156,8 +156,9 @@ def _filesystem(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, 
         return fs, str(root)
     except ImportError as exc:
         extra = _EXTRAS.get(protocol)
-        hint = f"pip install 'deltafs[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
-        raise StoreError(f"no backend installed for {protocol}:// ({exc}); run: {hint}") from None
+        hint = (f"run: pip install {extra[1]} (deltafs's [{extra[0]}] extra)" if extra
+                else f"install the fsspec package that implements {protocol}://")
+        raise StoreError(f"no backend installed for {protocol}:// ({exc}); {hint}") from None
     except ValueError as exc:
         if "Protocol not known" in str(exc):
             raise StoreError(f"unknown storage protocol {protocol}:// in {url}") from None

@@ -44,6 +44,7 @@ from deltafs.errors import (
     short_problem,
 )
 from deltafs.read.dest import LocalCheckpoint, read_version_state
+from deltafs.progress import binary_size
 from deltafs.read.pull import PullResult, pull
 from deltafs.store.base import backoff
 from deltafs.format.keys import CONFIG_KEY
@@ -788,4 +789,4 @@ def _describe_pull(res: PullResult) -> str:
         return "already in DEST"
     how = "from a full version" if res.from_full else f"as a delta from version {res.previous}"
     fallback = " after the delta path failed" if res.fallback else ""
-    return f"pulled {how}{fallback} in {res.seconds:.3f}s, {res.bytes_read / 1024:.0f} KiB read"
+    return f"pulled {how}{fallback} in {res.seconds:.3f}s, {binary_size(res.bytes_read)} read"

@@ -81,7 +81,7 @@ def test_bad_inputs_get_one_line_errors(tmp_path, maker):
     _one_line_error(run_cli("pull", store, tmp_path / "d"), 3, "no deltafs store")
     _one_line_error(run_cli("push", src, store, "--storage-options", "{oops"), 2, "--storage-options is not valid JSON")
     _one_line_error(run_cli("push", src, "abfs://container/x"), 3, "no backend installed for abfs://")
-    _one_line_error(_cli_without("s3fs", "push", src, "s3://bucket/x"), 3, "pip install 'deltafs[s3]'")
+    _one_line_error(_cli_without("s3fs", "push", src, "s3://bucket/x"), 3, "pip install s3fs (deltafs's [s3] extra)")
     _one_line_error(run_cli("push", src, "nosuchproto://x/y"), 3, "nosuchproto")
 
 

@@ -100,8 +100,8 @@ def test_storage_option_values_of_the_wrong_kind_are_usage_errors(url, options, 
 
 
 @pytest.mark.parametrize("url, message", [
-    ("s3:/bkt/run", "is not a s3:// URL .* write s3://bkt/run"),
-    ("gs:/bkt/run", "is not a gs:// URL"),
+    ("s3:/bkt/run", "is not a valid s3:// URL .* write s3://bkt/run"),
+    ("gs:/bkt/run", "is not a valid gs:// URL"),
     ("s3://", "names no bucket"),
 ])
 def test_store_urls_that_are_almost_right_are_refused(url, message, tmp_path, monkeypatch):
