@@ -52,7 +52,7 @@ def watch_cmd(
     engine_url: Annotated[str | None, typer.Option("--engine-url", help="The engine's URL, e.g. http://127.0.0.1:30000.")] = None,
     pause_mode: Annotated[PauseMode, typer.Option("--pause-mode", help="How the engine pauses for the switch: SGLang abort, retract or in_place; vLLM abort, wait or keep (retract means keep).")] = PauseMode.retract,
     boundary: Annotated[BoundaryKind, typer.Option("--boundary", help="When to switch: immediate, idle (no running requests) or signal.")] = BoundaryKind.immediate,
-    max_wait: Annotated[float, typer.Option("--max-wait", callback=finite_seconds("--max-wait", positive=True), help="idle: switch anyway after this many seconds.")] = DEFAULT_MAX_WAIT,
+    max_wait: Annotated[float | None, typer.Option("--max-wait", callback=finite_seconds("--max-wait", positive=True), help=f"idle: switch anyway after this many seconds (default {DEFAULT_MAX_WAIT:g}).")] = None,
     boundary_file: Annotated[str | None, typer.Option("--boundary-file", help="signal: touching this file says 'switch now'.")] = None,
     boundary_port: Annotated[int | None, typer.Option("--boundary-port", help="signal: also accept POST http://127.0.0.1:PORT/boundary.")] = None,
     poll: Annotated[float | None, typer.Option("--poll", callback=finite_seconds("--poll", positive=True), help="Poll HEAD every SECONDS instead of file events (NFS, FUSE); remote stores always poll (default 5s).")] = None,
@@ -96,7 +96,15 @@ def watch_cmd(
         raise UsageError(f"--engine-hosts must be at least 1, not {engine_hosts}")
     if engine_hosts > 1 and not engine_group:
         raise UsageError("--engine-hosts needs --engine-group NAME (the same on every host of the engine)")
-    bound = make_boundary(boundary.value, max_wait=max_wait, file=boundary_file, port=boundary_port)
+    # Options of one boundary kind given with another were ignored without a word (a unit file that says
+    # --boundary-file but forgot --boundary signal switched at once, every time).
+    if max_wait is not None and boundary is not BoundaryKind.idle:
+        raise UsageError(f"--max-wait applies to --boundary idle, not {boundary.value}")
+    for flag, value in (("--boundary-file", boundary_file), ("--boundary-port", boundary_port)):
+        if value is not None and boundary is not BoundaryKind.signal:
+            raise UsageError(f"{flag} applies to --boundary signal, not {boundary.value}")
+    bound = make_boundary(boundary.value, max_wait=max_wait if max_wait is not None else DEFAULT_MAX_WAIT,
+                          file=boundary_file, port=boundary_port)
     sub = Subscriber(store, dest, eng, storage_options=parse_storage_options(storage_options), boundary=bound,
                      host_id=host_id, ledger=not no_ledger, poll=poll, retry_max=retry_max, engine_group=engine_group,
                      engine_hosts=engine_hosts, group_timeout=group_timeout, recycle=not no_recycle)

@@ -77,6 +77,11 @@ def test_pull_with_an_engine_url_alone_reloads_sglang_as_watch_does(trainer, tmp
     (["--boundary", "signal", "--boundary-port", "99999"], "--boundary-port must be a port number, 1..65535, not 99999"),
     (["--boundary", "signal", "--boundary-port", "-1"], "--boundary-port must be a port number"),
     (["--engine-group", "g", "--engine-hosts", "0"], "--engine-hosts must be at least 1, not 0"),
+    # A boundary option given with another boundary kind was ignored without a word (review of the docs).
+    (["--boundary-file", "/tmp/x"], "--boundary-file applies to --boundary signal, not immediate"),
+    (["--boundary", "idle", "--boundary-port", "7000"], "--boundary-port applies to --boundary signal, not idle"),
+    (["--max-wait", "5"], "--max-wait applies to --boundary idle, not immediate"),
+    (["--boundary", "signal", "--max-wait", "5"], "--max-wait applies to --boundary idle, not signal"),
 ])
 def test_bad_watch_numbers_are_usage_errors(trainer, tmp_path, args, words):
     trainer.push()
