@@ -27,7 +27,8 @@ import xxhash
 
 from deltafs.buffers import aligned_empty, open_regular, pread_aligned
 from deltafs import codec
-from deltafs.errors import ChunkNotFoundError, DeltafsError, DestinationError, IntegrityError, ObjectNotFoundError
+from deltafs.errors import (ChunkNotFoundError, DeltafsError, DestinationError, FormatError, IntegrityError,
+                            ObjectNotFoundError)
 from deltafs.format import digests
 from deltafs.format.manifest import DELTA_CODECS, ChunkRef, FileEntry, Segment
 from deltafs.parallel import ordered_map
@@ -299,6 +300,9 @@ class Builder:
             try:
                 # In place: every codec checks its payload before it writes to out (= the base here).
                 value = codec.decode(rec.codec, payload, value, size, task.seg.itemsize, out=out)
+            except FormatError as exc:  # the record itself (an unknown codec, a field out of range): the manifest's fault
+                raise FormatError(f"version {self.chain.target.version}: {task.file.path}: {_what(task.seg)}, chunk {i}: "
+                                  f"bad codec record: {exc}") from None
             except DeltafsError as exc:
                 raise IntegrityError(f"{key[2:]}: chunk {i} ({rec.object}) cannot be decoded: {exc}") from None
         assert value is not None

@@ -304,3 +304,21 @@ def test_a_pull_that_keeps_one_version_leaves_no_state_file_of_the_one_it_remove
     versions = sorted(n for n in os.listdir(sidecar) if n.startswith("v") and not n.endswith(".json"))
     states = sorted(n[:-5] for n in os.listdir(sidecar) if n.startswith("v") and n.endswith(".json"))
     assert len(versions) == 1 and states == versions
+
+
+def test_an_unknown_codec_record_is_a_format_error_naming_where_it_is(tmp_path, maker):
+    """FORMAT.md: a reader MUST refuse (format error) an unknown codec name or a bad field; pull said "cannot be
+    decoded", an integrity error (exit 6), as for a damaged payload (hostile-store pass)."""
+    from deltafs.testing.checkpoints import run_cli
+
+    store = _two_versions(tmp_path, maker)
+
+    def bogus(raw):
+        seg = next(s for f in raw["files"] for s in f["segments"] if s["kind"] == "tensor")
+        seg["chunks"][0]["codec"] = {"name": "bogus"}
+
+    _forge(store, 2, bogus)
+    with pytest.raises(FormatError, match=r"^version 2: .+: tensor .+, chunk 0: bad codec record: .*bogus"):
+        pull(store, str(tmp_path / "dest"), version=2)
+    cli = run_cli("pull", store, str(tmp_path / "dest2"), "--version", "2")
+    assert cli.returncode == 5 and "bad codec record" in cli.stderr, cli.stderr
