@@ -253,7 +253,10 @@ class Subscriber:
     def _poll(self) -> Staged | None:
         try:
             head = self.repo.head()
-        except (StoreError, ForeignManifestError):  # unreachable, or made again since it was opened
+        # Unreachable, or made again since it was opened; or a manifest listed and gone when read: the newest version
+        # is never gc'd, so the store was deleted meanwhile (the next poll must open the new run's store, whose
+        # lower HEAD would otherwise never be compared with DEST's store at all).
+        except (StoreError, ForeignManifestError, VersionNotFoundError):
             self._forget_store()
             raise
         if head is None:
@@ -588,7 +591,10 @@ class Subscriber:
             return pull(self.repo, self.dest, force=True, **kwargs)
         except (DestinationError, LocalWriteError):
             raise  # DEST's own problems (exit 9, 12): no other version would fare better
-        except (LockHeldError, StoreError, VersionNotFoundError, ForeignManifestError):
+        except VersionNotFoundError:
+            self._forget_store()  # as in _poll: the version HEAD named is gone, the store may be another one now
+            raise
+        except (LockHeldError, StoreError, ForeignManifestError):
             raise
         except DeltafsError as exc:
             raise NothingVerifiableError(f"version {version} cannot be verified: {exc}") from exc

@@ -278,3 +278,39 @@ def test_a_watcher_restarted_while_its_killed_switch_still_loads_waits_for_that_
     assert not os.path.exists(record) and second.status.served_version == 2
     second.close()
     first.close()
+
+
+def test_a_store_deleted_while_a_poll_reads_it_is_opened_afresh(tmp_path, monkeypatch):
+    """A poll that listed a manifest which the deletion of the store then removed before it was read failed with
+    "version 3 is not in STORE", and the watcher kept its open store: the new run's HEAD, below the served number,
+    was never read past, and the engine served the old run's version 3 as current, healthy, for as many steps as the
+    new run took to pass 3 (adversarial pass, 2 of 5 runs)."""
+    import contextlib
+
+    from deltafs.errors import DeltafsError, VersionNotFoundError
+    from deltafs.read.pull import local_version
+    from watch_helpers import Trainer
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    old = Trainer(store, str(tmp_path / "cache-old"))
+    for _ in range(3):
+        old.push()
+    sub = Subscriber(store, dest, None, host_id="pull-only", **FAST)
+    sub.start()
+    assert sub.sync().version == 3
+    old.push()  # version 4 is listed; the deletion removes it before the poll reads it
+
+    def deleted_meanwhile(version, *a, **k):
+        raise VersionNotFoundError(f"version {version} is not in {store}")
+
+    monkeypatch.setattr(sub.repo, "manifest", deleted_meanwhile)
+    with contextlib.suppress(DeltafsError):  # this poll fails or stages nothing newer; the next one must see anew
+        sub.poll()
+    shutil.rmtree(store)
+    new = Trainer(store, str(tmp_path / "cache-new"))
+    for _ in range(2):
+        new.push()
+    applied = sub.sync()
+    assert applied is not None and applied.version == 2
+    assert local_version(dest).store_id == Repository.open(store).store_id
+    sub.close()
