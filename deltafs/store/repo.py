@@ -14,6 +14,7 @@ from deltafs.errors import (
     FormatError,
     IntegrityError,
     ObjectNotFoundError,
+    StoreError,
     StoreNotFoundError,
     UsageError,
     VersionConflictError,
@@ -176,6 +177,23 @@ class Repository:
                               f"{self.config.chunk_bytes}")
         return man
 
+    def _settle(self, key: str, data: bytes, failure: StoreError) -> bool:
+        """Whether the manifest create that failed after its retries (timeouts, replies lost after the server stored
+        it) committed all the same: one read of the key says so. Equal bytes are this push's (a manifest carries its
+        creation time), other bytes another writer's (False); absent, the push did not commit (the failure is
+        raised). A push that said "failed" for a version it had published was pushed again, and the step appeared
+        twice (adversarial pass, S3 and GCS behind a proxy that lost the replies)."""
+        try:
+            stored = self.objects.get(key)
+        except ObjectNotFoundError:
+            raise failure from None
+        except DeltafsError as again:
+            raise StoreError(f"{failure}; whether {key} was committed is unknown (reading it back failed too: {again}); "
+                             f"run 'deltafs log {self.url}' before pushing again") from failure
+        if stored == data:
+            log.warning("%s was written although its create failed (%s): the version is committed", key, failure)
+        return stored == data
+
     def manifest_size(self, version: int) -> int:
         """The stored size of a version's manifest object: known without a request once this repository read it."""
         known = self._stored.get(version)
@@ -191,7 +209,12 @@ class Repository:
         """
         check_version(man.version)
         data = man.encode()
-        if not self.objects.put_if_absent(manifest_key(man.version), data):
+        key = manifest_key(man.version)
+        try:
+            created = self.objects.put_if_absent(key, data)
+        except StoreError as exc:
+            created = self._settle(key, data, exc)
+        if not created:
             raise VersionConflictError(
                 f"version {man.version} was committed by another writer; pull and push again"
             )

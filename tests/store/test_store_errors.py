@@ -267,3 +267,54 @@ def test_an_empty_path_component_in_a_store_url_is_refused(url: str) -> None:
     """s3://bkt//run pushed and pulled, but its keys began with "/": log showed no versions, gc and verify stopped."""
     with pytest.raises(UsageError, match="empty path component"):
         open_objects(url, {})
+
+
+def test_a_manifest_stored_although_every_reply_to_its_create_was_lost_is_a_committed_push(tmp_path, maker,
+                                                                                            monkeypatch):
+    """The server stored the manifest, and every reply to its create (and to the retries) was lost: the push said
+    "cannot write manifests/v...: connection closed", exit 3, for a version it had published, and pushing again
+    published the step twice (adversarial pass, S3 and GCS behind a lossy proxy). One read of the key settles it."""
+    from deltafs.format.keys import MANIFEST_PREFIX
+    from deltafs.publish import push
+    from deltafs.store.local import LocalObjectStore
+    from deltafs.store.repo import Repository
+
+    store = str(tmp_path / "store")
+    push(store, maker.write())
+    real = LocalObjectStore._create
+
+    def reply_lost(self, key, data, equal_is_ours=True):
+        created = real(self, key, data, equal_is_ours)
+        if key.startswith(MANIFEST_PREFIX):
+            raise ConnectionError("Connection was closed before the reply")  # whatever the server did
+        return created
+
+    monkeypatch.setattr(LocalObjectStore, "_create", reply_lost)
+    maker.advance()
+    res = push(store, maker.write(), storage_options={"deltafs": {"attempts": 2, "base_delay": 0.01}})
+    monkeypatch.undo()
+    assert res.version == 2 and Repository.open(store).versions() == [1, 2]
+    assert Repository.open(store).head().version == 2
+
+
+def test_a_manifest_create_that_failed_and_left_nothing_still_fails_the_push(tmp_path, maker, monkeypatch):
+    from deltafs.format.keys import MANIFEST_PREFIX
+    from deltafs.publish import push
+    from deltafs.store.local import LocalObjectStore
+    from deltafs.store.repo import Repository
+
+    store = str(tmp_path / "store")
+    push(store, maker.write())
+    real = LocalObjectStore._create
+
+    def refused(self, key, data, equal_is_ours=True):
+        if key.startswith(MANIFEST_PREFIX):
+            raise ConnectionError("Connection refused")
+        return real(self, key, data, equal_is_ours)
+
+    monkeypatch.setattr(LocalObjectStore, "_create", refused)
+    maker.advance()
+    with pytest.raises(StoreError, match="cannot write manifests/v0000000002.json"):
+        push(store, maker.write(), storage_options={"deltafs": {"attempts": 2, "base_delay": 0.01}})
+    monkeypatch.undo()
+    assert Repository.open(store).versions() == [1]
