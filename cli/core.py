@@ -205,12 +205,19 @@ def pull_cmd(
         from deltafs.engines import make_engine
         from deltafs.watch.signals import install_finish_switch_first
 
-        make_engine(engine, engine_url)
+        from deltafs.engines.switch import served_elsewhere
+
+        probe = make_engine(engine, engine_url, api_key=os.environ.get("DELTAFS_ENGINE_API_KEY"))
         install_finish_switch_first()  # SIGTERM (timeout, systemd) lets a running switch finish: never left paused
+        # An engine left on an older version (the last run's reload failed) keeps its directory through this pull's
+        # cleanup: without it, a version that needs a restart was hot-switched (nothing left to compare with).
+        lagging = served_elsewhere(probe, dest) if probe is not None else None
+    else:
+        lagging = None
     try:
         res = pull(store, dest, version=version, storage_options=parse_storage_options(storage_options), force=force,
                    progress=out.progress, wait_lock=not once, threads=threads, verify_files=full_check,
-                   chunk_cache=not no_chunk_cache, recycle=not no_recycle)
+                   chunk_cache=not no_chunk_cache, recycle=not no_recycle, keep=3 if lagging else 2)
     except LockHeldError as exc:
         if not once:
             raise

@@ -151,6 +151,25 @@ def _loaded_from(engine: Engine, local: LocalCheckpoint) -> str | None:
     return str(path)
 
 
+def served_elsewhere(engine: Engine, dest: str) -> str | None:
+    """The version directory beside DEST that the engine serves when DEST points elsewhere (a reload that failed, an
+    engine behind), else None; also None when the engine cannot be asked. A pull must keep it: the switch checks
+    against it whether the new version needs a restart, and rolls back to it. Its mtime is renewed, so the cleanup,
+    which keeps the newest, counts it among them."""
+    try:
+        served = current_target(engine, dest)
+    except EngineError:
+        return None
+    local = LocalCheckpoint(dest)
+    if served is None or os.path.basename(served.path) == local.linked_name():
+        return None
+    try:
+        os.utime(served.path)
+    except OSError:
+        return None
+    return served.path
+
+
 def same_checkpoint(served: Target | None, target: Target) -> bool:
     """Whether the version directory an engine serves (current_target) is `target`: the same version of the same
     store (equal manifests), not merely the same number."""

@@ -309,3 +309,27 @@ def test_a_failed_switch_to_a_new_run_rolls_back_to_the_old_runs_weights(trainer
     with pytest.raises(SwitchError, match="serving version 1 again"):
         reload_engine("sglang", engine_server.url, dest=dest)
     assert same_weights(engine_server.state_dict(), trainer.weights[1])
+
+
+def test_a_version_needing_a_restart_after_a_failed_reload_is_refused_not_hot_switched(trainer, tmp_path,
+                                                                                         engine_server):
+    """The reload of version 2 failed (the engine stays on 1), then version 3 changed config.json: the next run's
+    cleanup removed version 1's directory, the engine's, so the restart check had nothing to compare with and the
+    version was hot-switched, "now serves version 3", exit 0 (adversarial pass; a real SGLang then serves the new
+    tensors under the old config). The pull keeps the directory the engine serves."""
+    import json
+
+    from watch_helpers import CONFIG
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    assert pull_once(trainer.store, dest, engine_server.url).returncode == 0
+    trainer.push()
+    engine_server.inject("success_false")
+    assert pull_once(trainer.store, dest, engine_server.url).returncode == 10
+    engine_server.clear_faults()
+    assert engine_server.weight_version == "1"
+    trainer.push(extra_files={"config.json": json.dumps({**CONFIG, "rope_theta": 1234.0}).encode()})
+    third = pull_once(trainer.store, dest, engine_server.url)
+    assert third.returncode == 10 and "restart" in third.stderr, third.stderr
+    assert engine_server.weight_version == "1" and same_weights(engine_server.state_dict(), trainer.weights[1])
