@@ -104,11 +104,12 @@ def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) 
     DEST itself names whatever DEST pointed to when the engine loaded it, which is the version DEST
     points to now only if nothing was pulled since: pass trust_dest_link only then.
 
-    A number names a directory only within one store: when DEST holds that number from two (a store
-    made again by a new run) the model_path decides, and without one it is unknown (None); a model_path
-    naming another of DEST's version directories than the number's (the old run's, perhaps removed
-    since) is unknown too. Loading again costs a pause; trusting the number would keep the old run's
-    weights for good.
+    The number is believed only together with the model_path, where the engine reports one: a
+    model_path naming another directory than the number's (another of DEST's, perhaps removed since;
+    one outside DEST, an engine restarted by hand from other weights under the same label) means the
+    weights are not known to be that version (None), and a number DEST holds from two stores (a store
+    made again by a new run) is decided by the model_path, or unknown without one. Loading again costs
+    a pause; trusting the number would keep other weights, reported as the version, for good.
     """
     reported = engine.served_version()
     labelled = labelled_version_dirs(dest, reported) if reported is not None else []
@@ -120,8 +121,9 @@ def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) 
             for found, manifest in labelled:
                 if os.path.realpath(found) == real:
                     return Target(found, weight_version(manifest.version))
-            if os.path.dirname(real) == os.path.realpath(local.sidecar):
-                return None  # it loaded another of DEST's version directories (maybe removed since) than the number's
+            # It loaded another directory than the number's: another of DEST's (the old run's, perhaps removed since),
+            # or one outside DEST (a restart by hand from a copy, or from other weights under the same label).
+            return None
         one_store = len({manifest.store_id for _, manifest in labelled}) == 1
         return Target(labelled[0][0], weight_version(labelled[0][1].version)) if one_store else None
     ask = getattr(engine, "served_path", None)

@@ -204,19 +204,24 @@ class Subscriber:
                 pass  # no lock to take: resume all the same (LockHeldError, another's switch, passes on)
             self.engine.resume()
 
+    def _engine_answer(self) -> tuple[str | None, str | None]:
+        """What the engine says it serves: its weight_version, and the directory it loaded where it says."""
+        assert self.engine is not None
+        ask = getattr(self.engine, "served_path", None)
+        return self.engine.served_version(), (ask() if ask is not None else None)
+
     def _learn_served(self, *, first: bool = False) -> None:
         """Ask the engine what it serves (weight_version, else model_path) and record its checksum."""
         assert self.engine is not None
         try:
-            reported = self.engine.served_version()
+            reported, path = self._engine_answer()
             found = current_target(self.engine, self.dest, trust_dest_link=first)
-            ask = getattr(self.engine, "served_path", None)
-            loaded_from = ask() if ask is not None and found is not None and reported != found.version else None
+            loaded_from = path if found is not None and reported != found.version else None
         except EngineError as exc:
             log.error("cannot ask the engine what it serves: %s", exc)
             return
         self._unconfirmed = False
-        self._engine_said = reported
+        self._engine_said, self._engine_path_said = reported, path
         if found is not None and reported != found.version:
             # Started without --weight-version: known from model_path. If that path is DEST itself, it
             # names what DEST pointed to at launch; reload once so the engine reports a version.
@@ -350,10 +355,10 @@ class Subscriber:
                 return None
             pause, load, checksum = result.pause_seconds, result.load_seconds, result.checksum
         applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback, load)
-        self._engine_said = None
+        self._engine_said = self._engine_path_said = None
         if self.engine is not None:  # what it reports after this switch: what _check_engine compares with
             with contextlib.suppress(EngineError):
-                self._engine_said = self.engine.served_version()
+                self._engine_said, self._engine_path_said = self._engine_answer()
         self.served = target
         self.staged = None
         self._unconfirmed = False
@@ -647,6 +652,7 @@ class Subscriber:
 
     _last_engine_check = 0.0
     _engine_said: str | None = None  # what served_version() answered at the last check (None: not asked since)
+    _engine_path_said: str | None = None  # and served_path(), where the engine has one
 
     def _check_engine(self) -> None:
         """Every heartbeat, ask the engine what it serves. An engine restarted by an operator or a supervisor may
@@ -659,7 +665,9 @@ class Subscriber:
             return
         self._last_engine_check = time.monotonic()
         try:
-            reported = self.engine.served_version()
+            # And the directory it loaded, where it says (SGLang's model_path): an engine restarted from other weights
+            # under the same label changes only that (adversarial pass: served "3" from elsewhere, status healthy).
+            reported, path = self._engine_answer()
             # Not while another process switches this engine (a cron run): its load answers in between. Tested
             # after asking, and let go at once: holding the lock over the request would turn that run away.
             with LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"):
@@ -670,10 +678,11 @@ class Subscriber:
         # Compared with what it said last: an engine that reports no version, or a label of its own ("default",
         # started on a version directory), is not taken for a restarted one at every heartbeat.
         said, self._engine_said = self._engine_said, reported
-        if reported is None or said is None or reported == said:
+        path_said, self._engine_path_said = self._engine_path_said, path
+        if said is None or (reported == said and (path_said is None or path == path_said)):
             return
-        log.warning("the engine now reports weight_version %r, not %r (restarted?); finding out what it serves",
-                    reported, said)
+        log.warning("the engine now reports weight_version %r from %s, not %r from %s (restarted?); finding out what "
+                    "it serves", reported, path, said, path_said)
         self._learn_served()
         if self.served is None:  # not a version of DEST: switch it to the newest again, now
             self.status.served_version = None
@@ -714,7 +723,7 @@ class Subscriber:
     def _now_serving(self, target: Target) -> None:
         """The engine verifiably holds target although the switch reported a failure."""
         self.served = target
-        self._engine_said = target.version
+        self._engine_said, self._engine_path_said = target.version, None
         self.status.served_version = int(target.version)
         if self.staged is not None and weight_version(self.staged.version) == target.version:
             self.staged = None

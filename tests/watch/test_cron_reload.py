@@ -333,3 +333,21 @@ def test_a_version_needing_a_restart_after_a_failed_reload_is_refused_not_hot_sw
     third = pull_once(trainer.store, dest, engine_server.url)
     assert third.returncode == 10 and "restart" in third.stderr, third.stderr
     assert engine_server.weight_version == "1" and same_weights(engine_server.state_dict(), trainer.weights[1])
+
+
+def test_an_engine_restarted_from_other_weights_under_the_same_label_is_reloaded_by_cron(trainer, tmp_path,
+                                                                                          engine_server):
+    """`--model-path /elsewhere --weight-version 1`: cron said "current" (exit 100) and left the other weights."""
+    import requests
+
+    dest = str(tmp_path / "dest")
+    trainer.push()
+    assert pull_once(trainer.store, dest, engine_server.url).returncode == 0
+    elsewhere = str(tmp_path / "initial")  # the engine fixture's unrelated checkpoint
+    reply = requests.post(f"{engine_server.url}/update_weights_from_disk",
+                          json={"model_path": elsewhere, "weight_version": "1"}, timeout=30)
+    assert reply.status_code == 200 and engine_server.weight_version == "1"
+    again = pull_once(trainer.store, dest, engine_server.url)
+    assert again.returncode == 0, again.stderr
+    assert same_weights(engine_server.state_dict(), trainer.weights[1])
+    assert pull_once(trainer.store, dest, engine_server.url).returncode == 100  # and only once

@@ -158,12 +158,13 @@ def test_loaded_weight_checksums_are_recorded_and_disagreement_is_reported(train
 
     dest, v1_dir = staged_v1
     other_dest = str(tmp_path / "dest-b")
-    pull(trainer.store, other_dest)
-    # Replica b was started from other weights under the same version label: its loaded weights differ.
-    from sglang_standin import random_weights, write_checkpoint
-
-    wrong = write_checkpoint(str(tmp_path / "wrong"), random_weights(CONFIG, 99), CONFIG)
-    with WheelSGLang(v1_dir, weight_version="1") as a, WheelSGLang(wrong, weight_version="1") as b:
+    b_dir = pull(trainer.store, other_dest).path
+    # Replica b loaded version 1 from its own verified directory, and its weights in memory then went wrong (a bad
+    # load, a stray write): what only the engine's own checksum can show. (An engine started from other weights
+    # under the same label is reloaded instead: its model_path is not the label's directory.)
+    with WheelSGLang(v1_dir, weight_version="1") as a, WheelSGLang(b_dir, weight_version="1") as b:
+        name = next(iter(b.scheduler.model.tensors))
+        b.scheduler.model.tensors[name] = b.scheduler.model.tensors[name] + 1
         sub_a = Subscriber(trainer.store, dest, engine(a), host_id="rollout-a", **FAST)
         sub_b = Subscriber(trainer.store, other_dest, engine(b), host_id="rollout-b", **FAST)
         sub_a.start()
@@ -731,4 +732,40 @@ def test_a_new_runs_version_with_the_number_the_engine_serves_is_loaded(tmp_path
         applied = sub.sync()
         assert applied is not None and applied.version == 1
         assert same_weights(server.state_dict(), new.weights[1])
+        sub.close()
+
+
+def test_an_engine_restarted_from_other_weights_under_the_same_label_is_reloaded(trainer, staged_v1, tmp_path):
+    """An operator restarted the engine with `--model-path /elsewhere --weight-version 1`: the watcher believed the
+    number, status said serving 1, lag 0, and the engine kept the other weights for good (adversarial pass). The
+    number counts only with the model_path that goes with it: at start, and at every heartbeat."""
+    from sglang_standin import random_weights, write_checkpoint
+
+    dest, v1_dir = staged_v1
+    wrong = write_checkpoint(str(tmp_path / "wrong"), random_weights(CONFIG, 99), CONFIG)
+    with WheelSGLang(wrong, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **{**FAST, "heartbeat": 0.0})
+        sub.start()
+        applied = sub.sync()
+        assert applied is not None and applied.version == 1
+        assert same_weights(server.state_dict(), trainer.weights[1])
+        sub.close()
+
+
+def test_a_restart_from_other_weights_under_the_served_label_is_noticed_at_the_heartbeat(trainer, staged_v1,
+                                                                                         tmp_path):
+    from sglang_standin import random_weights, write_checkpoint
+
+    dest, v1_dir = staged_v1
+    wrong = write_checkpoint(str(tmp_path / "wrong"), random_weights(CONFIG, 99), CONFIG)
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **{**FAST, "heartbeat": 0.0})
+        sub.start()
+        assert sub.sync() is None and sub.status.served_version == 1
+        # What a restart with `--model-path WRONG --weight-version 1` leaves: another directory, the same label.
+        _relabel(server, wrong, "1")
+        sub._check_engine()
+        applied = sub.sync()
+        assert applied is not None and applied.version == 1
+        assert same_weights(server.state_dict(), trainer.weights[1])
         sub.close()
