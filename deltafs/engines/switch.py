@@ -24,17 +24,18 @@ log = logging.getLogger("deltafs.engines")
 CHECKSUM_MAX_CHARS = 1024
 
 
-def switch_engine(engine: Engine, target: Target, previous: Target | None) -> SwitchResult:
+def switch_engine(engine: Engine, target: Target, previous: Target | None, *, warm: bool = True) -> SwitchResult:
     """Switch engine to target (rolling back to previous on failure) and read its loaded-weight checksum.
 
     Raises NeedsRestartError, before touching the engine, when target changes more than weights
     compared with previous (config, tokenizer, tensor names or shapes): a hot switch would serve the
     new tensors under the old config, or keep old values for tensors the new version lacks.
+    warm=False: the caller has just read the files whole (a full check), so the page cache holds them.
     """
     reason = restart_needed(previous.path, target.path) if previous is not None else None
     if reason is not None:
         raise NeedsRestartError(target.version, reason)
-    if getattr(engine, "loads_from_disk", False):
+    if warm and getattr(engine, "loads_from_disk", False):
         warm_page_cache(target.path)  # outside the pause: the engine's own loader then reads from memory
     result = engine.switch(target, previous)
     return dataclasses.replace(result, checksum=loaded_checksum(engine))

@@ -289,6 +289,7 @@ class Subscriber:
         self._noticed.setdefault(head.version, time.monotonic())
         self._set_state("staging")
         result = self._pull_newest(head.version, served)
+        self._rehash = False
         if served is not None and result.version <= served:
             return None
         noticed = self._noticed.get(result.version, time.monotonic())
@@ -308,10 +309,15 @@ class Subscriber:
             raise DestinationError(f"staged version {staged.version} vanished from {staged.path}; staging it again")
         local = LocalCheckpoint(self.dest)
         state = local.version_state(os.path.basename(staged.path))
-        changed = "its state record is unreadable" if state is None else local.check_files(state)
-        if changed is not None:  # a stray writer while it waited (sizes, mtimes): the engine must not load it
+        # An engine that loads from disk is about to have its files read whole (switch_engine warms the page cache
+        # first): hashing them on that read costs about as much as the read, and catches what the quick check
+        # cannot (a file edited in place, its size and mtime kept). Others: sizes and install mtimes.
+        full = self.engine is not None and bool(getattr(self.engine, "loads_from_disk", False))
+        changed = "its state record is unreadable" if state is None else local.check_files(state, full=full)
+        if changed is not None:  # a stray writer while it waited: the engine must not load it
             self.staged = None
             self.status.staged_version = None
+            self._rehash = True  # staged again with every file hashed: a change that kept size and mtime is repaired
             raise DestinationError(f"staged version {staged.version} changed on disk while it waited ({changed}); "
                                    "staging it again")
         target = Target(staged.path, weight_version(staged.version))
@@ -345,7 +351,7 @@ class Subscriber:
                     ahead = self._serves_newer(staged.version)
                     if ahead is None:
                         with SwitchRecord(self.dest).around(self.engine, target):
-                            result = switch_engine(self.engine, target, previous)
+                            result = switch_engine(self.engine, target, previous, warm=not full)
             except NeedsRestartError as exc:
                 self.status.needs_restart = {"version": staged.version, "reason": exc.reason}
                 self._set_state("needs-restart")
@@ -571,7 +577,7 @@ class Subscriber:
         # which are kept on top of --keep.
         in_use = self._group_versions_in_use()
         kwargs: dict[str, Any] = {"version": version, "keep": self.keep + len(in_use), "threads": self.threads,
-                                  "recycle": self.recycle}
+                                  "recycle": self.recycle, "verify_files": self._rehash}
         for path in ([self.served.path] if self.served is not None else []) + in_use:
             try:
                 os.utime(path)
@@ -650,6 +656,7 @@ class Subscriber:
             self._set_state("waiting-group")
         raise GroupNotReadyError(message, timed_out=timed_out)
 
+    _rehash = False  # the next pull re-hashes DEST's files (apply found a staged file changed)
     _last_engine_check = 0.0
     _engine_said: str | None = None  # what served_version() answered at the last check (None: not asked since)
     _engine_path_said: str | None = None  # and served_path(), where the engine has one

@@ -366,10 +366,12 @@ def test_the_watcher_never_takes_the_engine_back_to_an_older_version(trainer, st
         sub.close()
 
 
-def test_a_staged_version_changed_on_disk_while_it_waited_is_not_loaded(trainer, staged_v1):
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_a_staged_version_changed_on_disk_while_it_waited_is_not_loaded(trainer, staged_v1, keep_mtime):
     """One byte of the staged model.safetensors was rewritten while it waited for the boundary (a stray writer):
     the engine loaded it, reported the version and status said serving (adversarial pass). The files are checked
-    (sizes, install mtimes) right before the switch; the version is staged again, verified, and then loaded."""
+    right before the switch; the version is staged again, verified, and then loaded. With the file's mtime put back
+    (a later pass), only the hash shows it: an engine that loads from disk gets its files hashed on that read."""
     from deltafs.errors import DestinationError
 
     dest, v1_dir = staged_v1
@@ -380,11 +382,14 @@ def test_a_staged_version_changed_on_disk_while_it_waited_is_not_loaded(trainer,
             return
         path = os.path.join(sub.staged.path, "model.safetensors")
         staged.append(path)
+        before = os.stat(path)
         with open(path, "r+b") as fh:
             fh.seek(os.path.getsize(path) - 3)
             byte = fh.read(1)
             fh.seek(-1, os.SEEK_CUR)
             fh.write(bytes([byte[0] ^ 1]))
+        if keep_mtime:
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
     with WheelSGLang(v1_dir, weight_version="1") as server:
         sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", boundary=_Hook(corrupt), **FAST)
