@@ -177,6 +177,17 @@ class Repository:
                               f"{self.config.chunk_bytes}")
         return man
 
+    def _stored_intact(self, key: str, data: bytes) -> bool:
+        """Whether a remote store reads key back as exactly data (one GET of a small record). Local stores write
+        through a temporary file, fsync and rename: not asked. A read that fails says nothing (True)."""
+        if self.objects.local_root is not None:
+            return True
+        try:
+            return self.objects.get(key) == data
+        except DeltafsError as exc:
+            log.debug("cannot read %s back: %s", key, exc)
+            return True
+
     def _settle(self, key: str, data: bytes, failure: StoreError) -> bool:
         """Whether the manifest create that failed after its retries (timeouts, replies lost after the server stored
         it) committed all the same: one read of the key says so. Equal bytes are this push's (a manifest carries its
@@ -214,6 +225,17 @@ class Repository:
             created = self.objects.put_if_absent(key, data)
         except StoreError as exc:
             created = self._settle(key, data, exc)
+        if created and not self._stored_intact(key, data):
+            # Ours (a create-if-absent won it) and damaged on the way: a server that does not check what it receives
+            # kept a short or altered body, and every reader would refuse this version, the newest, until someone
+            # removed it by hand. No one else can have written the key since: replace it, once.
+            log.warning("%s came back different from what was uploaded; writing it again", key)
+            self.objects.delete(key)
+            created = self.objects.put_if_absent(key, data)
+            if created and not self._stored_intact(key, data):
+                self.objects.delete(key)
+                raise StoreError(f"{self.url} stored {key} damaged twice (it reads back other bytes than were "
+                                 "uploaded); it was removed and nothing was committed: check the server")
         if not created:
             raise VersionConflictError(
                 f"version {man.version} was committed by another writer; pull and push again"
@@ -229,9 +251,19 @@ class Repository:
 
     def advance_head(self, head: Head) -> None:
         """Move HEAD forward; never backwards, so a slow writer cannot hide a newer version."""
-        current = self.read_head()
+        try:
+            current = self.read_head()
+        except FormatError:  # a damaged HEAD (an older upload): readers refuse it, so it is replaced
+            current = None
         if current is None or current.version < head.version:
-            self.objects.put(HEAD_KEY, head.to_bytes())
+            data = head.to_bytes()
+            self.objects.put(HEAD_KEY, data)
+            if not self._stored_intact(HEAD_KEY, data):  # damaged on the way (see commit): readers would refuse it
+                self.objects.put(HEAD_KEY, data)
+                if not self._stored_intact(HEAD_KEY, data):
+                    self.objects.delete(HEAD_KEY)  # readers then list manifests/, which hold the version
+                    raise StoreError(f"{self.url} stored HEAD damaged twice; it was removed (readers find the newest "
+                                     "version by listing manifests/)")
 
     # --- chunks ------------------------------------------------------------------------------
     def put_chunk(self, data: bytes, oid: str | None = None) -> tuple[str, bool]:

@@ -18,7 +18,7 @@ from deltafs.maintenance.verify import verify
 from deltafs.publish import push
 from deltafs.read.pull import local_version, pull
 from deltafs.store.repo import Repository
-from deltafs.testing.checkpoints import file_digests, race_pushes
+from deltafs.testing.checkpoints import file_digests, files_of, race_pushes
 from deltafs.testing.generator import SMALL, TrainerSim, write_checkpoint
 from deltafs.testing.s3server import FlakyProxy, S3Server
 
@@ -202,3 +202,40 @@ def test_an_empty_chunk_object_is_an_integrity_failure(s3_url: str, s3_options: 
     with pytest.raises(IntegrityError):
         pull(s3_url, str(tmp_path / "dest"), storage_options=dict(s3_options, deltafs={"attempts": 2, "base_delay": 0.01}))
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_manifest_and_a_head_damaged_on_upload_are_written_again(s3_url, s3_options, tmp_path, maker, monkeypatch):
+    """An S3-compatible server that does not check what it receives kept a cut-short manifest (and HEAD): every
+    reader refused the newest version (exit 5) until someone removed it by hand (noted since round 24). The pusher
+    reads both back and writes them again."""
+    from deltafs.format.keys import HEAD_KEY, MANIFEST_PREFIX
+    from deltafs.store.s3 import S3ObjectStore
+
+    push(s3_url, maker.write(), storage_options=s3_options)
+    real_create, real_write = S3ObjectStore._create, S3ObjectStore._write
+    damaged: list[str] = []
+
+    def cut_short_create(self, key, data, equal_is_ours=True):
+        if key.startswith(MANIFEST_PREFIX) and MANIFEST_PREFIX not in damaged:
+            damaged.append(MANIFEST_PREFIX)
+            return real_create(self, key, data[: len(data) // 2], equal_is_ours)
+        return real_create(self, key, data, equal_is_ours)
+
+    def cut_short_write(self, key, data):
+        if key == HEAD_KEY and HEAD_KEY not in damaged:
+            damaged.append(HEAD_KEY)
+            return real_write(self, key, data[:5])
+        return real_write(self, key, data)
+
+    monkeypatch.setattr(S3ObjectStore, "_create", cut_short_create)
+    monkeypatch.setattr(S3ObjectStore, "_write", cut_short_write)
+    maker.advance()
+    src = maker.write()
+    res = push(s3_url, src, storage_options=s3_options)
+    monkeypatch.undo()
+    assert damaged == [MANIFEST_PREFIX, HEAD_KEY] and res.version == 2
+    repo = Repository.open(s3_url, s3_options)
+    assert repo.read_head().version == 2 and repo.manifest(2).digest == repo.read_head().digest
+    dest = str(tmp_path / "dest")
+    pull(s3_url, dest, storage_options=s3_options)
+    assert files_of(dest) == files_of(src)
