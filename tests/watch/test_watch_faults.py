@@ -142,6 +142,20 @@ def test_dest_of_another_store_is_replaced_from_a_full_version(trainer, tmp_path
     assert os.path.exists(os.path.join(str(tmp_path / "dest"), "config.json"))
 
 
+def _serving_an_old_runs_version_3(tmp_path):
+    """(store, dest, the old run's trainer, a pull-only watcher that serves its version 3)."""
+    from watch_helpers import Trainer
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    old = Trainer(store, str(tmp_path / "cache-old"))
+    for _ in range(3):
+        old.push()
+    sub = Subscriber(store, dest, None, host_id="pull-only", **FAST)
+    sub.start()
+    assert sub.sync().version == 3
+    return store, dest, old, sub
+
+
 @pytest.mark.parametrize("new_versions, seen_gone", [(2, True), (4, False)])
 def test_a_store_made_again_at_the_same_url_replaces_the_old_runs_checkpoint(tmp_path, new_versions, seen_gone):
     """A store deleted and pushed again (a new run) starts at version 1: the watcher kept serving the old run's
@@ -152,13 +166,7 @@ def test_a_store_made_again_at_the_same_url_replaces_the_old_runs_checkpoint(tmp
     from deltafs.read.pull import local_version
     from watch_helpers import Trainer
 
-    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
-    old = Trainer(store, str(tmp_path / "cache-old"))
-    for _ in range(3):
-        old.push()
-    sub = Subscriber(store, dest, None, host_id="pull-only", **FAST)
-    sub.start()
-    assert sub.sync().version == 3
+    store, dest, old, sub = _serving_an_old_runs_version_3(tmp_path)
     shutil.rmtree(store)
     new = Trainer(store, str(tmp_path / "cache-new"))
     for _ in range(new_versions):
@@ -291,13 +299,7 @@ def test_a_store_deleted_while_a_poll_reads_it_is_opened_afresh(tmp_path, monkey
     from deltafs.read.pull import local_version
     from watch_helpers import Trainer
 
-    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
-    old = Trainer(store, str(tmp_path / "cache-old"))
-    for _ in range(3):
-        old.push()
-    sub = Subscriber(store, dest, None, host_id="pull-only", **FAST)
-    sub.start()
-    assert sub.sync().version == 3
+    store, dest, old, sub = _serving_an_old_runs_version_3(tmp_path)
     old.push()  # version 4 is listed; the deletion removes it before the poll reads it
 
     def deleted_meanwhile(version, *a, **k):
