@@ -182,8 +182,3 @@ def same_checkpoint(served: Target | None, target: Target) -> bool:
         return read_version_manifest(served.path).digest == read_version_manifest(target.path).digest
     except FormatError:
         return False
-    try:
-        return read_version_manifest(served.path).digest == read_version_manifest(target.path).digest
-    except FormatError:
-        return False
-    return None

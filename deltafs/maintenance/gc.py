@@ -258,6 +258,7 @@ def _execute(repo: Repository, plan: GcPlan, *, locked_at: float, settle: float,
             on_delete(bridge_key(v))
         repo.objects.delete(bridge_key(v))
     for v in plan.remove:  # newest first: an older removed version never loses its own chain first
+        lock.check_held()
         key = manifest_key(v)
         if on_delete:
             on_delete(key)

@@ -34,6 +34,7 @@ class FoldPart:
 
     files: list[dict[str, object]]
     stats: EncodeStats
+    lapsed: bool = False  # the rank's in-flight marker may have lapsed while it wrote: gc may have removed them
 
 
 def fold_needed(man: Manifest) -> bool:
@@ -70,8 +71,9 @@ def write_fold(repo: Repository, man: Manifest, parts: list[FoldPart], guard: Pu
                                   stats, role="fold_of", created=utcnow())
     if not is_fold_of(folded, man):
         raise DeltafsError("the source changed after the version was committed")
-    # The push's marker kept its new chunks from a gc, unless it lapsed (a process frozen meanwhile): then all.
-    ensure_chunks(repo, folded.files, stats, lapsed=guard.lapsed if guard is not None else False, guard=guard)
+    # Each rank's marker kept its new chunks from a gc, unless one lapsed (a process frozen meanwhile): then all.
+    lapsed = any(p.lapsed for p in parts) or (guard is not None and guard.lapsed)
+    ensure_chunks(repo, folded.files, stats, lapsed=lapsed, guard=guard)
     data = folded.encode()
     repo.objects.put_if_absent(fold_key(man.version), data)  # after its chunks, like a commit
     return stats.stored + len(data)

@@ -551,8 +551,12 @@ class _Rank:
             state = self.cache.state()
             if state is None or state.digest != man.digest:
                 raise DeltafsError("the push cache does not hold the version just committed")
-            return encode_fold_part(self.open_repo(), man, state, self.keyframe, _from_copy(self.encoded, state.path),
+            done = encode_fold_part(self.open_repo(), man, state, self.keyframe, _from_copy(self.encoded, state.path),
                                     level=self.opts.level, full_level=self.opts.full_level, threads=self.threads)
+            if done is not None and self.guard is not None:
+                self.guard.refresh()  # protected again from here, whatever happened while encoding (as encode does)
+                done = replace(done, lapsed=self.guard.lapsed)
+            return done
 
         try:
             parts = collective(self.world, "folding", part)

@@ -19,6 +19,7 @@ import errno
 import hashlib
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Generator, Iterator
 
@@ -480,6 +481,7 @@ class Builder:
                         failure.append(exc)
                     return
 
+        workers: list[threading.Thread] = []
         try:
             for out in outs:  # files and segments without chunks are complete already
                 for seg in out.entry.segments:
@@ -500,9 +502,17 @@ class Builder:
                 raise IntegrityError(f"{unfinished[0]} was not rebuilt completely ({len(unfinished)} file(s)); nothing "
                                      "was installed")
         finally:
-            for out in outs:
-                if out.fd is not None:
-                    os.close(out.fd)
+            # Interrupted (Ctrl-C, SIGTERM) while the workers run: stop them and wait before closing their files, or a
+            # worker could write a chunk through a descriptor number the cleanup has been given for another file.
+            with lock:
+                failure.append(KeyboardInterrupt())
+            if _join_all(workers):
+                for out in outs:
+                    if out.fd is not None:
+                        os.close(out.fd)
+                        out.fd = None
+            # else: a worker still waits on the store (up to its request timeout): its files stay open until the
+            # process ends, never closed under it.
 
     def _open_out(self, f: FileEntry, out_dir: str | None) -> _FileOut:
         """The file made at its size (every byte below it is written next: segments tile the file), and closed."""
@@ -651,6 +661,19 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _join_all(threads: list[threading.Thread], wait: float = 5.0) -> bool:
+    """Wait up to `wait` seconds for every thread (a second interrupt included: each stops at its next task, a chunk
+    of milliseconds, unless it waits on the store); whether all ended."""
+    deadline = time.monotonic() + wait
+    for t in threads:
+        while t.is_alive() and time.monotonic() < deadline:
+            try:
+                t.join(max(0.0, deadline - time.monotonic()))
+            except KeyboardInterrupt:
+                continue
+    return not any(t.is_alive() for t in threads)
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:

@@ -551,6 +551,7 @@ class Subscriber:
         """
         candidates = [newest] + [v for v in reversed(self.repo.versions()) if v < newest and (served is None or v > served)]
         errors: list[str] = []
+        missing = False
         for version in candidates[:3]:
             try:
                 return self._pull_one(version)
@@ -560,11 +561,14 @@ class Subscriber:
                 self._forget_store()
                 raise
             except (VersionNotFoundError, FormatError, NothingVerifiableError) as exc:
+                missing = missing or isinstance(exc, VersionNotFoundError)
                 errors.append(f"version {version}: {exc}")
                 log.warning("version %d cannot be used: %s", version, exc)
             except StoreError:
                 self._forget_store()
                 raise
+        if missing:  # a version listed a moment ago is gone: the store may have been deleted (and made again)
+            self._forget_store()
         raise NothingVerifiableError("no newer version could be fetched and verified; still serving "
                                      f"{self.served.version if self.served else 'nothing known'}: " + "; ".join(errors))
 
@@ -602,10 +606,7 @@ class Subscriber:
             return pull(self.repo, self.dest, force=True, **kwargs)
         except (DestinationError, LocalWriteError):
             raise  # DEST's own problems (exit 9, 12): no other version would fare better
-        except VersionNotFoundError:
-            self._forget_store()  # as in _poll: the version HEAD named is gone, the store may be another one now
-            raise
-        except (LockHeldError, StoreError, ForeignManifestError):
+        except (LockHeldError, StoreError, VersionNotFoundError, ForeignManifestError):
             raise
         except DeltafsError as exc:
             raise NothingVerifiableError(f"version {version} cannot be verified: {exc}") from exc
@@ -686,7 +687,9 @@ class Subscriber:
         # started on a version directory), is not taken for a restarted one at every heartbeat.
         said, self._engine_said = self._engine_said, reported
         path_said, self._engine_path_said = self._engine_path_said, path
-        if said is None or (reported == said and (path_said is None or path == path_said)):
+        # None says nothing (an engine that reports no version, or no path, or not at this moment): never a restart.
+        if reported is None or said is None or (reported == said and (path is None or path_said is None
+                                                                       or path == path_said)):
             return
         log.warning("the engine now reports weight_version %r from %s, not %r from %s (restarted?); finding out what "
                     "it serves", reported, path, said, path_said)

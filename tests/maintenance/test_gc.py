@@ -379,5 +379,6 @@ def test_a_gc_whose_lock_another_gc_took_over_stops_before_deleting_chunks(tmp_p
     with pytest.raises(LockHeldError, match="was taken by .* while this gc held it"):
         gc(store, keep_last=1, grace=0, settle=0, on_delete=taken_over)
     assert _chunks_on_disk(store) == before  # no chunk deleted after the lock was lost
+    assert Repository.open(store).versions() == [1, 3]  # nor a manifest after the first (the takeover's moment)
     assert StoreLock(objects).try_acquire() is not None  # the other gc's lock is left alone
     other.release()

@@ -137,3 +137,35 @@ def test_a_gc_while_the_fold_is_written_keeps_the_folds_new_chunks(tmp_path, mak
     dest = tmp_path / "dest"
     pulled = pull(store, str(dest))
     assert pulled.from_full and not pulled.fallback
+
+
+def test_a_fold_part_whose_ranks_marker_lapsed_has_every_chunk_checked(tmp_path, maker, monkeypatch):
+    """push_distributed: each rank writes its fold chunks under its own marker, and the root checked only by its own
+    marker's state: a rank frozen while it encoded (its marker lapsed, a gc removed its new chunks) made a fold that
+    names missing objects (review). A part says whether its rank's marker lapsed."""
+    import dataclasses
+
+    from deltafs.format.manifest import referenced_objects
+    from deltafs.publish import fold as fold_module
+    from deltafs.publish import pipeline
+    from deltafs.store.repo import Repository
+
+    store = str(tmp_path / "store")
+    cache = str(tmp_path / "cache")
+    for _ in range(2):
+        push(store, maker.write(), cache_dir=cache)
+        maker.advance()
+    before = set(referenced_objects(f for v in (1, 2) for f in Repository.open(store).manifest(v).files))
+    real = fold_module.write_fold
+
+    def a_rank_lapsed(repo, man, parts, guard=None):
+        new = sorted(set(referenced_objects(fold_module.FileEntry.from_json(f) for p in parts for f in p.files)) - before)
+        repo.objects.delete(f"chunks/{new[0][:2]}/{new[0]}")  # what a gc did while that rank's marker had lapsed
+        return real(repo, man, [dataclasses.replace(p, lapsed=True) for p in parts], None)  # the root's is fine
+
+    monkeypatch.setattr(pipeline, "write_fold", a_rank_lapsed)
+    res = push(store, maker.write(), cache_dir=cache, fold=True)
+    assert res.version == 3
+    repo = Repository.open(store)
+    fold = load_fold(repo, repo.manifest(3))
+    assert fold is None or all(repo.has_chunk(o) for o in referenced_objects(fold.files))

@@ -69,3 +69,36 @@ def test_a_file_replaced_in_staging_before_its_bytes_are_written_fails_the_pull(
     with pytest.raises(DestinationError, match="was replaced"):
         pull(store, dest)
     assert planted.read_bytes() == b"" and not os.path.lexists(dest)
+
+
+def test_an_interrupted_pull_stops_its_workers_before_closing_their_files(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM (now every one-shot command's, as exit 130) in the main thread closed every file's
+    descriptor while the rebuild's workers still wrote through them: a number the cleanup had reopened for another
+    file could receive a chunk (review). The workers are stopped and waited for first."""
+    import signal
+    import threading
+    import time
+
+    import pytest
+
+    from deltafs.publish import push
+    from deltafs.read import rebuild
+    from deltafs.read.pull import pull
+
+    src, store, dest = tmp_path / "src", str(tmp_path / "store"), str(tmp_path / "dest")
+    src.mkdir()
+    for i in range(8):
+        (src / f"f{i}.bin").write_bytes(os.urandom(1 << 16))
+    push(store, str(src))
+    real = rebuild.Builder._run_bytes
+
+    def slow(self, run, buf):
+        time.sleep(0.3)
+        return real(self, run, buf)
+
+    monkeypatch.setattr(rebuild.Builder, "_run_bytes", slow)
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        pull(store, dest, threads=2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("deltafs-pull-")]
+    assert not os.path.lexists(dest)
