@@ -237,8 +237,11 @@ class LocalCheckpoint:
             recorded = (state.files or {}).get(f.path)
             if isinstance(recorded, list) and len(recorded) == 2 and recorded[1] != st.st_mtime_ns:
                 return f"{f.path} was modified after it was installed"
-            if full and file_digest_on_disk(path, f, state.manifest.chunk_bytes) != f.digest:
-                return f"{f.path} does not match version {state.version}'s digest"
+            try:
+                if full and file_digest_on_disk(path, f, state.manifest.chunk_bytes) != f.digest:
+                    return f"{f.path} does not match version {state.version}'s digest"
+            except OSError as exc:  # removed or replaced since the lstat above, or unreadable
+                return f"{f.path} cannot be read: {exc.strerror or exc}"
         extra = extra_entries(state.path, {f.path for f in state.manifest.files})
         if extra:
             return f"{extra[0]} is not part of version {state.version}"

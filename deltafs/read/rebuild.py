@@ -99,6 +99,9 @@ class ChunkSource:
             with self._lock:
                 memo = self._memo.get(oid)
                 if memo is not None:
+                    if len(memo) != size:  # this record's claim, as a fetch checks it: verify and pull must agree
+                        raise IntegrityError(f"chunk {oid} in {self.repo.url} is {len(memo)} bytes, manifest says "
+                                             f"{size}")
                     self._memo[oid] = self._memo.pop(oid)  # now the newest: eviction takes the least recently used
                     return rec.payload_of(memo)
                 failed = self._failed.get(oid)

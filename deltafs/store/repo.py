@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from deltafs.errors import (
     ChunkNotFoundError,
@@ -177,16 +178,29 @@ class Repository:
                               f"{self.config.chunk_bytes}")
         return man
 
-    def _stored_intact(self, key: str, data: bytes) -> bool:
-        """Whether a remote store reads key back as exactly data (one GET of a small record). Local stores write
-        through a temporary file, fsync and rename: not asked. A read that fails says nothing (True)."""
-        if self.objects.local_root is not None:
-            return True
+    def _read_back(self, key: str) -> bytes | None:
+        """key's bytes as a remote store returns them right after a write (one GET of a small record), or None when
+        not worth asking: local stores write through a temporary file, fsync and rename; a store declared without
+        read-after-write may still return the previous object; a read that fails says nothing."""
+        if self.objects.local_root is not None or not self.objects.capabilities.read_after_write:
+            return None
         try:
-            return self.objects.get(key) == data
+            return self.objects.get(key)
         except DeltafsError as exc:
             log.debug("cannot read %s back: %s", key, exc)
+            return None
+
+    def _damaged(self, key: str, data: bytes, parse: Callable[[bytes], object]) -> bool:
+        """Whether the store kept key damaged: read back, it is neither data nor a valid record of its kind (another
+        writer's, on a store whose create is check-then-write, or a newer HEAD: never taken for damage)."""
+        back = self._read_back(key)
+        if back is None or back == data:
+            return False
+        try:
+            parse(back)
+        except (FormatError, ValueError):
             return True
+        return False
 
     def _settle(self, key: str, data: bytes, failure: StoreError) -> bool:
         """Whether the manifest create that failed after its retries (timeouts, replies lost after the server stored
@@ -225,17 +239,18 @@ class Repository:
             created = self.objects.put_if_absent(key, data)
         except StoreError as exc:
             created = self._settle(key, data, exc)
-        if created and not self._stored_intact(key, data):
-            # Ours (a create-if-absent won it) and damaged on the way: a server that does not check what it receives
-            # kept a short or altered body, and every reader would refuse this version, the newest, until someone
-            # removed it by hand. No one else can have written the key since: replace it, once.
-            log.warning("%s came back different from what was uploaded; writing it again", key)
+        parse = functools.partial(Manifest.decode, where=key)
+        if created and self._damaged(key, data, parse):
+            # Damaged on the way: a server that does not check what it receives kept a short or altered body, and
+            # every reader would refuse this version, the newest, until someone removed it by hand. Not a valid
+            # manifest, so no other writer's either: replace it, once.
+            log.warning("%s came back damaged from the store; writing it again", key)
             self.objects.delete(key)
             created = self.objects.put_if_absent(key, data)
-            if created and not self._stored_intact(key, data):
+            if created and self._damaged(key, data, parse):
                 self.objects.delete(key)
-                raise StoreError(f"{self.url} stored {key} damaged twice (it reads back other bytes than were "
-                                 "uploaded); it was removed and nothing was committed: check the server")
+                raise StoreError(f"{self.url} stored {key} damaged twice (it reads back as no valid manifest); it was "
+                                 "removed and nothing was committed: check the server")
         if not created:
             raise VersionConflictError(
                 f"version {man.version} was committed by another writer; pull and push again"
@@ -258,9 +273,10 @@ class Repository:
         if current is None or current.version < head.version:
             data = head.to_bytes()
             self.objects.put(HEAD_KEY, data)
-            if not self._stored_intact(HEAD_KEY, data):  # damaged on the way (see commit): readers would refuse it
+            # Damaged on the way (see commit): readers would refuse it. Another writer's newer HEAD reads back valid.
+            if self._damaged(HEAD_KEY, data, Head.from_bytes):
                 self.objects.put(HEAD_KEY, data)
-                if not self._stored_intact(HEAD_KEY, data):
+                if self._damaged(HEAD_KEY, data, Head.from_bytes):
                     self.objects.delete(HEAD_KEY)  # readers then list manifests/, which hold the version
                     raise StoreError(f"{self.url} stored HEAD damaged twice; it was removed (readers find the newest "
                                      "version by listing manifests/)")

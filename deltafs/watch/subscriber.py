@@ -685,11 +685,15 @@ class Subscriber:
             return
         # Compared with what it said last: an engine that reports no version, or a label of its own ("default",
         # started on a version directory), is not taken for a restarted one at every heartbeat.
-        said, self._engine_said = self._engine_said, reported
-        path_said, self._engine_path_said = self._engine_path_said, path
-        # None says nothing (an engine that reports no version, or no path, or not at this moment): never a restart.
-        if reported is None or said is None or (reported == said and (path is None or path_said is None
-                                                                       or path == path_said)):
+        # None says nothing (an engine that reports no version, or no path, or not at this moment): neither a
+        # restart nor what to compare the next answer with, so "3 from A", None, "3 from B" is still a change.
+        said, path_said = self._engine_said, self._engine_path_said
+        if reported is None:
+            return
+        self._engine_said = reported
+        if path is not None:
+            self._engine_path_said = path
+        if said is None or (reported == said and (path is None or path_said is None or path == path_said)):
             return
         log.warning("the engine now reports weight_version %r from %s, not %r from %s (restarted?); finding out what "
                     "it serves", reported, path, said, path_said)

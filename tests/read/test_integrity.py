@@ -322,3 +322,24 @@ def test_an_unknown_codec_record_is_a_format_error_naming_where_it_is(tmp_path, 
         pull(store, str(tmp_path / "dest"), version=2)
     cli = run_cli("pull", store, str(tmp_path / "dest2"), "--version", "2")
     assert cli.returncode == 5 and "bad codec record" in cli.stderr, cli.stderr
+
+
+def test_a_file_unreadable_during_the_full_check_is_reported_as_changed(tmp_path, maker, monkeypatch):
+    """The watcher's full pre-switch check (check_files(full=True)) let an OSError out (a file removed between its
+    lstat and its read, EIO): apply() retried the same version forever instead of staging it again (review)."""
+    import errno
+
+    from deltafs.read import dest as dest_module
+    from deltafs.read.dest import LocalCheckpoint
+
+    store = _two_versions(tmp_path, maker)
+    dest = str(tmp_path / "dest")
+    pull(store, dest)
+    local = LocalCheckpoint(dest)
+
+    def eio(*a, **k):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(dest_module, "file_digest_on_disk", eio)
+    changed = local.check_files(local.state(), full=True)
+    assert changed is not None and "cannot be read: Input/output error" in changed

@@ -318,3 +318,31 @@ def test_a_manifest_create_that_failed_and_left_nothing_still_fails_the_push(tmp
         push(store, maker.write(), storage_options={"deltafs": {"attempts": 2, "base_delay": 0.01}})
     monkeypatch.undo()
     assert Repository.open(store).versions() == [1]
+
+
+def test_the_head_read_back_never_moves_another_writers_newer_head_back(tmp_path, maker, monkeypatch):
+    """The read-back of HEAD (for servers that keep uploads damaged) took another writer's HEAD, written between
+    this push's write and its read, for damage and wrote the older HEAD over it (review): only bytes that are no
+    valid HEAD are damage."""
+    import uuid
+
+    from deltafs.format.manifest import Head
+    from deltafs.publish import push
+    from deltafs.store.repo import Repository
+
+    url = f"memory://head-{uuid.uuid4().hex}"
+    push(url, maker.write())
+    repo = Repository.open(url)
+    assert repo.objects.local_root is None  # read back, as a remote store
+    real_put = type(repo.objects).put
+    newer = Head(99, "sha256:" + "ab" * 32).to_bytes()
+
+    def another_writer_right_after(self, key, data):
+        real_put(self, key, data)
+        if key == "HEAD":
+            real_put(self, key, newer)
+
+    monkeypatch.setattr(type(repo.objects), "put", another_writer_right_after)
+    repo.advance_head(Head(2, "sha256:" + "cd" * 32))
+    monkeypatch.undo()
+    assert repo.objects.get("HEAD") == newer

@@ -757,8 +757,12 @@ def test_an_engine_restarted_from_other_weights_under_the_same_label_is_reloaded
         sub.close()
 
 
+@pytest.mark.parametrize("answers_none_between", [False, True])
 def test_a_restart_from_other_weights_under_the_served_label_is_noticed_at_the_heartbeat(trainer, staged_v1,
-                                                                                         tmp_path):
+                                                                                         tmp_path,
+                                                                                         answers_none_between):
+    """... also when a heartbeat in between got no answer (None: the engine restarting), which must not become what
+    the next answer is compared with (review)."""
     from sglang_standin import random_weights, write_checkpoint
 
     dest, v1_dir = staged_v1
@@ -767,6 +771,11 @@ def test_a_restart_from_other_weights_under_the_served_label_is_noticed_at_the_h
         sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", **{**FAST, "heartbeat": 0.0})
         sub.start()
         assert sub.sync() is None and sub.status.served_version == 1
+        if answers_none_between:
+            real = sub.engine.served_version
+            sub.engine.served_version = lambda: None
+            sub._check_engine()
+            sub.engine.served_version = real
         # What a restart with `--model-path WRONG --weight-version 1` leaves: another directory, the same label.
         _relabel(server, wrong, "1")
         sub._check_engine()
