@@ -343,3 +343,27 @@ def test_a_file_unreadable_during_the_full_check_is_reported_as_changed(tmp_path
     monkeypatch.setattr(dest_module, "file_digest_on_disk", eio)
     changed = local.check_files(local.state(), full=True)
     assert changed is not None and "cannot be read: Input/output error" in changed
+
+
+def test_a_record_that_lies_about_an_object_fetched_under_another_record_fails_pull_as_verify(tmp_path, maker):
+    """Versions 2 and 3 name the same object; version 3's record says it is 5 bytes longer than it is. A cold pull
+    of version 3 fetched it once, under version 2's record: pull installed the version (exit 0) while verify said
+    exit 6 (hostile-store pass). A record's claim is checked when the object comes from memory too."""
+    store = _two_versions(tmp_path, maker)
+    maker.advance()
+    push(store, maker.write())
+    repo = Repository.open(store)
+    in_v2 = {c.object for f in repo.manifest(2).files for s in f.segments for c in s.chunks if c.object}
+    shared = [(fi, si, ci) for fi, f in enumerate(repo.manifest(3).files) for si, s in enumerate(f.segments)
+              for ci, c in enumerate(s.chunks) if c.object in in_v2 and c.pack is None]
+    if not shared:
+        pytest.skip("versions 2 and 3 share no unpacked object here")
+    fi, si, ci = shared[0]
+
+    def lie(raw):
+        raw["files"][fi]["segments"][si]["chunks"][ci]["stored"] += 5
+
+    _forge(store, 3, lie)
+    with pytest.raises(IntegrityError, match="manifest says"):
+        pull(store, str(tmp_path / "dest"), version=3)
+    assert not verify(store, version=3).ok
