@@ -416,11 +416,17 @@ class LocalCheckpoint:
         os.utime(staging)
         os.replace(staging, final)
         fsync_dir(self.sidecar)
+        self.point_to(name)
+        return final
+
+    def point_to(self, name: str) -> None:
+        """Make DEST the link to the version directory `name` of the sidecar, in one atomic flip (what DEST was, if
+        not a link, is moved aside first)."""
         if os.path.lexists(self.dest) and not os.path.islink(self.dest):
             self.displace()
         parent = os.path.dirname(self.dest)
         link_tmp = os.path.join(parent, f".{os.path.basename(self.dest)}.tmp-{uuid.uuid4().hex[:8]}")
-        os.symlink(os.path.relpath(final, parent), link_tmp)
+        os.symlink(os.path.relpath(os.path.join(self.sidecar, name), parent), link_tmp)
         try:
             os.replace(link_tmp, self.dest)  # the atomic flip
         except BaseException:
@@ -428,7 +434,6 @@ class LocalCheckpoint:
                 os.unlink(link_tmp)  # never leave a dangling temporary link beside DEST
             raise
         fsync_dir(parent)
-        return final
 
     def remove_stale_staging(self) -> list[str]:
         """Remove the staging directories a killed or failed run left (call it holding the lock: no other pull is

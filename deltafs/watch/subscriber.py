@@ -204,6 +204,26 @@ class Subscriber:
                 pass  # no lock to take: resume all the same (LockHeldError, another's switch, passes on)
             self.engine.resume()
 
+    def _keep_dest_on(self, staged: Staged) -> None:
+        """DEST names the version now served: one pointed back by hand while it waited (to an older version, or at
+        nothing) is pointed at it again, or `launch-args` and a restart would load the older one (adversarial pass).
+        Never over a newer version of this store that another pull installed meanwhile."""
+        local = LocalCheckpoint(self.dest)
+        name = os.path.basename(staged.path)
+        if local.linked_name() == name:
+            return
+        try:
+            with local.lock(wait=False):
+                state = local.state()
+                if local.linked_name() == name or (state is not None and state.store_id == self.repo.store_id
+                                                   and state.version > staged.version):
+                    return
+                log.warning("%s pointed to %s, not version %d that the engine now serves; pointing it back",
+                            self.dest, state.version if state is not None else local.linked_name(), staged.version)
+                local.point_to(name)
+        except (DeltafsError, OSError) as exc:  # another pull holds DEST (it moves the link itself), or DEST's disk
+            log.warning("cannot point %s at version %d: %s", self.dest, staged.version, exc)
+
     def _engine_answer(self) -> tuple[str | None, str | None]:
         """What the engine says it serves: its weight_version, and the directory it loaded where it says."""
         assert self.engine is not None
@@ -361,6 +381,7 @@ class Subscriber:
                 return None
             pause, load, checksum = result.pause_seconds, result.load_seconds, result.checksum
         applied = Applied(staged.version, pause, time.monotonic() - staged.noticed, staged.pull.fallback, load)
+        self._keep_dest_on(staged)
         self._engine_said = self._engine_path_said = None
         if self.engine is not None:  # what it reports after this switch: what _check_engine compares with
             with contextlib.suppress(EngineError):

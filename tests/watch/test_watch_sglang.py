@@ -783,3 +783,25 @@ def test_a_restart_from_other_weights_under_the_served_label_is_noticed_at_the_h
         assert applied is not None and applied.version == 1
         assert same_weights(server.state_dict(), trainer.weights[1])
         sub.close()
+
+
+def test_dest_pointed_back_by_hand_while_a_version_waited_is_pointed_at_the_one_served(trainer, staged_v1):
+    """DEST was pointed back at version 1 by hand while version 2 waited for the boundary: the engine went to 2,
+    DEST stayed on 1 for good, status and `verify --local` said ok, and `launch-args` would restart the engine on 1
+    (adversarial pass). After the switch DEST names the version served."""
+    from deltafs.read.dest import LocalCheckpoint
+    from deltafs.read.pull import local_version
+
+    dest, v1_dir = staged_v1
+
+    def repoint() -> None:
+        LocalCheckpoint(dest).point_to(os.path.basename(v1_dir))
+
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="rollout-0", boundary=_Hook(repoint), **FAST)
+        sub.start()
+        trainer.push()
+        applied = sub.sync()
+        assert applied is not None and applied.version == 2
+        assert server.reported_versions()[-1] == "2" and local_version(dest).version == 2
+        sub.close()
