@@ -97,7 +97,8 @@ def loaded_checksum(engine: Engine) -> str | None:
     return text
 
 
-def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) -> Target | None:
+def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False,
+                   answer: tuple[str | None, str | None] | None = None) -> Target | None:
     """What the engine serves, as a verified version directory beside DEST; None if unknown.
 
     From the weight_version it reports; when that is not a version DEST has (SGLang says "default"
@@ -111,27 +112,25 @@ def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) 
     weights are not known to be that version (None), and a number DEST holds from two stores (a store
     made again by a new run) is decided by the model_path, or unknown without one. Loading again costs
     a pause; trusting the number would keep other weights, reported as the version, for good.
+
+    answer: what engine_answer() just returned, when the caller has it (not asked again).
     """
-    reported = engine.served_version()
-    labelled = labelled_version_dirs(dest, reported) if reported is not None else []
+    reported, path = answer if answer is not None else engine_answer(engine)
     local = LocalCheckpoint(dest)
-    path = _loaded_from(engine, local) if labelled else None
+    at_dest = bool(path) and os.path.abspath(str(path)).rstrip("/") == local.dest
+    labelled = labelled_version_dirs(dest, reported) if reported is not None else []
     if labelled:
-        if path is not None:
+        if path and not at_dest:
+            # The directory it loaded decides. Another than the number's (another of DEST's, the old run's perhaps
+            # removed since; one outside DEST, a restart by hand from other weights under the same label): unknown.
             real = os.path.realpath(path)
-            for found, manifest in labelled:
-                if os.path.realpath(found) == real:
-                    return Target(found, weight_version(manifest.version))
-            # It loaded another directory than the number's: another of DEST's (the old run's, perhaps removed since),
-            # or one outside DEST (a restart by hand from a copy, or from other weights under the same label).
-            return None
+            return next((Target(found, weight_version(manifest.version)) for found, manifest in labelled
+                         if os.path.realpath(found) == real), None)
         one_store = len({manifest.store_id for _, manifest in labelled}) == 1
         return Target(labelled[0][0], weight_version(labelled[0][1].version)) if one_store else None
-    ask = getattr(engine, "served_path", None)
-    path = ask() if ask is not None else None
     if not path:
         return None
-    if os.path.abspath(path).rstrip("/") == local.dest:
+    if at_dest:
         state = local.state() if trust_dest_link else None
         return Target(state.path, weight_version(state.version)) if state else None
     real = os.path.realpath(path)
@@ -144,14 +143,11 @@ def current_target(engine: Engine, dest: str, *, trust_dest_link: bool = False) 
     return None
 
 
-def _loaded_from(engine: Engine, local: LocalCheckpoint) -> str | None:
-    """The directory the engine says it loaded (SGLang's model_path), or None where it does not say or names DEST
-    itself (a launch from DEST: the link has moved since)."""
+def engine_answer(engine: Engine) -> tuple[str | None, str | None]:
+    """What the engine says it serves: its weight_version, and the directory it loaded where it says (SGLang's
+    model_path)."""
     ask = getattr(engine, "served_path", None)
-    path = ask() if ask is not None else None
-    if not path or os.path.abspath(path).rstrip("/") == local.dest:
-        return None
-    return str(path)
+    return engine.served_version(), (ask() if ask is not None else None)
 
 
 def served_elsewhere(engine: Engine, dest: str) -> str | None:

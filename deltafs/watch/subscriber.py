@@ -27,7 +27,7 @@ from deltafs.defaults import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 from deltafs.engines import weight_version
 from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, Target
 from deltafs.engines.inflight import SwitchRecord
-from deltafs.engines.switch import current_target, loaded_checksum, restart_needed, switch_engine
+from deltafs.engines.switch import current_target, engine_answer, loaded_checksum, restart_needed, switch_engine
 from deltafs.errors import (
     DeltafsError,
     DestinationError,
@@ -224,18 +224,12 @@ class Subscriber:
         except (DeltafsError, OSError) as exc:  # another pull holds DEST (it moves the link itself), or DEST's disk
             log.warning("cannot point %s at version %d: %s", self.dest, staged.version, exc)
 
-    def _engine_answer(self) -> tuple[str | None, str | None]:
-        """What the engine says it serves: its weight_version, and the directory it loaded where it says."""
-        assert self.engine is not None
-        ask = getattr(self.engine, "served_path", None)
-        return self.engine.served_version(), (ask() if ask is not None else None)
-
     def _learn_served(self, *, first: bool = False) -> None:
         """Ask the engine what it serves (weight_version, else model_path) and record its checksum."""
         assert self.engine is not None
         try:
-            reported, path = self._engine_answer()
-            found = current_target(self.engine, self.dest, trust_dest_link=first)
+            reported, path = answer = engine_answer(self.engine)
+            found = current_target(self.engine, self.dest, trust_dest_link=first, answer=answer)
             loaded_from = path if found is not None and reported != found.version else None
         except EngineError as exc:
             log.error("cannot ask the engine what it serves: %s", exc)
@@ -385,7 +379,7 @@ class Subscriber:
         self._engine_said = self._engine_path_said = None
         if self.engine is not None:  # what it reports after this switch: what _check_engine compares with
             with contextlib.suppress(EngineError):
-                self._engine_said, self._engine_path_said = self._engine_answer()
+                self._engine_said, self._engine_path_said = engine_answer(self.engine)
         self.served = target
         self.staged = None
         self._unconfirmed = False
@@ -696,7 +690,7 @@ class Subscriber:
         try:
             # And the directory it loaded, where it says (SGLang's model_path): an engine restarted from other weights
             # under the same label changes only that (adversarial pass: served "3" from elsewhere, status healthy).
-            reported, path = self._engine_answer()
+            reported, path = engine_answer(self.engine)
             # Not while another process switches this engine (a cron run): its load answers in between. Tested
             # after asking, and let go at once: holding the lock over the request would turn that run away.
             with LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"):
