@@ -295,18 +295,16 @@ class Builder:
                 try:
                     payload = self.source.get(rec, self._shared is None or rec.object in self._shared)
                 except ObjectNotFoundError:
-                    raise ChunkNotFoundError(f"version {self.chain.target.version}: {task.file.path}: {_what(task.seg)}, "
-                                             f"chunk {i}: object {rec.object} is missing from {self.repo.url}") from None
+                    raise ChunkNotFoundError(f"{self._at(task.file.path, task.seg)}, chunk {i}: object {rec.object} is missing "
+                                             f"from {self.repo.url}") from None
                 except IntegrityError as exc:  # say where it belongs: the store's error knows only the object
-                    raise IntegrityError(f"version {self.chain.target.version}: {task.file.path}: {_what(task.seg)}, "
-                                         f"chunk {i}: {exc.what}", expected=exc.expected,
+                    raise IntegrityError(f"{self._at(task.file.path, task.seg)}, chunk {i}: {exc.what}", expected=exc.expected,
                                          actual=exc.actual) from None
             try:
                 # In place: every codec checks its payload before it writes to out (= the base here).
                 value = codec.decode(rec.codec, payload, value, size, task.seg.itemsize, out=out)
             except FormatError as exc:  # the record itself (an unknown codec, a field out of range): the manifest's fault
-                raise FormatError(f"version {self.chain.target.version}: {task.file.path}: {_what(task.seg)}, chunk {i}: "
-                                  f"bad codec record: {exc}") from None
+                raise FormatError(f"{self._at(task.file.path, task.seg)}, chunk {i}: bad codec record: {exc}") from None
             except DeltafsError as exc:
                 raise IntegrityError(f"{key[2:]}: chunk {i} ({rec.object}) cannot be decoded: {exc}") from None
         assert value is not None
@@ -339,7 +337,7 @@ class Builder:
         actual = (digests.V1_SEGMENT_PREFIX + stream.hexdigest() if stream is not None
                   else digests.segment_digest(chunk_digests, seg.size))
         if actual != seg.digest:
-            raise IntegrityError(f"version {self.chain.target.version}: {f.path}: {_what(seg)} digest mismatch",
+            raise IntegrityError(f"{self._at(f.path, seg)} digest mismatch",
                                  expected=seg.digest, actual=actual)
 
     def segment_bytes(self, f: FileEntry, seg: Segment) -> bytes:
@@ -535,11 +533,15 @@ class Builder:
             out.seg_left[seg.key] = len(seg.chunks)
         return out
 
+    def _at(self, path: str, seg: Segment) -> str:
+        """Where an error is: "version N: FILE: tensor NAME" (or its header, or contents)."""
+        return f"version {self.chain.target.version}: {path}: {_what(seg)}"
+
     def _check_segment(self, out: _FileOut, seg: Segment) -> None:
         got = digests.segment_digest(out.chunk_digests[seg.key], seg.size)  # type: ignore[arg-type]
         if got != seg.digest:
             self._blame_local(seg.key)
-            raise IntegrityError(f"version {self.chain.target.version}: {out.entry.path}: {_what(seg)} digest mismatch",
+            raise IntegrityError(f"{self._at(out.entry.path, seg)} digest mismatch",
                                  expected=seg.digest, actual=got)
 
     def _finish_file(self, out: _FileOut) -> None:
@@ -585,7 +587,7 @@ class Builder:
                     self.on_bytes(data.size)
                 got = "xxh3-128:" + shash.hexdigest()
                 if got != seg.digest:
-                    raise IntegrityError(f"version {self.chain.target.version}: {f.path}: {_what(seg)} digest mismatch",
+                    raise IntegrityError(f"{self._at(f.path, seg)} digest mismatch",
                                          expected=seg.digest, actual=got)
             if fh is not None:
                 fh.flush()
