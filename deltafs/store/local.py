@@ -117,10 +117,15 @@ class LocalObjectStore(ObjectStore):
         """
         *parts, name = key.split("/")
         try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            os.makedirs(self.root, exist_ok=True)  # a store being created (its first object)
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                os.makedirs(self.root, exist_ok=True)  # a store being created (its first object)
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:
+            # Said as what it is (the root is a file, under a file, or somewhere nothing can be made: /proc/x), not
+            # as a missing key, which the caller would report as "deltafs.json not found".
+            raise StoreError(f"cannot use {self.root} as a store directory: {exc.strerror or exc}") from None
         probe = self.root
         try:
             for part in parts:

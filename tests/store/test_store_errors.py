@@ -346,3 +346,16 @@ def test_the_head_read_back_never_moves_another_writers_newer_head_back(tmp_path
     repo.advance_head(Head(2, "sha256:" + "cd" * 32))
     monkeypatch.undo()
     assert repo.objects.get("HEAD") == newer
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file", "proc"])
+def test_a_local_store_path_that_cannot_be_a_directory_says_so(tmp_path: Any, where: str) -> None:
+    """A push to a store path that is a file, lies under one, or cannot be made (/proc/x) names the path and the
+    reason (exit 3). It said "deltafs.json not found", as if the store were only missing its config."""
+    (tmp_path / "afile").write_bytes(b"x")
+    root = {"file": str(tmp_path / "afile"), "under-a-file": str(tmp_path / "afile" / "store"),
+            "proc": "/proc/deltafs-no-such-dir"}[where]
+    with pytest.raises(StoreError, match=f"cannot use {root} as a store directory: ") as err:
+        Repository.open(root, create=True)
+    assert "deltafs.json" not in str(err.value)
+    assert (tmp_path / "afile").read_bytes() == b"x"
