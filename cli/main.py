@@ -17,7 +17,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import typer  # noqa: E402
 
-from deltafs.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_MEANINGS, EXIT_OUTPUT_CLOSED, DeltafsError, exit_code
+from deltafs.errors import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_MEANINGS,
+    EXIT_OUTPUT_CLOSED,
+    DeltafsError,
+    UsageError,
+    exit_code,
+)
 from deltafs.cli.output import OutputClosed, one_line, write_out
 
 app = typer.Typer(
@@ -129,15 +137,35 @@ def error_line(exc: BaseException) -> tuple[str, int]:
     return f"deltafs: internal error: {type(exc).__name__}: {exc} (set DELTAFS_DEBUG=1 for the traceback)", code
 
 
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _LogFormat(logging.Formatter):
+    """`TIME deltafs: LEVEL: message` for deltafs's own lines; another library's lines name that library instead
+    (botocore's INFO lines read as deltafs's)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(source)s: %(levelname)s: %(message)s", "%Y-%m-%dT%H:%M:%SZ")
+        self.converter = time.gmtime
+
+    def format(self, record: logging.LogRecord) -> str:
+        name = record.name.partition(".")[0]
+        record.source = "deltafs" if name in ("deltafs", "root") else name
+        return super().format(record)
+
+
 def _setup_logging() -> None:
-    """Log lines start with an ISO 8601 UTC timestamp: cron and the watcher append them to files."""
+    """Log lines start with an ISO 8601 UTC timestamp: cron and the watcher append them to files.
+    DELTAFS_LOG_LEVEL sets deltafs's level; other libraries log warnings and worse only, unless it is DEBUG."""
     handler = logging.StreamHandler(sys.stderr)
-    formatter = logging.Formatter("%(asctime)s deltafs: %(levelname)s: %(message)s", "%Y-%m-%dT%H:%M:%SZ")
-    formatter.converter = time.gmtime
-    handler.setFormatter(formatter)
+    handler.setFormatter(_LogFormat())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(os.environ.get("DELTAFS_LOG_LEVEL", "WARNING").upper())
+    level = os.environ.get("DELTAFS_LOG_LEVEL", "WARNING").strip().upper()
+    if level not in _LEVELS:
+        raise UsageError(f"DELTAFS_LOG_LEVEL must be one of {', '.join(_LEVELS)}, not {os.environ['DELTAFS_LOG_LEVEL']!r}")
+    root.setLevel(level if level == "DEBUG" else "WARNING")
+    logging.getLogger("deltafs").setLevel(level)
 
 
 def _stdout_is_null() -> bool:
@@ -153,8 +181,8 @@ def main() -> None:
     # locks released) and it exits 130. Commands that must finish an engine switch first install their own.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     was_null = _stdout_is_null()
-    _setup_logging()
     try:
+        _setup_logging()
         rc = app(standalone_mode=False)
         if rc == EXIT_INTERRUPTED:  # typer turns Ctrl-C inside a command into this return code
             sys.stderr.write("deltafs: interrupted\n")

@@ -179,6 +179,37 @@ def test_log_lines_carry_an_iso_utc_timestamp(tmp_path, maker):
     assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ deltafs: [A-Z]+: ", ln) for ln in lines), lines
 
 
+def test_log_level_is_deltafs_s_own_and_other_libraries_lines_name_them(monkeypatch, capsys):
+    """DELTAFS_LOG_LEVEL=INFO turned on botocore's INFO lines (one per credential lookup), printed as
+    `deltafs: INFO: ...`. Other libraries now log warnings only (all of it at DEBUG), under their own name; a
+    level that is no level name is one line and exit 2 (it was a ValueError traceback)."""
+    import logging
+
+    from deltafs.cli import main as cli_main
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, logging.getLogger("deltafs").level
+    try:
+        monkeypatch.setenv("DELTAFS_LOG_LEVEL", "info")
+        cli_main._setup_logging()
+        logging.getLogger("deltafs.read.pull").info("pulled it")
+        logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
+        logging.getLogger("botocore.endpoint").warning("slow down")
+        err = capsys.readouterr().err.splitlines()
+        assert [line.split(" ", 1)[1] for line in err] == ["deltafs: INFO: pulled it", "botocore: WARNING: slow down"]
+        monkeypatch.setenv("DELTAFS_LOG_LEVEL", "DEBUG")
+        cli_main._setup_logging()
+        logging.getLogger("botocore.credentials").debug("signing")
+        assert capsys.readouterr().err.split(" ", 1)[1] == "botocore: DEBUG: signing\n"
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+        logging.getLogger("deltafs").setLevel(saved[2])
+    proc = run_cli("version", env={"DELTAFS_LOG_LEVEL": "loud"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("deltafs: error: DELTAFS_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, "
+                           "not 'loud'\n")
+
+
 def test_program_version_flag_and_command_version_option(tmp_path, maker):
     from deltafs import __version__
 
