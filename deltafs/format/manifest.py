@@ -25,6 +25,7 @@ from deltafs.format.records import (
     Head,
     StoreConfig,
     canonical_json,
+    check_readable,
     is_manifest_digest,
     load_json,
 )
@@ -488,7 +489,9 @@ class Manifest:
         return self._checked_as(self._encode_canonical())
 
     def _checked_as(self, text: bytes) -> Manifest:
-        """checked(), given the canonical JSON of this manifest's fields, which becomes its to_bytes()."""
+        """checked(), given the canonical JSON of this manifest's fields, which becomes its to_bytes(); also by the
+        limits a reader applies to the text (size, density, nesting)."""
+        check_readable(text, f"manifest of version {self.version}", max_bytes=MANIFEST_MAX_BYTES)
         self.__dict__["_canonical"] = text
         return _remember(self._verified(f"manifest of version {self.version}", self._text_hash_matches(text)))
 

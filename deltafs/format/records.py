@@ -90,8 +90,7 @@ DENSE_JSON_FROM = 1 << 20  # records at least this long are checked for their de
 MIN_BYTES_PER_VALUE = 8
 
 
-def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse data as JSON; FormatError naming `what` when it is too large, malformed or nested deeper than max_depth."""
+def _check_size(data: bytes, what: str, max_bytes: int | None) -> None:
     if max_bytes is not None and len(data) > max_bytes:
         raise FormatError(f"{what} is {len(data)} bytes, more than the {max_bytes} a valid one can be")
     if len(data) > DENSE_JSON_FROM:
@@ -101,6 +100,20 @@ def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth
         if values * MIN_BYTES_PER_VALUE > len(data):
             raise FormatError(f"{what} holds {values} JSON values in {len(data)} bytes, far more than a deltafs record "
                               "of its size (a damaged or hostile store)")
+
+
+def check_readable(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """FormatError unless load_json(data, ...) would take this valid JSON text: what a writer checks before it
+    stores a record, so that it never stores one every reader refuses (metadata nested 150 levels deep was
+    committed, and every pull, log and gc of the store then failed on the newest manifest)."""
+    _check_size(data, what, max_bytes)
+    if text_depth(data, max_depth) > max_depth:
+        raise FormatError(f"{what} is nested more than {max_depth} levels deep")
+
+
+def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse data as JSON; FormatError naming `what` when it is too large, malformed or nested deeper than max_depth."""
+    _check_size(data, what, max_bytes)
     try:
         value = json.loads(data, parse_constant=_no_constant)
     except RecursionError:

@@ -7,10 +7,13 @@ range is rebuilt on the host from the previous version's bytes that the encoder 
 
 Two checks stand between the baseline and the store:
 
-1. Version identity. The baseline remembers which version it holds (store id and version number, both fixed once a
-   version is committed) and is used only by a push whose base is that version. Another writer's push in between,
-   a push cache re-derived from the store, another store, or a push that failed (which leaves the baseline unarmed)
-   all make the push copy every range whole, and re-arm the baseline for the version it publishes.
+1. Version identity. The baseline remembers which version it holds (store id, version number and the committed
+   manifest's digest: a copy of a store has the same id, and its own version of the same number) and is used only
+   by a push whose base is that version. Another writer's push in between, a push cache re-derived from the store,
+   another store or a copy of this one, or a push that failed (which leaves the baseline unarmed) all make the push
+   copy every range whole, and re-arm the baseline for the version it publishes. A range is diffed at most once per
+   push: its read also overwrites the baseline there, so a range read again in the same push (an encode tried
+   again after its push cache failed its check, or after a gc removed chunks) is copied whole.
 2. A checksum, computed on the device over the live range and on the host over the rebuilt one (deltafs.checksum).
    It catches accidents (a bug, a stray write into the baseline); it is linear, so it is not the guard against a
    baseline that holds another version (1 is). A mismatch copies the range whole and stops diffing for the rest of
@@ -28,7 +31,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -37,8 +40,15 @@ from deltafs.errors import UsageError
 from deltafs.publish.devices import lazy_torch, wait_for_devices
 
 _POSITION_BYTES = 4  # positions cross as int32: ranges of 2**31 elements or more are copied whole
+class _HasDigest(Protocol):
+    @property
+    def digest(self) -> str | None: ...
+
+
+R = TypeVar("R", bound=_HasDigest)
 Known = tuple[np.ndarray, np.ndarray]  # (ascending element indices, their values), as codec.encode takes them
-VersionId = tuple[str, int]  # (store id, version number)
+VersionId = tuple[str, int, str]  # (store id, version number, manifest digest): one committed version
+Writing = tuple[str, int]  # (store id, version number) of the version a push writes: its digest comes at the commit
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,12 @@ class _Slot:
         self.itemsize = itemsize
         self.diffable = diffable  # buf holds the baseline's version (not allocated by this push)
         self.captured = 0
+        self.spans: list[tuple[int, int]] = []  # this push: the byte ranges already copied into buf
+
+    def overwritten(self, start: int, end: int) -> bool:
+        """Whether this push already copied the live bytes into any of buf[start:end] (it no longer holds the
+        baseline's version there)."""
+        return any(a < end and start < b for a, b in self.spans)
 
 
 class DeviceBaseline:
@@ -82,7 +98,7 @@ class DeviceBaseline:
         self._lock = threading.Lock()
         self._holds: VersionId | None = None  # the version every slot holds (None: not armed)
         self._diff_from: VersionId | None = None  # this push: the version it may diff against, until a mismatch
-        self._writing: set[VersionId] = set()  # this push: the version(s) its reads said they write
+        self._writing: set[Writing] = set()  # this push: the version(s) its reads said they write
         self._busy = False
         self._stats = DiffStats()
 
@@ -93,7 +109,7 @@ class DeviceBaseline:
 
     @property
     def holds(self) -> VersionId | None:
-        """(store id, version) the baseline holds, or None."""
+        """(store id, version, manifest digest) the baseline holds, or None."""
         return self._holds
 
     def begin(self) -> None:
@@ -108,10 +124,12 @@ class DeviceBaseline:
             self._stats = DiffStats()
             for s in self._slots.values():
                 s.captured = 0
+                s.spans = []
 
-    def end(self, ok: bool) -> None:
-        """Finish a push: wait for the copies into the baseline; armed for the version the push wrote only if it
-        succeeded, every byte of every tensor it pushed was captured, and its reads named one version."""
+    def end(self, ok: bool, digest: str | None = None) -> None:
+        """Finish a push: wait for the copies into the baseline; armed for the version the push wrote (digest: its
+        committed manifest's) only if it succeeded, every byte of every tensor it pushed was captured, and its reads
+        named one version."""
         try:
             wait_for_devices({str(s.buf.device) for s in self._slots.values()})
         except BaseException:
@@ -122,7 +140,10 @@ class DeviceBaseline:
                 for name in set(self._slots) - self._used:
                     del self._slots[name]  # tensors the pushed version no longer has: free their device memory
                 complete = all(s.captured >= s.buf.numel() for s in self._slots.values())
-                self._holds = next(iter(self._writing)) if ok and complete and len(self._writing) == 1 else None
+                self._holds = None
+                if ok and complete and len(self._writing) == 1 and digest is not None:
+                    store_id, version = next(iter(self._writing))
+                    self._holds = (store_id, version, digest)
                 self._diff_from = None
                 self._busy = False
                 self.last = self._stats
@@ -143,7 +164,7 @@ class DeviceBaseline:
             return s
 
     def read(self, s: _Slot, src: Any, start: int, out: np.ndarray, base: Any,
-             versions: tuple[VersionId | None, VersionId] | None) -> tuple[np.ndarray, Known | None]:
+             versions: tuple[VersionId | None, Writing] | None) -> tuple[np.ndarray, Known | None]:
         """The host bytes of src (the live range [start, start + len) of the slot's tensor) into out, and the range
         captured into the baseline.
 
@@ -158,7 +179,8 @@ class DeviceBaseline:
         if versions is not None:
             with self._lock:
                 self._writing.add(versions[1])
-                usable = base is not None and versions[0] is not None and versions[0] == self._diff_from
+                usable = (base is not None and versions[0] is not None and versions[0] == self._diff_from
+                          and not s.overwritten(start, start + size))
             if usable:
                 known = self._rebuild(s, src, prev, out, base)
         if known is None:
@@ -166,6 +188,7 @@ class DeviceBaseline:
         self._capture(prev, src)
         with self._lock:
             s.captured += size
+            s.spans.append((start, start + size))
             st = self._stats
             moved = size if known is None else known[0].size * (_POSITION_BYTES + s.itemsize)
             self._stats = replace(st, bytes_read=st.bytes_read + size, bytes_to_host=st.bytes_to_host + moved,
@@ -221,19 +244,35 @@ class DeviceBaseline:
         prev.copy_(src)  # device to device (asynchronous on an accelerator: end() waits for it)
 
 
+class Committed:
+    """What a push tells its baseline_push: the digest of the manifest it committed."""
+
+    def __init__(self) -> None:
+        self.digest: str | None = None
+
+    def __call__(self, result: R) -> R:
+        """Record result's manifest digest (a PushResult) and return result."""
+        self.digest = result.digest
+        return result
+
+
 @contextlib.contextmanager
-def baseline_push(baseline: DeviceBaseline | None) -> Iterator[None]:
-    """One push's use of a baseline (or none): begin, then end armed only if the push returned."""
+def baseline_push(baseline: DeviceBaseline | None) -> Iterator[Committed]:
+    """One push's use of a baseline (or none): begin, then end armed only if the push returned and named its
+    committed manifest (`return done(run(...))` with the yielded Committed)."""
+    done = Committed()
     if baseline is None:
-        yield
+        yield done
         return
+    if not isinstance(baseline, DeviceBaseline):
+        raise UsageError(f"device_baseline must be a deltafs.DeviceBaseline, not {type(baseline).__name__}")
     baseline.begin()
     ok = False
     try:
-        yield
+        yield done
         ok = True
     finally:
-        baseline.end(ok)
+        baseline.end(ok, done.digest)
 
 
-__all__ = ["DeviceBaseline", "DiffStats", "Known", "VersionId", "baseline_push"]
+__all__ = ["Committed", "DeviceBaseline", "DiffStats", "Known", "VersionId", "Writing", "baseline_push"]

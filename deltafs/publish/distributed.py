@@ -300,7 +300,7 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
     extra = dict(extra_files or {})
     owned = collective(comm, "checking what each rank owns", lambda: _describe(tensors, extra))
     layout = _layout(owned, comm.world)  # same data on every rank: same result, or the same UsageError
-    with baseline_push(device_baseline):
+    with baseline_push(device_baseline) as done:
         made: list[RankWork] = []
 
         def prepare() -> bool:
@@ -320,7 +320,7 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
         # As a collective: a rank whose shard or files cannot be made (an extra file that is no valid safetensors,
         # say) tells every rank at once; the others waited for it until the process group's timeout.
         collective(comm, "preparing each rank's files", prepare)
-        return run(comm, store, made[0], opts, t0=t0)
+        return done(run(comm, store, made[0], opts, t0=t0))
 
 
 __all__ = ["DistributedPushError", "on_every_rank", "push_distributed", "shard_name"]

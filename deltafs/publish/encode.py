@@ -125,7 +125,7 @@ class Encoder:
 
     def __init__(self, repo: Repository, base: LocalState | None, *, level: int, threads: int,
                  stage_dir: str | None, full_level: int | None = None, allow_link: bool = True, patch: bool = False,
-                 versions: tuple[tuple[str, int] | None, tuple[str, int]] | None = None) -> None:
+                 versions: tuple[tuple[str, int, str] | None, tuple[str, int]] | None = None) -> None:
         self.repo = repo
         self.base = base
         self.base_segments = base.manifest.segments() if base else {}

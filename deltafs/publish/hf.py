@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from deltafs.errors import UsageError
+from deltafs.errors import UsageError, check_count
 from deltafs.format.dtypes import safetensors_name
 from deltafs.format.manifest import path_clash
 from deltafs.format.records import is_unicode
-from deltafs.publish.device_diff import DeviceBaseline, Known, VersionId
+from deltafs.publish.device_diff import DeviceBaseline, Known, VersionId, Writing
 from deltafs.publish.devices import lazy_torch, wait_for_devices
 from deltafs.publish.source import Piece, is_range_bytes  # Piece: host bytes, or RangeBytes such as DeviceBytes
 
@@ -96,7 +96,7 @@ class DeviceBytes:
         return self.read_against(start, size, out, None, None)[0]
 
     def read_against(self, start: int, size: int, out: np.ndarray | None, base: Any,
-                     versions: tuple[VersionId | None, VersionId] | None) -> tuple[np.ndarray, Known | None]:
+                     versions: tuple[VersionId | None, Writing] | None) -> tuple[np.ndarray, Known | None]:
         """read(), for a push's encode: base is the range's bytes in the push's base version on the host (or None),
         versions (base version, version being written). With a DeviceBaseline that holds that base version the
         range may be rebuilt from its changed elements instead of copied whole (deltafs.publish.device_diff),
@@ -299,6 +299,8 @@ def plan_checkpoint(tensors: Mapping[str, Any] | list[HfTensor], *, max_shard_by
                     extra_files: Mapping[str, bytes] | None = None,
                     device_baseline: DeviceBaseline | None = None) -> HfCheckpoint:
     """Cut the tensors (in order) into shards of at most max_shard_bytes (one file when they fit)."""
+    if max_shard_bytes is not None:
+        check_count(max_shard_bytes, "max_shard_bytes", 1)  # "5GB" was a TypeError, 0 and -1 one shard per tensor
     items = tensors if isinstance(tensors, list) else collect_tensors(tensors, device_baseline)
     groups: list[list[HfTensor]] = [[]]
     size = 0

@@ -9,8 +9,9 @@ from typing import Any, TypedDict
 from deltafs.defaults import (DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAULT_KEYFRAME_EVERY, DEFAULT_LEVEL,
                               MAX_LEVEL, MIN_LEVEL)
 from deltafs.format.versions import check_version
-from deltafs.errors import UsageError, check_count
+from deltafs.errors import FormatError, UsageError, check_count
 from deltafs.format.manifest import canonical_json
+from deltafs.format.records import MANIFEST_MAX_BYTES, MAX_JSON_DEPTH, check_readable, text_depth
 
 # How the push cache takes a pushed file: "auto" tries a reflink (copy-on-write clone), then a hard
 # link, then an in-kernel copy; "copy" never links (for trainers that rewrite checkpoint files in
@@ -41,9 +42,19 @@ class PushOptions:
         if self.version is not None:  # before anything is written: a bad number never reaches the store
             object.__setattr__(self, "version", check_version(self.version))  # an int (numpy's integers too)
         try:
-            canonical_json(dict(self.metadata))
+            text = canonical_json(dict(self.metadata))
         except (TypeError, ValueError) as exc:
             raise UsageError(f"metadata is not JSON: {exc}") from None
+        except RecursionError:
+            text = None
+        # Inside the manifest, one level down: readers refuse a manifest nested more than MAX_JSON_DEPTH deep.
+        if text is None or text_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH - 1:
+            raise UsageError(f"metadata is nested more than {MAX_JSON_DEPTH - 1} levels deep") from None
+        try:
+            check_readable(text, "metadata", max_bytes=MANIFEST_MAX_BYTES // 2)
+        except FormatError as exc:  # the manifest is checked whole before the commit too (Manifest.sealed)
+            raise UsageError(f"{str(exc).partition(' (')[0]}: readers would refuse the manifest; store large data "
+                             "as a file of the checkpoint") from None
         if self.link not in LINK_MODES:
             raise UsageError(f"link must be one of {', '.join(LINK_MODES)}, not {self.link!r}")
         if self.threads is not None:
@@ -98,6 +109,7 @@ class PushResult:
     metadata: dict[str, Any] = field(default_factory=dict)
     fold_bytes: int = 0  # bytes of the folded delta written after the commit (fold=True)
     bridge_bytes: int = 0  # bytes of a full version's bridge (chunks and manifest), written before the commit
+    digest: str | None = None  # the committed manifest's digest ("sha256:..."), as `deltafs log --json` shows it
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

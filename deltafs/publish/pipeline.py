@@ -212,7 +212,7 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
         rank.after_commit()
         fold_bytes = rank.fold(man) if opts.fold else 0
         rank.close_guard()
-    return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes,
+    return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes, "digest": man.digest,
                          "base_rederived": any(r.rederived for r in reports)})
 
 
@@ -393,7 +393,7 @@ class _Rank:
             enc = Encoder(self.open_repo(), base, level=self.opts.level, full_level=self.opts.full_level,
                           threads=self.threads, stage_dir=self.stage,
                           allow_link=allow_link, patch=patch,
-                          versions=((base.store_id, base.version) if base is not None else None,
+                          versions=((base.store_id, base.version, base.digest) if base is not None else None,
                                     (self.decision.store_id, self.decision.version)))
             try:
                 with Progress(f"push v{self.decision.version}", sum(f.size for f in files), enabled=progress) as bar:

@@ -59,11 +59,11 @@ def push_tensors(store: str | Repository, tensors: Mapping[str, Any], options: P
     if not tensors:
         raise UsageError("push_tensors got no tensors (an empty state dict would publish a model of nothing)")
     _refuse_sharded_dtensors(tensors)
-    with baseline_push(device_baseline):
+    with baseline_push(device_baseline) as done:
         plan = plan_checkpoint(tensors, max_shard_bytes=max_shard_bytes, extra_files=extra_files,
                                device_baseline=device_baseline)
         files = memory_source(plan.files())
-        return run(Solo(), store, RankWork(files, inherit_files=keep_files), opts, t0=t0)
+        return done(run(Solo(), store, RankWork(files, inherit_files=keep_files), opts, t0=t0))
 
 
 def _refuse_sharded_dtensors(tensors: Mapping[str, Any]) -> None:

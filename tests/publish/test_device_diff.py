@@ -118,11 +118,61 @@ def test_a_baseline_of_another_version_than_the_base_is_not_used(tmp_path, edit)
     assert base.last.bytes_to_host == base.last.bytes_read
     assert _same_bits(_pulled(store, str(tmp_path / "d1")), w)
     # The baseline now holds the version just pushed: the next push diffs again.
-    assert base.holds == (Repository.open(store).store_id, got.version)
+    repo = Repository.open(store)
+    assert base.holds == (repo.store_id, got.version, got.digest) and got.digest == repo.manifest(got.version).digest
     _step(w, 2)
     push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
     assert base.last.mismatches == 0 and base.last.ranges_diffed == 4
     assert _same_bits(_pulled(store, str(tmp_path / "d2")), w)
+
+
+def test_a_range_read_again_in_the_same_push_is_copied_whole(tmp_path):
+    """The push cache fails its check mid-encode (a byte of its copy flipped): the push re-derives its base and
+    encodes again within the same push. The first attempt's reads had already overwritten the baseline with the
+    live bytes, and the second diffed live against live: the chunk was rebuilt from the base version's bytes, and
+    two sign flips (invisible to the word checksum) were published as the previous step's values."""
+    store = _store(str(tmp_path / "s"))
+    gen = torch.Generator().manual_seed(0)
+    # file order by name: a_big's three 1 MiB chunks are encoded before z_norm, where the cache is damaged
+    w = {"a_big": torch.randn(1024, 768, generator=gen), "z_norm": torch.randn(10000, generator=gen)}
+    base = DeviceBaseline()
+    push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    w["a_big"].view(-1)[1] *= -1
+    w["a_big"].view(-1)[3] *= -1
+    cached = os.path.realpath(str(tmp_path / "c" / "base" / "model.safetensors"))
+    with open(cached, "r+b") as fh:
+        fh.seek(os.path.getsize(cached) - 100)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    got = push_tensors(store, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    assert got.base_rederived and base.last.mismatches == 0
+    assert _same_bits(_pulled(store, str(tmp_path / "d")), w)
+    assert base.holds == (Repository.open(store).store_id, got.version, got.digest)
+
+
+def test_a_copy_of_the_store_is_another_store_to_the_baseline(tmp_path):
+    """Two copies of one store (the same store id) each get their own version 2. The baseline told versions apart by
+    store id and number only, so a push to the first copy diffed against the second copy's version 2 and rebuilt
+    the chunks from the first's: the first's version 2 values came back (sign flips the checksum cannot see)."""
+    import shutil
+
+    p1 = _store(str(tmp_path / "s1"))
+    w = {"w": torch.randn(512, 512, generator=torch.Generator().manual_seed(0))}
+    base = DeviceBaseline()
+    push_tensors(p1, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    p2 = str(tmp_path / "s2")
+    shutil.copytree(p1, p2)
+    before = w["w"].clone()
+    w["w"].view(-1)[1] *= -1
+    w["w"].view(-1)[3] *= -1
+    push_tensors(p1, w, cache_dir=str(tmp_path / "c"), device_baseline=base)  # p1's version 2: the flips
+    w["w"].copy_(before)
+    push_tensors(p2, w, cache_dir=str(tmp_path / "c"), device_baseline=base)  # p2's version 2: without them
+    w["w"].view(-1)[7::1001] += 0.5
+    got = push_tensors(p1, w, cache_dir=str(tmp_path / "c"), device_baseline=base)
+    assert got.version == 3 and base.last.ranges_diffed == 0
+    assert _same_bits(_pulled(p1, str(tmp_path / "d")), w)
 
 
 def test_a_baseline_is_not_used_for_another_store(tmp_path):

@@ -275,3 +275,62 @@ def test_a_mapping_that_yields_a_name_twice_is_refused_by_name(tmp_path):
     with pytest.raises(UsageError, match="tensor 'a' appears twice"):
         push_tensors(str(tmp_path / "store"), Twice())
     assert not os.path.exists(tmp_path / "store" / "manifests")
+
+
+def test_metadata_readers_would_refuse_is_refused_before_anything_is_written(tmp_path):
+    """Metadata nested 150 levels deep was committed, and the manifest then failed every pull, log and gc of the
+    store ("nested more than 32 levels deep", exit 5); 3,000 levels were a RecursionError. Metadata dense enough
+    that readers take the manifest for a hostile one was caught only at the seal, worded as a damaged store."""
+    from deltafs.errors import UsageError
+
+    store = str(tmp_path / "s")
+    w = {"w": torch.zeros(8)}
+
+    def nested(depth: int) -> object:
+        value: object = 1
+        for _ in range(depth):
+            value = [value]
+        return value
+
+    for depth in (31, 150, 3000):
+        with pytest.raises(UsageError, match="metadata is nested more than 31 levels deep"):
+            push_tensors(store, w, metadata={"deep": nested(depth)})
+    with pytest.raises(UsageError, match="metadata holds .* JSON values .*: readers would refuse the manifest"):
+        push_tensors(store, w, metadata={"x": [0] * 600_000})
+    assert not os.path.exists(os.path.join(store, "manifests"))
+    got = push_tensors(store, w, metadata={"deep": nested(30)})  # the deepest a reader takes
+    assert Repository.open(store).manifest(got.version).metadata["deep"] == nested(30)
+    pull(store, str(tmp_path / "d"))
+
+
+def test_a_manifest_is_checked_by_the_readers_limits_before_it_is_committed(tmp_path):
+    """The writer's own check of a sealed manifest (Manifest.sealed) now applies the limits a reader applies to the
+    text, whatever made it exceed them."""
+    from deltafs.errors import FormatError
+    from deltafs.format.manifest import Manifest
+
+    store = str(tmp_path / "s")
+    push_tensors(store, {"w": torch.zeros(8)})
+    man = Repository.open(store).manifest(1)
+    deep: object = 1
+    for _ in range(40):
+        deep = [deep]
+    from dataclasses import replace
+
+    with pytest.raises(FormatError, match="manifest of version 1 is nested more than 32 levels deep"):
+        replace(man, metadata={"deep": deep}).sealed()
+    assert isinstance(replace(man, metadata={"step": 2}).sealed(), Manifest)
+
+
+def test_bad_shard_sizes_and_baselines_are_usage_errors(tmp_path):
+    """max_shard_bytes="5GB" was a TypeError from deep inside, 0 and -1 one shard per tensor; a device_baseline that
+    is not a DeviceBaseline an AttributeError."""
+    from deltafs.errors import UsageError
+
+    w = {"a": torch.zeros(8), "b": torch.zeros(8)}
+    for bad in ("5GB", 0, -1, 1.5, True):
+        with pytest.raises(UsageError, match="max_shard_bytes must be an integer of at least 1"):
+            push_tensors(str(tmp_path / "s"), w, max_shard_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="device_baseline must be a deltafs.DeviceBaseline, not object"):
+        push_tensors(str(tmp_path / "s"), w, device_baseline=object())  # type: ignore[arg-type]
+    assert not os.path.exists(tmp_path / "s" / "manifests")
