@@ -112,9 +112,25 @@ def collective(world: World, what: str, fn: Callable[[], T]) -> list[T]:
         own, value = exc, _Failure(world.rank, type(exc).__name__, str(exc))
     if world.world == 1 and own is not None:
         raise own
-    results = world.all_gather(value)
+    tagged = world.all_gather((what, value))
+    _check_in_step([(f"rank {r}", _step_of(t)) for r, t in enumerate(tagged)], what, world.rank)
+    results = [t[1] for t in tagged]
     _raise_first(results, own, what)
     return results
+
+
+def _step_of(tagged: Any) -> Any:
+    return tagged[0] if isinstance(tagged, tuple) and len(tagged) == 2 else None
+
+
+def _check_in_step(steps: list[tuple[str, Any]], what: str, rank: int) -> None:
+    """Every rank's collective is the same step of the pipeline, or DistributedPushError on every rank that sees it.
+    Ranks that fell out of step (one skipped a collective) met each other's next collective and took its payload
+    for their own: a version mixed two training steps (adversarial pass, fold= on the root only)."""
+    for who, step in steps:
+        if step != what:
+            raise DistributedPushError(f"the ranks are out of step: {who} is {step!r}, rank {rank} (this one) "
+                                       f"{what!r}; version not committed")
 
 
 def from_root(world: World, what: str, fn: Callable[[], T]) -> T:
@@ -129,7 +145,9 @@ def from_root(world: World, what: str, fn: Callable[[], T]) -> T:
                 raise
             own, value = exc, _Failure(world.rank, type(exc).__name__, str(exc))
     try:
-        value = world.broadcast(value)
+        tagged = world.broadcast((what, value))
+        _check_in_step([("the root", _step_of(tagged))], what, world.rank)
+        value = tagged[1]
     except DistributedPushError as exc:
         if what != "committing":
             raise
@@ -210,7 +228,7 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
         # marker keeps a gc from removing them before the fold names them. Not "committing" meanwhile (the
         # version is committed; a gc need not wait for the fold's encode): write_fold marks it again.
         rank.after_commit()
-        fold_bytes = rank.fold(man) if opts.fold else 0
+        fold_bytes = rank.fold(man) if decision.fold else 0
         rank.close_guard()
     return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes, "digest": man.digest,
                          "base_rederived": any(r.rederived for r in reports)})

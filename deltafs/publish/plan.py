@@ -33,6 +33,9 @@ class Decision:
     version: int
     kind: str  # "full" | "delta"
     bridge: bool = False  # a full version with a parent: also encode it against the parent (deltafs.publish.bridge)
+    # Write the fold after the commit: the root's fold=, as full= and the keyframe options are (folding is two
+    # collectives: a rank that skipped them met the other ranks' next push out of step, and a version mixed steps).
+    fold: bool = False
 
 
 def decide(repo: Repository, opts: PushOptions, full_bytes: int) -> Decision:
@@ -43,7 +46,8 @@ def decide(repo: Repository, opts: PushOptions, full_bytes: int) -> Decision:
     version = check_version(opts.version if opts.version is not None else (head.version + 1 if head else 1))
     parent = repo.manifest(head.version) if head is not None else None
     due = parent is None or opts.full or keyframe_due(parent, full_bytes, opts.keyframe_every, opts.keyframe_budget)
-    return Decision(repo.store_id, head, version, "full" if due else "delta", bridge=due and parent is not None and opts.bridge)
+    return Decision(repo.store_id, head, version, "full" if due else "delta", bridge=due and parent is not None and opts.bridge,
+                    fold=opts.fold)
 
 
 def keyframe_due(parent: Manifest, full_bytes: int, every: int | None, budget: float | None) -> bool:

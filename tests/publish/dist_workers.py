@@ -251,3 +251,16 @@ def rank_on_a_store_copy(rank: int, world: int, args: dict[str, Any]) -> dict[st
 
 SCENARIOS.update(local_error_then_continue=local_error_then_continue, disagree_on_root=disagree_on_root,
                  rank_on_a_store_copy=rank_on_a_store_copy)
+
+
+def fold_on_the_root_only(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Only the root passes fold=True, and no rank gives a step: each version must still be one step's tensors."""
+    from deltafs.publish.distributed import push_distributed
+
+    out = []
+    for step in args["steps"]:
+        extra = {"config.json": CONFIG} if rank == 0 else {}
+        res = push_distributed(args["store"], owned(step, rank, world), extra_files=extra, fold=rank == 0)
+        out.append(res.to_json())
+    return {"results": out}
+SCENARIOS.update(fold_on_the_root_only=fold_on_the_root_only)

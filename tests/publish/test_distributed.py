@@ -315,3 +315,39 @@ def test_a_root_that_is_no_rank_is_refused_in_words_that_say_so(tmp_path):
     with pytest.raises(UsageError, match="root rank 3 is not in a group of 1 ranks"):
         push_distributed(store, model_at(0), root=3)
     assert push_distributed(store, model_at(0), root=np.int64(0)).version == 1  # numpy's integers are ranks too
+
+
+def test_the_root_decides_whether_every_rank_folds(tmp_path):
+    """fold= was each rank's own: a root that folded entered two collectives the other ranks skipped, so their next
+    push met the root's fold. Without a metadata step a version was committed of rank 0's step 1 and rank 1's step
+    2 (verify passed, pulls served it); with one, every later push failed. fold is now the root's, as full is."""
+    store = str(tmp_path / "store")
+    reports = run_ranks(tmp_path, 2, "fold_on_the_root_only", store=store, steps=[0, 1, 2, 3], timeout=120)
+    assert all(r and r["ok"] for r in reports), reports
+    assert [res["version"] for res in reports[1]["results"]] == [1, 2, 3, 4]
+    assert [res["fold_bytes"] > 0 for res in reports[0]["results"]] == [False, False, True, True]
+    for version, step in ((2, 1), (3, 2), (4, 3)):
+        dest = tmp_path / f"dest{version}"
+        pull(store, str(dest), version=version)
+        assert_same(load_pulled(dest), model_at(step))
+    assert verify(store, all_versions=True).ok
+
+
+def test_ranks_out_of_step_fail_instead_of_taking_another_collective_s_payload():
+    """Each collective carries the pipeline step it belongs to: a rank that meets another step's collective raises
+    (it took that payload for its own before)."""
+    from deltafs.publish.pipeline import DistributedPushError, collective, from_root
+
+    class Skewed:
+        rank, world, is_root = 1, 2, False
+
+        def all_gather(self, obj):
+            return [("folding", None), obj]
+
+        def broadcast(self, obj):
+            return ("folding", None)
+
+    with pytest.raises(DistributedPushError, match="out of step: rank 0 is 'folding', rank 1 .this one. 'checking"):
+        collective(Skewed(), "checking the call", lambda: 1)
+    with pytest.raises(DistributedPushError, match="out of step: the root is 'folding'"):
+        from_root(Skewed(), "reading the store", lambda: 1)
