@@ -185,6 +185,18 @@ def _in_module_mode(method: _F) -> _F:
     return run  # type: ignore[return-value]
 
 
+def _spare_serial(method: _F) -> _F:
+    """In spare mode, one stage() or commit() at a time: stagings write the same spare buffers, and a commit swaps
+    them in. Two switches from two threads interleaved so that one reported version 2 while the module held 3."""
+    @functools.wraps(method)
+    def run(self: ModuleApplier, *args: Any, **kwargs: Any) -> Any:
+        if not self.spare:
+            return method(self, *args, **kwargs)
+        with self._spare_lock:
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
 class ModuleApplier:
     """Keeps what each module tensor holds (digest, checksum, source file) so the next apply scatters only the delta.
 
@@ -205,6 +217,7 @@ class ModuleApplier:
         self.spare = spare
         self._spares: dict[str, torch.Tensor] = {}  # spare=True: the second buffer of each swapped tensor, by name
         self._stagings = 0  # stage() calls so far (see StagedVersion.staging)
+        self._spare_lock = threading.RLock()  # spare=True: see _spare_serial
         self.threads = threads or min(8, os.cpu_count() or 1)
         self.strict = strict
         self.whole_above = whole_above
@@ -241,6 +254,7 @@ class ModuleApplier:
         bad = [n for n, s in zip(names, sums, strict=True) if s != self._held[n].checksum]
         return sorted(bad + [n for n in self._expected if n not in self._held or n not in live])
 
+    @_spare_serial
     @_in_module_mode
     def stage(self, version_dir: str, manifest: Manifest | None = None, *, keep_old: bool = False) -> StagedVersion:
         """Everything before the pause: read and check the new bytes, diff them, move the delta to the devices.
@@ -290,8 +304,9 @@ class ModuleApplier:
         held: dict[str, _Held] = {}
         unchanged = 0
         self._stagings += 1
+        staging = self._stagings  # this call's number (read again at the end, it was a later staging's)
         swaps: list[_Swap] = []
-        swappable = _swappable([t for _, _, t in todo]) if self.spare else set()
+        swappable = _swappable([t for _, _, t in todo], list(live.values())) if self.spare else set()
         swapped_objects: set[int] = set()
         for (_, seg, target), p in zip(todo, plans, strict=True):
             if p is None:
@@ -327,7 +342,7 @@ class ModuleApplier:
             _to_device(g)
         return StagedVersion(man.version, list(groups.values()), whole, held, unchanged, tuple(sorted(skipped)),
                              repaired, time.monotonic() - t0, tuple(seg.tensor_name or "" for _, seg, _ in todo),
-                             self._generation, swaps=swaps, staging=self._stagings)
+                             self._generation, swaps=swaps, staging=staging)
 
     def _prepare_spare(self, p: _Plan, target: torch.Tensor) -> _Swap:
         """Write the new bytes of one tensor into its spare: the live bytes plus the delta, or the new bytes whole."""
@@ -345,6 +360,7 @@ class ModuleApplier:
             int_view(buf).index_copy_(0, idx, vals)
         return _Swap(p.name, target, buf, sparse=True, elements=int(p.diff[0].size))
 
+    @_spare_serial
     @_in_module_mode
     def commit(self, staged: StagedVersion) -> ApplyReport:
         """The pause: scatter, copy, verify on the device. Raises IntegrityError if the module does not hold the version."""
@@ -576,11 +592,16 @@ def _host_source(data: np.ndarray, target: torch.Tensor) -> torch.Tensor:
     return src
 
 
-def _swappable(tensors: list[torch.Tensor]) -> set[int]:
-    """ids of the tensors a swap can update: contiguous, alone in their whole storage, no other tensor object on it."""
+def _swappable(tensors: list[torch.Tensor], module: list[torch.Tensor]) -> set[int]:
+    """ids of the tensors a swap can update: contiguous, alone in their whole storage, no other tensor object of the
+    module on it. module: every parameter and buffer, the checkpoint's or not. A tensor the checkpoint does not name
+    but the module holds over the same memory (lm_head.weight = Parameter(embed.weight), as HF ties weights; a buffer
+    that is a view of a parameter) kept the old buffer when only the named one was swapped: stale weights served,
+    and later overwritten as the next spare."""
     objects: dict[tuple[torch.device, int], set[int]] = {}
-    for t in tensors:
-        objects.setdefault((t.device, t.untyped_storage().data_ptr()), set()).add(id(t))
+    for t in [*tensors, *module]:
+        if t.numel():
+            objects.setdefault((t.device, t.untyped_storage().data_ptr()), set()).add(id(t))
     return {id(t) for t in tensors
             if t.numel() and t.is_contiguous() and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size()
@@ -743,7 +764,8 @@ class TorchModuleEngine:
             elif self._version == previous.version:
                 rolled_back = True  # still on previous
             else:
-                rolled_back = self._rollback(None, previous)
+                with self.lock:  # it writes into the module: never under a forward pass
+                    rolled_back = self._rollback(None, previous)
             raise SwitchError(f"in-place apply of version {target.version} failed: {exc}",
                               rolled_back=rolled_back, previous=previous) from exc
         started = time.monotonic()

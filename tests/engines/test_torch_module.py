@@ -480,6 +480,33 @@ def test_spare_mode_keeps_tied_tensors_tied_and_updates_shared_views_in_place(pu
     assert engine.last_report.swapped == 1
 
 
+@pytest.mark.parametrize("spare", [False, True])
+def test_module_tensors_the_checkpoint_does_not_name_keep_sharing_memory_with_the_ones_it_does(publish, spare):
+    """HF ties weights as lm_head.weight = Parameter(embed.weight): another object over the same memory, and the
+    checkpoint holds the embedding only; a buffer may be a view of a parameter (q = qkv[:4]). In spare mode the
+    named tensor was swapped and the other kept the old buffer: stale after every other switch, then overwritten
+    as the next spare, while verify() saw nothing. They are updated in place now, as in the default mode."""
+    weights = [{"embed.weight": torch.full((16, 8), float(k)), "qkv.weight": torch.full((12,), float(10 * k))}
+               for k in (1, 2, 3, 4)]
+    paths = [publish(w) for w in weights]
+    module = torch.nn.Module()
+    module.embed = torch.nn.Embedding(16, 8)
+    module.lm_head = torch.nn.Linear(8, 16, bias=False)
+    module.lm_head.weight = torch.nn.Parameter(module.embed.weight)
+    module.qkv = torch.nn.Module()
+    module.qkv.weight = torch.nn.Parameter(torch.zeros(12))
+    module.register_buffer("q", module.qkv.weight.detach()[:4], persistent=False)
+    engine = TorchModuleEngine(module, spare=spare)
+    previous = None
+    for n, (path, w) in enumerate(zip(paths, weights, strict=True), 1):
+        engine.switch(Target(path, str(n)), previous)
+        previous = Target(path, str(n))
+        assert torch.equal(module.lm_head.weight, w["embed.weight"]) and torch.equal(module.embed.weight, w["embed.weight"])
+        assert module.lm_head.weight.data_ptr() == module.embed.weight.data_ptr()
+        assert torch.equal(module.q, w["qkv.weight"][:4]) and module.q.data_ptr() == module.qkv.weight.data_ptr()
+        assert engine.applier.verify() == []
+
+
 def test_spare_mode_refuses_a_version_whose_spares_a_later_staging_overwrote(versions):
     paths, weights = versions
     module = build_model(CONFIG)
@@ -492,6 +519,76 @@ def test_spare_mode_refuses_a_version_whose_spares_a_later_staging_overwrote(ver
     assert_module_holds(module, weights[1])
     applier.commit(applier.stage(paths[2]))
     assert_module_holds(module, weights[2])
+
+
+def test_a_failed_staging_puts_the_previous_version_back_under_the_lock(versions):
+    """A staging that fails leaves the module alone; when the module was not on the previous version (a fresh
+    engine, an earlier failed rollback), the engine applies previous. It did so without the lock, under a forward
+    pass."""
+    paths, weights = versions
+    module = build_model(CONFIG)
+    lock = threading.Lock()
+    engine = TorchModuleEngine(module, lock=lock)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    errors: list[BaseException] = []
+
+    def switch() -> None:
+        try:
+            engine.switch(Target(str(paths[2]) + "-missing", "2"), Target(paths[1], "1"))
+        except SwitchError as exc:
+            errors.append(exc)
+
+    with lock:  # a forward pass
+        worker = threading.Thread(target=switch)
+        worker.start()
+        worker.join(1.0)
+        assert worker.is_alive()  # waits for the pass
+        assert_module_holds(module, before)
+    worker.join(30)
+    assert len(errors) == 1 and errors[0].rolled_back
+    assert_module_holds(module, weights[1])
+    assert engine.served_version() == "1"
+
+
+def test_spare_mode_stagings_from_two_threads_do_not_interleave(versions, monkeypatch):
+    """Two switches at once: a staging that ran while another wrote the spares gave the other its number (read at
+    the end), so committing the first swapped in the second's bytes under the first's version. Stagings and commits
+    of a spare-mode applier now take turns, and each staging keeps its own number."""
+    import deltafs.engines.torch_module as tm
+
+    paths, weights = versions
+    module = build_model(CONFIG)
+    applier = ModuleApplier(module, spare=True)
+    applier.apply(paths[1])
+    real = tm.device_checksums
+    other: dict[str, object] = {}
+    inside = threading.Event()
+
+    def stage_other() -> None:
+        other["staged"] = applier.stage(paths[3])
+
+    def sums(tensors):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name == "first" and not inside.is_set():
+            inside.set()
+            worker = threading.Thread(target=stage_other, name="second")
+            worker.start()
+            worker.join(0.5)
+            other["finished inside the first"] = not worker.is_alive()
+            other["worker"] = worker
+        return real(tensors)
+
+    monkeypatch.setattr(tm, "device_checksums", sums)
+    first: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: first.update(staged=applier.stage(paths[2])), name="first")
+    thread.start()
+    thread.join(30)
+    other["worker"].join(30)  # type: ignore[attr-defined]
+    assert other["finished inside the first"] is False
+    with pytest.raises(EngineError, match="stage it again"):
+        applier.commit(first["staged"])  # type: ignore[arg-type]
+    applier.commit(other["staged"])  # type: ignore[arg-type]
+    assert_module_holds(module, weights[3])
+    assert applier.verify() == []
 
 
 @pytest.mark.parametrize("spare", [False, True])
