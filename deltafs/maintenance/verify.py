@@ -5,6 +5,7 @@ With every version, keyframe bridges too: a broken one is a warning (readers fal
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -186,6 +187,9 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
         path = os.path.join(state.path, f.path)
         report.files_checked += 1
         try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):  # a symlink to the right bytes elsewhere is not them
+                report.fail(f"{dest}: {f.path} is not a regular file (a symlink or a special file)")
+                continue
             size = os.path.getsize(path)
             digest = file_digest_on_disk(path, f, man.chunk_bytes)
         except OSError as exc:

@@ -18,6 +18,7 @@ import copy
 import errno
 import hashlib
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -609,7 +610,13 @@ class Builder:
             if lf.digest == f.digest and lf.size == f.size:
                 src = os.path.join(local.path, lf.path)
                 try:
-                    if file_digest_on_disk(src, f, self.chunk_bytes) != f.digest:
+                    # Only a regular file: link(2) does not follow a symlink, so a link planted in DEST (to a file
+                    # outside it with the right bytes) became part of the new version, "repaired" at every pull.
+                    before = os.lstat(src)
+                    if not stat.S_ISREG(before.st_mode) or file_digest_on_disk(src, f, self.chunk_bytes) != f.digest:
+                        return False
+                    after = os.lstat(src)
+                    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):
                         return False
                     dst = _mkparents(out_dir, f.path)
                     with contextlib.suppress(FileNotFoundError):

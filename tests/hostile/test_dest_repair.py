@@ -46,3 +46,27 @@ def test_pull_verify_finds_an_edit_that_kept_size_and_mtime(tmp_path, store, mak
     proc = deltafs("pull", store, dest, "--once", "--verify", check=0)
     assert "repaired" in proc.stdout
     assert files_of(dest) == files_of(os.path.join(maker.root, "ckpt-0"))
+
+
+def test_a_symlink_planted_in_dest_is_repaired_into_a_real_file(tmp_path, maker):
+    """A file of DEST replaced by a symlink to a copy outside DEST: the pull said "repaired" but hard-linked the
+    symlink itself into the new version (link(2) does not follow it), at every pull, and `verify --local` followed it
+    and said ok. Editing the outside file then changed what the engine loads."""
+    store = str(tmp_path / "store")
+    src = maker.write()
+    push(store, src)
+    dest = tmp_path / "dest"
+    pull(store, str(dest))
+    outside = tmp_path / "outside.json"
+    outside.write_bytes((dest / "config.json").read_bytes())
+    os.unlink(dest / "config.json")
+    os.symlink(outside, dest / "config.json")
+    verify = deltafs("verify", store, "--local", dest)
+    assert verify.returncode == 6 and "config.json is not a regular file" in verify.stdout, verify.stdout
+    proc = deltafs("pull", store, dest, check=0)
+    assert "repaired" in proc.stdout
+    assert not os.path.islink(dest / "config.json") and os.path.isfile(dest / "config.json")
+    assert deltafs("pull", store, dest, "--once").returncode == 100  # repaired for good: current
+    outside.write_bytes(b"{}")
+    assert files_of(dest) == files_of(src)
+    assert deltafs("verify", store, "--local", dest).returncode == 0
