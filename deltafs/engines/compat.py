@@ -55,7 +55,7 @@ def _file(directory: str, name: str) -> Any:
     if name.endswith(".json"):
         try:
             value = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             return data
         if isinstance(value, dict):
             for key in _IGNORED_CONFIG_KEYS:

@@ -211,6 +211,17 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def json_body(resp: Any, what: str) -> Any:
+    """The response's JSON, or None when the body is not JSON (callers decide what that means). A body nested deeper
+    than the parser's recursion limit is an EngineError: it was a RecursionError that ended the watcher (exit 1)."""
+    try:
+        return resp.json()
+    except ValueError:
+        return None
+    except RecursionError:
+        raise EngineError(f"{what} answered a JSON body nested too deeply to be an answer") from None
+
+
 def error_detail(resp: Any, *keys: str) -> str:
     """The server's error text, in one line: the first of keys in its JSON body, else the raw body or reason.
 
@@ -218,7 +229,7 @@ def error_detail(resp: Any, *keys: str) -> str:
     """
     try:
         data = resp.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         data = None
     detail: Any = None
     if isinstance(data, dict):

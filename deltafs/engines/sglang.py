@@ -25,7 +25,7 @@ from typing import Any
 
 from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
 from deltafs.engines.base import EngineUnreachableError, SwitchError, SwitchResult, Target
-from deltafs.engines.http import HttpEngine, SwitchState, error_detail, one_line, short
+from deltafs.engines.http import HttpEngine, SwitchState, error_detail, json_body, one_line, short
 from deltafs.engines.versions import reported_version
 from deltafs.errors import EngineError, UsageError
 
@@ -141,15 +141,12 @@ class SGLangEngine(HttpEngine):
         return self._answer(method, route, resp)
 
     def _answer(self, method: str, route: str, resp: Any) -> Any:
-        try:
-            data = resp.json()
-        except ValueError:
-            data = None
         if resp.status_code in (401, 403):
             raise EngineAuthError(self._auth_message(method, route, resp.status_code))
         if not 200 <= resp.status_code < 300:
             detail = error_detail(resp, "message", "detail")
             raise EngineError(f"{method} {route} answered HTTP {resp.status_code}: {detail}")
+        data = json_body(resp, f"{method} {route}")
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineError(f"{method} {route} reported failure: {one_line(str(data.get('message', '')))}")
         return data

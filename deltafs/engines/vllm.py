@@ -21,7 +21,7 @@ from typing import Any
 
 from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
 from deltafs.engines.base import EngineUnreachableError, Target
-from deltafs.engines.http import HttpEngine, SwitchState, error_detail, short
+from deltafs.engines.http import HttpEngine, SwitchState, error_detail, json_body, short
 from deltafs.engines.versions import reported_version
 from deltafs.errors import EngineError, UsageError
 
@@ -131,10 +131,7 @@ class VLLMEngine(HttpEngine):
                               f"{short(error_detail(resp, 'error', 'detail', 'message'))}")
         if text:
             return resp.text
-        try:
-            return resp.json()
-        except ValueError:
-            return None  # /collective_rpc answers an empty 200 when no worker returned anything
+        return json_body(resp, f"{method} {route}")  # None: /collective_rpc answers an empty 200 when no worker returned anything
 
     def _set_label(self, version: str) -> None:
         self._call("POST", SET_VERSION_ROUTE, version_body(version), self.timeout)

@@ -152,3 +152,36 @@ def test_an_answer_dripped_byte_by_byte_times_out_as_a_whole(adapter):
         stop.set()
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.mark.parametrize("adapter", [SGLangEngine, VLLMEngine])
+@pytest.mark.parametrize("status", [200, 500])
+def test_a_json_answer_nested_too_deeply_is_an_engine_error(adapter, status):
+    """json raised RecursionError on an answer nested 100,000 levels deep; it went past every handler for
+    EngineError and ended the watcher (exit 1). It is an engine error now (cron: exit 10; the watcher goes on)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = b"[" * 100_000 + b"]" * 100_000
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        engine = adapter(f"http://127.0.0.1:{httpd.server_address[1]}", timeout=10)
+        with pytest.raises(EngineError):
+            engine.served_version()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
