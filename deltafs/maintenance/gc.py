@@ -161,7 +161,7 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
     plan.remove = sorted((v for v in versions if v not in keep), reverse=True)
     referenced = referenced_objects(f for v in keep for f in manifests[v].files)
     for v, key in _fold_keys(repo):
-        fold = load_fold(repo, manifests[v]) if v in keep else None
+        fold = _load(load_fold, repo, manifests[v], key) if v in keep else None
         if fold is not None:
             referenced |= referenced_objects(fold.files)
         else:  # the fold of a removed version, or one that is unusable anyway
@@ -172,7 +172,7 @@ def make_plan(repo: Repository, *, keep_last: int, keep_full: int = 0, grace: fl
             # next push of that version replaces, and which goes once the version exists and it does not match).
             continue
         # A kept full version keeps its bridge even when its parent goes: a host that holds the parent can use it.
-        bridge = load_bridge(repo, manifests[v]) if v in keep else None
+        bridge = _load(load_bridge, repo, manifests[v], key) if v in keep else None
         if bridge is not None:
             referenced |= referenced_objects(bridge.files)
         else:  # the bridge of a removed version, or one that is unusable anyway
@@ -336,12 +336,21 @@ def _absorb_new_versions(repo: Repository, plan: GcPlan) -> None:
     # Folds written since planning (a push writes its fold just after its commit) and bridges of versions committed
     # since planning (written just before their manifests) keep their chunks.
     for keys, load, going in ((_fold_keys, load_fold, plan.folds), (_bridge_keys, load_bridge, plan.bridges)):
-        for v, _key in keys(repo):
+        for v, key in keys(repo):
             if v in plan.keep and v not in going:
-                extra = load(repo, repo.manifest(v))
+                extra = _load(load, repo, repo.manifest(v), key)
                 if extra is not None:
                     needed = referenced_objects(extra.files)
                     plan.chunks = {c: n for c, n in plan.chunks.items() if c not in needed}
+
+
+def _load(load: Callable[..., Manifest | None], repo: Repository, man: Manifest, key: str) -> Manifest | None:
+    """A kept version's fold or bridge, None when it is absent or unusable (then removed); a store error stops gc:
+    a timeout read as "unusable" deleted a kept version's bridge and fold for good."""
+    try:
+        return load(repo, man, strict=True)
+    except StoreError as exc:
+        raise StoreError(f"gc stopped: {key} cannot be read ({exc}); run gc again") from None
 
 
 def _fold_keys(repo: Repository) -> list[tuple[int, str]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from deltafs.errors import DeltafsError, ObjectNotFoundError
+from deltafs.errors import DeltafsError, ObjectNotFoundError, StoreError
 from deltafs.format.keys import bridge_key, fold_key
 from deltafs.format.manifest import Manifest
 from deltafs.format.records import MANIFEST_MAX_BYTES
@@ -32,9 +32,10 @@ def _same_files(a: Manifest, b: Manifest) -> bool:
     return [(f.path, f.size, f.digest) for f in a.files] == [(f.path, f.size, f.digest) for f in b.files]
 
 
-def load_fold(repo: Repository, target: Manifest) -> Manifest | None:
-    """The fold of `target`, or None if there is none or it is not usable (never an error)."""
-    found = _load_accelerator(repo, fold_key(target.version), target.version, "fold")
+def load_fold(repo: Repository, target: Manifest, *, strict: bool = False) -> Manifest | None:
+    """The fold of `target`, or None if there is none or it is not usable (never an error; with strict, a store that
+    cannot be read is one: gc, which deletes what it cannot use, must not take a timeout for "unusable")."""
+    found = _load_accelerator(repo, fold_key(target.version), target.version, "fold", strict)
     return found[0] if found is not None and is_fold_of(found[0], target) else None
 
 
@@ -50,11 +51,18 @@ def _read_sized(repo: Repository, key: str, version: int, what: str) -> tuple[Ma
     return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what), len(data)
 
 
-def _load_accelerator(repo: Repository, key: str, version: int, what: str) -> tuple[Manifest, int] | None:
-    """(manifest, stored size) as read_accelerator reads it, or None if there is none or it is unreadable (logged)."""
+def _load_accelerator(repo: Repository, key: str, version: int, what: str,
+                      strict: bool = False) -> tuple[Manifest, int] | None:
+    """(manifest, stored size) as read_accelerator reads it, or None if there is none or it is unusable (logged).
+    strict: a store error (a timeout after the retries, access denied) is raised, not taken for "unusable"."""
     try:
         return _read_sized(repo, key, version, what)
     except ObjectNotFoundError:
+        return None
+    except StoreError as exc:
+        if strict:
+            raise
+        log.warning("ignoring the %s of version %s: %s", what, version, exc)
         return None
     except DeltafsError as exc:
         log.warning("ignoring the %s of version %s: %s", what, version, exc)
@@ -70,17 +78,18 @@ def is_bridge_of(bridge: Manifest, target: Manifest) -> bool:
             and _same_files(bridge, target))
 
 
-def load_bridge(repo: Repository, target: Manifest) -> Manifest | None:
-    """The bridge of full version `target`, or None if there is none or it is not usable (never an error)."""
-    found = load_bridge_sized(repo, target)
+def load_bridge(repo: Repository, target: Manifest, *, strict: bool = False) -> Manifest | None:
+    """The bridge of full version `target`, or None if there is none or it is not usable (never an error; strict:
+    as for load_fold)."""
+    found = load_bridge_sized(repo, target, strict=strict)
     return None if found is None else found[0]
 
 
-def load_bridge_sized(repo: Repository, target: Manifest) -> tuple[Manifest, int] | None:
+def load_bridge_sized(repo: Repository, target: Manifest, *, strict: bool = False) -> tuple[Manifest, int] | None:
     """load_bridge, with the bridge manifest's stored size (from the same read: one request)."""
     if target.kind != "full" or target.parent is None:
         return None
-    found = _load_accelerator(repo, bridge_key(target.version), target.version, "bridge")
+    found = _load_accelerator(repo, bridge_key(target.version), target.version, "bridge", strict)
     return found if found is not None and is_bridge_of(found[0], target) else None
 
 

@@ -382,3 +382,34 @@ def test_a_gc_whose_lock_another_gc_took_over_stops_before_deleting_chunks(tmp_p
     assert Repository.open(store).versions() == [1, 3]  # nor a manifest after the first (the takeover's moment)
     assert StoreLock(objects).try_acquire() is not None  # the other gc's lock is left alone
     other.release()
+
+
+@pytest.mark.parametrize("what", ["bridges", "folds"])
+def test_a_kept_versions_bridge_or_fold_that_cannot_be_read_now_stops_gc(tmp_path, maker, what):
+    """A store error reading a kept version's bridge or fold (a timeout after the retries) was taken for "unusable":
+    gc deleted it and the objects only it names, for good, and a host at the parent then read the whole version. It
+    stops gc now (exit 3), as a manifest that cannot be read does; a damaged one is still removed."""
+    from deltafs.errors import StoreError, exit_code
+    from deltafs.format.keys import bridge_key, fold_key
+    from deltafs.store.repo import Repository
+
+    store = str(tmp_path / "store")
+    push_history(store, maker, 5, keyframe_every=3, fold=True)  # full 1 and 4 (bridge 4); fold of 3 (and 5)
+    key = bridge_key(4) if what == "bridges" else fold_key(3)
+    repo = Repository.open(store)
+    assert repo.objects.exists(key)
+    real = repo.objects.get
+
+    def flaky(k, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if k == key:
+            raise StoreError(f"cannot read {k} at {store} after 5 attempts: Read timed out")
+        return real(k, *args, **kwargs)
+
+    repo.objects.get = flaky  # type: ignore[method-assign]
+    before = store_bytes(store)
+    with pytest.raises(StoreError, match=f"gc stopped: {key} cannot be read") as err:
+        gc(repo, keep_last=3, grace=0, settle=0)
+    assert exit_code(err.value) == 3
+    assert store_bytes(store) == before and os.path.exists(os.path.join(store, key))
+    gc(store, keep_last=3, grace=0, settle=0)  # readable again: kept
+    assert os.path.exists(os.path.join(store, key)) and verify(store, all_versions=True).ok
