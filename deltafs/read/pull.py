@@ -19,6 +19,7 @@ from typing import Any
 
 from deltafs.errors import (
     ChunkNotFoundError,
+    FormatError,
     IntegrityError,
     ObjectNotFoundError,
     StoreError,
@@ -128,7 +129,9 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             chain = _plan(repo, target, state, repaired is not None)
             path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, recycle_keep)
             fallback = False
-        except (LocalBaseError, IntegrityError, ObjectNotFoundError) as exc:
+        except (LocalBaseError, IntegrityError, ObjectNotFoundError, FormatError) as exc:
+            if isinstance(exc, FormatError) and (chain is None or not _accelerated(chain)):
+                raise  # in the version's own records: final (a bridge's or fold's is only an accelerator's)
             if state is None and (chain is None or chain.final is None):
                 raise _failure_of(repo, exc, target) from None  # already the plain path from a full version
             # The delta path is unusable (local base corrupt, chunk missing or bad): start over
@@ -177,6 +180,12 @@ def _plan(repo: Repository, target: int, state: LocalState | None, repair: bool)
     # Repair of the version DEST already holds: rebuild from the nearest full version, but let the
     # builder hard-link every local file whose sha256 still matches, so only edited files are fetched.
     return replace(plan_chain(repo, target, None, folds=True), local=state)
+
+
+def _accelerated(chain: Chain) -> bool:
+    """Whether the chain reads a fold or a bridge: records that are not the version's own, and that a reader may
+    always do without (FORMAT.md), so anything wrong with them sends the pull to the plain path."""
+    return chain.final is not None or any("bridge_of" in step.stats for step in chain.steps)
 
 
 def _failure_of(repo: Repository, exc: BaseException, version: int) -> BaseException:

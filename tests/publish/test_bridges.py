@@ -188,6 +188,38 @@ def test_a_damaged_bridge_falls_back_to_the_full_version(tmp_path, history, capl
     assert "ignoring the bridge of version 7" in caplog.text
 
 
+def test_a_bridge_with_a_codec_record_that_cannot_be_decoded_falls_back(tmp_path, history):
+    """A bridge that loads (its digest matches) but names a codec record no decoder takes made the pull exit 5 (a
+    format error in the version, as if the store were damaged); a bridge is only an accelerator: fall back."""
+    store, srcs, _results, repo = history
+    dest = _pull_at(store, tmp_path / "dest", 3)
+    bridge = load_bridge(repo, repo.manifest(4))
+    assert bridge is not None
+
+    def broken(rec):  # type: ignore[no-untyped-def]
+        return replace(rec, codec={**rec.codec, "width": 3})  # no element is 3 bytes wide
+
+    done = []
+    files = []
+    for f in bridge.files:
+        segs = []
+        for seg in f.segments:
+            chunks = []
+            for rec in seg.chunks:
+                if not done and rec.codec["name"] not in ("same", "raw"):
+                    rec = broken(rec)
+                    done.append(rec)
+                chunks.append(rec)
+            segs.append(replace(seg, chunks=tuple(chunks)))
+        files.append(replace(f, segments=tuple(segs)))
+    assert done
+    forged = replace(bridge, files=tuple(files), digest=None).sealed()
+    repo.objects.put(bridge_key(4), forged.encode())
+    assert load_bridge(repo, repo.manifest(4)) is not None  # usable as far as a reader can tell before decoding
+    res = pull(store, str(dest), version=4)
+    assert res.fallback and res.from_full and files_of(dest) == files_of(srcs[4])
+
+
 def test_no_bridge_when_asked_or_when_the_cache_does_not_hold_the_parent(tmp_path):
     results = {}
     for name in ("a", "b"):
