@@ -128,7 +128,8 @@ EXIT_MEANINGS: dict[int, str] = {
     9: "DEST refused: another store's checkpoint, foreign files, or a path beside DEST that deltafs did not make",
     10: "the engine refused or failed an update, or the version needs an engine restart",
     11: "not every host of a multi-node engine has the version staged yet (`watch --once`)",
-    12: "local write failed: disk full, a file where a directory must go, a name too long (the message names the path)",
+    12: "local write failed: disk full, a file where a directory must go, a name too long, a file size limit, no "
+        "permission (the message names the path)",
     EXIT_CURRENT: "`pull --once`: already current",
     EXIT_BUSY: "`pull --once`: another pull holds DEST's lock, or another process is switching DEST's engine",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C; SIGTERM to a one-shot command outside an engine switch)",
@@ -136,8 +137,10 @@ EXIT_MEANINGS: dict[int, str] = {
                         "what the command did is done",
 }
 
-# Local OS errors that are the user's disk, not a bug.
-_LOCAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EROFS}
+# Local OS errors that are the user's disk, not a bug: also a file size limit (ulimit -f, a filesystem's largest
+# file) and permissions (a directory of DEST's made read-only), which were exit 1, "internal error".
+_LOCAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EROFS, errno.EFBIG,
+                 errno.EACCES, errno.EPERM}
 
 
 def integer(value: object) -> int | None:

@@ -333,3 +333,27 @@ def test_a_closed_stdout_is_exit_141_and_quiet(tmp_path, maker):
         finally:
             os.close(write)
         assert proc.returncode == EXIT_OUTPUT_CLOSED and proc.stderr == "", (args, proc.returncode, proc.stderr)
+
+
+def test_a_file_size_limit_or_a_read_only_sidecar_is_a_local_write_failure(tmp_path):
+    """`ulimit -f` below a file of the version: "deltafs: error: File too large", exit 1 (an internal error); a
+    directory of DEST's made unwritable (EACCES) was exit 1 too. Both are exit 12, as README's table says."""
+    import subprocess
+
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    save_file({"w": torch.randn(512, 1024)}, str(src / "model.safetensors"))  # 2 MiB
+    store, dest = tmp_path / "store", tmp_path / "dest"
+    run_cli("push", src, store, "-q", check=0)
+    exe = os.path.join(os.path.dirname(sys.executable), "deltafs")
+    proc = subprocess.run(["bash", "-c", f'ulimit -f 1024; exec "{exe}" pull "{store}" "{dest}"'],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 12, proc.stderr
+    assert proc.stderr.startswith("deltafs: error: cannot write ") and "File too large" in proc.stderr, proc.stderr
+    assert not dest.exists()
+    from deltafs.errors import exit_code
+
+    assert exit_code(PermissionError(13, "Permission denied")) == 12
