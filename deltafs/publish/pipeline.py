@@ -39,7 +39,7 @@ from deltafs.publish.fold import FoldPart, encode_fold_part, fold_needed, write_
 from deltafs.publish.options import PushOptions, PushResult
 from deltafs.publish.plan import Decision, base_for, cached_base, decide, default_cache_dir, drop_cache
 from deltafs.publish.source import SourceFile, scan_file
-from deltafs.read.dest import LocalCheckpoint, LocalState
+from deltafs.read.dest import LocalCheckpoint, LocalState, sidecar_holding
 from deltafs.read.rebuild import LocalBaseError
 from deltafs.store.lock import PushGuard
 from deltafs.store.repo import Repository
@@ -200,7 +200,12 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
         t0: float | None = None) -> PushResult:
     """Push this rank's files as part of one version; every rank of `world` must call it. See the module docstring."""
     t0 = time.monotonic() if t0 is None else t0
-    sizes = collective(world, "sizing the checkpoint", lambda: sum(f.size for f in work.files))
+
+    def size() -> int:
+        _refuse_store_in_a_dest(store)  # on every rank: each may name another path to the same store
+        return sum(f.size for f in work.files)
+
+    sizes = collective(world, "sizing the checkpoint", size)
     repo_box: list[Repository] = []
 
     def open_repo(create: bool = False) -> Repository:
@@ -232,6 +237,19 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
         rank.close_guard()
     return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes, "digest": man.digest,
                          "base_rederived": any(r.rederived for r in reports)})
+
+
+def _refuse_store_in_a_dest(store: str | Repository) -> None:
+    """A local store path that is a pulled DEST, or lies in one's sidecar, is refused (exit 2) before the store is
+    created: the push wrote the store into the version directory an engine served, and the next pull's repair
+    deleted it as files foreign to that version."""
+    if not isinstance(store, str) or ("://" in store and not store.startswith("file://")):
+        return
+    path = os.path.expanduser(store.removeprefix("file://"))
+    sidecar = sidecar_holding(path)
+    if sidecar is not None:
+        raise UsageError(f"the store {store} is inside {sidecar}, where deltafs keeps the versions pulled into "
+                         f"{sidecar[:-len('.deltafs')]}; push to a store directory outside it")
 
 
 def _from_copy(files: list[SourceFile], root: str) -> list[SourceFile]:

@@ -669,6 +669,18 @@ def _file_stamps(directory: str, manifest: Manifest) -> dict[str, list[int]]:
     return out
 
 
+def sidecar_holding(path: str) -> str | None:
+    """The deltafs sidecar (DEST.deltafs, beside a DEST symlink or holding a lock file) that path lies in once links
+    are resolved, or None: where deltafs keeps a DEST's verified versions, which nothing else may write into."""
+    parts = os.path.realpath(path).split(os.sep)
+    for i in range(1, len(parts)):
+        if parts[i].endswith(SIDECAR_SUFFIX) and len(parts[i]) > len(SIDECAR_SUFFIX):
+            sidecar = os.sep.join(parts[:i + 1])
+            if os.path.islink(sidecar[:-len(SIDECAR_SUFFIX)]) or os.path.lexists(os.path.join(sidecar, "lock")):
+                return sidecar
+    return None
+
+
 def refuse_nested(local: LocalCheckpoint, store_root: str | None) -> None:
     """Refuse a DEST inside the store it reads (its sidecar would be a foreign key there: gc stops on it, verify
     fails) or inside a deltafs sidecar (another DEST's verified versions, which nothing may write into), whatever
@@ -678,13 +690,10 @@ def refuse_nested(local: LocalCheckpoint, store_root: str | None) -> None:
         root = os.path.realpath(store_root)
         if where == root or where.startswith(root.rstrip(os.sep) + os.sep):
             raise DestinationError(f"{local.dest} is inside the store {store_root}; pull into a directory outside it")
-    parts = where.split(os.sep)
-    for i in range(1, len(parts)):
-        if parts[i].endswith(SIDECAR_SUFFIX) and len(parts[i]) > len(SIDECAR_SUFFIX):
-            sidecar = os.sep.join(parts[:i + 1])
-            if os.path.islink(sidecar[:-len(SIDECAR_SUFFIX)]) or os.path.lexists(os.path.join(sidecar, "lock")):
-                raise DestinationError(f"{local.dest} is inside {sidecar}, where deltafs keeps the versions of "
-                                       f"{sidecar[:-len(SIDECAR_SUFFIX)]}; pull into a directory outside it")
+    sidecar = sidecar_holding(where)
+    if sidecar is not None:
+        raise DestinationError(f"{local.dest} is inside {sidecar}, where deltafs keeps the versions of "
+                               f"{sidecar[:-len(SIDECAR_SUFFIX)]}; pull into a directory outside it")
 
 
 def precheck(local: LocalCheckpoint, force: bool) -> None:

@@ -102,3 +102,20 @@ def test_a_pulled_dest_is_not_a_source(tmp_path, maker):
     pull(store, dest)
     with pytest.raises(SourceError, match="pull destination"):
         push(str(tmp_path / "store2"), dest)
+
+
+def test_a_pulled_dest_is_not_a_store(tmp_path, maker):
+    """`deltafs push SRC DEST` (a pulled DEST as STORE) only warned: the store was written into the version
+    directory an engine served, and the next pull's repair deleted it as files foreign to that version. Refused,
+    exit 2, before anything is written; so is a store path inside DEST's sidecar."""
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    push(store, maker.write())
+    pull(store, dest)
+    served = os.path.realpath(dest)
+    before = sorted(os.listdir(served))
+    for target in (dest, f"{dest}.deltafs/store", f"file://{dest}"):
+        proc = run_cli("push", maker.write("next"), target)
+        assert proc.returncode == 2, proc.stderr
+        assert f"is inside {dest}.deltafs, where deltafs keeps the versions pulled into {dest}" in proc.stderr
+    assert sorted(os.listdir(served)) == before and not os.path.exists(f"{dest}.deltafs/store")
+    assert run_cli("pull", store, dest, "--once").returncode == 100  # DEST untouched
