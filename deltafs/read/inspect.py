@@ -7,6 +7,7 @@ checkpoint. `plan_pull` answers "what would `deltafs pull` do" without writing a
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict, dataclass
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from deltafs.errors import UsageError
+from deltafs.errors import FormatError, IntegrityError, ObjectNotFoundError, UsageError
 from deltafs.format.dtypes import NUMPY_NAMES, TORCH_NAMES
 from deltafs.format.manifest import FileEntry, Manifest, Segment, payload_bytes
 from deltafs.format.versions import check_version
@@ -22,6 +23,11 @@ from deltafs.read.dest import LocalCheckpoint
 from deltafs.read.chain import MAX_BRIDGES, Chain, chain_objects, plan_chain
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
+
+log = logging.getLogger(__name__)
+
+# What a fold can fail with; the version's own chain then still reads it (FORMAT.md, "Folded deltas").
+FOLD_FAILURES = (IntegrityError, ObjectNotFoundError, FormatError)
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class VersionReader:
     def __init__(self, repo: Repository, chain: Chain) -> None:
         self.repo = repo
         self.manifest = chain.target
+        self._chain = chain
         self._builder = Builder(repo, chain, ChunkSource(repo, None))
         self._segments = {seg.key[2:]: (f, seg) for f in self.manifest.files for seg in f.segments
                           if seg.kind == "tensor"}
@@ -81,9 +88,16 @@ class VersionReader:
         f, seg = self._find(name)
         return self._segment_bytes(f, seg)
 
+    def without_fold(self) -> VersionReader | None:
+        """A reader of the same version by its own chain when this one reads it through a fold, else None."""
+        if self._chain.final is None:
+            return None
+        return VersionReader(self.repo, plan_chain(self.repo, self.version, None))
+
     def tensor_chunks(self, name: str) -> Iterator[np.ndarray]:
         """The tensor's bytes chunk by chunk (see Builder.segment_chunks: each view valid until the next; the digest
-        is checked after the last, so trust what they say only once the iteration ended)."""
+        is checked after the last, so trust what they say only once the iteration ended). Read through the fold when
+        there is one: a failure is raised, and without_fold() gives a reader that does without it."""
         f, seg = self._find(name)
         return self._builder.segment_chunks(f, seg)
 
@@ -115,7 +129,15 @@ class VersionReader:
             raise UsageError(f"version {self.version} has no tensor {name!r}") from None
 
     def _segment_bytes(self, f: FileEntry, seg: Segment) -> bytes:
-        return self._builder.segment_bytes(f, seg)
+        try:
+            return self._builder.segment_bytes(f, seg)
+        except FOLD_FAILURES as exc:
+            plain = self.without_fold()
+            if plain is None:
+                raise
+            log.warning("reading version %s without its fold (%s)", self.version, exc)
+            self._chain, self._builder = plain._chain, plain._builder  # and for every later read
+            return self._builder.segment_bytes(f, seg)
 
 
 def open_version(store: str | Repository, version: int | None = None, *,

@@ -83,6 +83,29 @@ def test_a_damaged_or_foreign_fold_is_not_trusted(tmp_path, history):
     assert verify(store, all_versions=True).ok  # verify checks the ordinary chains
 
 
+def test_show_diff_and_open_version_read_past_a_damaged_fold(tmp_path, history):
+    """An object only the fold of version 4 names, deleted: pull and verify were fine, but `deltafs diff 3 4` exited
+    6 and open_version(4).tensor_bytes() raised ChunkNotFoundError. They read the version by its own chain now."""
+    from deltafs.maintenance.inspect import diff
+    from deltafs.read.inspect import open_version
+    from deltafs.testing.checkpoints import run_cli
+    from safetensors.numpy import load_file
+
+    store, srcs, _results, repo = history
+    fold, own = load_fold(repo, repo.manifest(4)), plan_chain(repo, 4, None).steps
+    theirs = {ch.object for m in own for f in m.files for s in f.segments for ch in s.chunks if ch.object}
+    victim = next(ch.object for f in fold.files for s in f.segments for ch in s.chunks
+                  if ch.object and ch.object not in theirs)
+    repo.objects.delete(f"chunks/{victim[:2]}/{victim}")
+    expected = load_file(str(srcs[4] / "model.safetensors"))
+    reader = open_version(store, 4)
+    for name, value in expected.items():
+        assert reader.tensor_bytes(name) == value.tobytes()
+    assert any(d.changed for d in diff(store, 3, 4))
+    proc = run_cli("diff", store, "3", "4")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_gc_removes_folds_of_removed_versions_and_keeps_what_kept_folds_need(tmp_path, history):
     store, srcs, _results, repo = history
     res = gc(store, keep_last=2, grace=0, settle=0)  # keeps 7, 8 and their chain from full 6
