@@ -38,6 +38,9 @@ class Chain:
     steps: list[Manifest]  # oldest first; the last one is the target (or its fold, see final)
     local: LocalState | None  # the base the first step applies to; None when the chain starts at a full version
     final: Manifest | None = None  # the target's own manifest when the last step is a fold
+    # What DEST holds when the chain does not start from it (local is None): its files equal to the target's are
+    # hard-linked after a re-hash instead of rebuilt (a pull that crosses a full version re-read unchanged files).
+    link: LocalState | None = None
 
     @property
     def target(self) -> Manifest:

@@ -138,7 +138,7 @@ def pull(store: str | Repository, dest: str, *, version: int | None = None,
             # from the nearest full version. A full-path failure is final.
             log.warning(f"delta path to version {target} failed ({exc}); rebuilding from a full version")
             try:
-                chain = plan_chain(repo, target, None)
+                chain = _linking(plan_chain(repo, target, None), state)  # linked files are re-hashed first
                 path, source, _ = _materialize(repo, local, chain, progress, threads, chunk_cache, recycle_keep)
             except (IntegrityError, ObjectNotFoundError, VersionNotFoundError) as exc2:
                 raise _failure_of(repo, exc2, target) from None
@@ -176,10 +176,15 @@ def _check_arguments(dest: Any, version: Any, threads: Any, keep: Any, storage_o
 
 def _plan(repo: Repository, target: int, state: LocalState | None, repair: bool) -> Chain:
     if not repair:
-        return plan_chain(repo, target, state, folds=True, bridges=MAX_BRIDGES)
+        return _linking(plan_chain(repo, target, state, folds=True, bridges=MAX_BRIDGES), state)
     # Repair of the version DEST already holds: rebuild from the nearest full version, but let the
     # builder hard-link every local file whose sha256 still matches, so only edited files are fetched.
     return replace(plan_chain(repo, target, None, folds=True), local=state)
+
+
+def _linking(chain: Chain, state: LocalState | None) -> Chain:
+    """chain, taking DEST's unchanged files by hard link when it starts from a full version instead of DEST."""
+    return replace(chain, link=state) if chain.local is None and state is not None else chain
 
 
 def _accelerated(chain: Chain) -> bool:

@@ -603,7 +603,7 @@ class Builder:
 
     def _link_unchanged(self, f: FileEntry, out_dir: str) -> bool:
         """Reuse an identical local file (hard link, else copy) after re-hashing it."""
-        local = self.chain.local
+        local = self.chain.local or self.chain.link
         if local is None:
             return False
         for lf in local.manifest.files:

@@ -101,3 +101,32 @@ def test_a_version_gc_removes_while_it_is_pulled_is_reported_as_gone(tmp_path, m
     with pytest.raises(VersionNotFoundError, match="version 3 is not in .*: it was removed while this pull read it"):
         pull(store, dest, version=3)
     assert (local_version(dest).version if holds_a_version else local_version(dest)) == (1 if holds_a_version else None)
+
+
+def test_a_pull_from_a_full_version_links_the_files_dest_holds_unchanged(tmp_path, maker):
+    """A pull whose chain starts at a full version (DEST behind a keyframe without a bridge) rebuilt every file from
+    the store, also those DEST held unchanged, while `pull --dry-run` counted them as linked. They are re-hashed and
+    hard-linked, as the dry run says."""
+    import json
+    import os
+
+    from deltafs.read.inspect import plan_pull
+
+    store, dest = str(tmp_path / "store"), str(tmp_path / "dest")
+    frozen = os.urandom(1 << 20)  # a file no step changes (a frozen tower, a tokenizer)
+    for n in range(3):
+        src = maker.write(f"s{n}")
+        with open(os.path.join(src, "frozen.bin"), "wb") as fh:
+            fh.write(frozen)
+        push(store, src, full=n == 2, bridge=False)
+        maker.advance()
+    pull(store, dest, version=1)
+    held = os.path.join(os.path.realpath(dest), "frozen.bin")
+    plan = plan_pull(store, dest)
+    assert plan.files_linked >= 1
+    res = pull(store, dest)
+    assert res.version == 3 and res.from_full
+    assert os.stat(os.path.join(dest, "frozen.bin")).st_ino == os.stat(held).st_ino
+    assert res.bytes_read == plan.bytes_to_read < len(frozen)
+    assert files_of(dest) == files_of(src) and verify(store, local=dest).ok
+    assert json.loads(json.dumps(plan.to_json()))["files_linked"] == plan.files_linked
