@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deltafs.errors import DeltafsError, IntegrityError
+from deltafs.errors import DeltafsError, IntegrityError, VersionNotFoundError
 from deltafs.format.manifest import DELTA_CODECS, Manifest
 from deltafs.read.dest import LocalState
 from deltafs.store.accelerators import load_bridge, load_fold
@@ -75,7 +75,16 @@ def plan_chain(repo: Repository, target: int, local: LocalState | None, *, folds
             return chain
         if man.parent is None:
             raise IntegrityError(f"version {man.version} is a delta without a parent")
-        parent = repo.manifest(man.parent)
+        if local is not None and man.parent == local.version and man.parent_digest == local.digest:
+            steps.reverse()  # DEST holds the parent: its manifest is in DEST's state (the store's may be gone)
+            return Chain(steps, local)
+        try:
+            parent = repo.manifest(man.parent)
+        except VersionNotFoundError:
+            # Said about the version asked for: "version 12 is not in STORE" (exit 4) for a pull of 14 read as if
+            # 14 were missing. A chain with a hole is a damaged store.
+            raise IntegrityError(f"version {target} cannot be rebuilt: version {man.parent}, the parent of version "
+                                 f"{man.version}, is missing from the store; run 'deltafs verify --all'") from None
         if parent.digest != man.parent_digest:
             raise IntegrityError(
                 f"version {man.version} was made against another version {man.parent} (base digest mismatch)",

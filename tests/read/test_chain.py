@@ -130,3 +130,30 @@ def test_a_pull_from_a_full_version_links_the_files_dest_holds_unchanged(tmp_pat
     assert res.bytes_read == plan.bytes_to_read < len(frozen)
     assert files_of(dest) == files_of(src) and verify(store, local=dest).ok
     assert json.loads(json.dumps(plan.to_json()))["files_linked"] == plan.files_linked
+
+
+def test_a_missing_parent_manifest_is_named_as_damage_and_a_dest_holding_it_still_updates(tmp_path, maker):
+    """manifests/v2 removed by hand: `pull --version 4` said "version 2 is not in STORE" (exit 4, as if the version
+    asked for were missing), and a DEST holding exactly version 2 could not update although it needs nothing from
+    that manifest. Now: exit 6 naming version 4; the DEST at version 2 updates."""
+    import os
+
+    from deltafs.errors import IntegrityError
+    from deltafs.testing.checkpoints import run_cli
+
+    store = str(tmp_path / "store")
+    srcs = {}
+    for v in range(1, 5):
+        srcs[v] = maker.write(f"s{v}")
+        push(store, srcs[v])
+        maker.advance()
+    at2 = str(tmp_path / "at2")
+    pull(store, at2, version=2)
+    os.unlink(os.path.join(store, "manifests", "v0000000002.json"))
+    proc = run_cli("pull", store, tmp_path / "fresh", "--version", "4")
+    assert proc.returncode == 6, proc.stderr
+    assert "version 4 cannot be rebuilt: version 2, the parent of version 3, is missing" in proc.stderr
+    with pytest.raises(IntegrityError):
+        pull(store, str(tmp_path / "fresh2"), version=4)
+    res = pull(store, at2, version=4)
+    assert res.previous == 2 and not res.from_full and files_of(at2) == files_of(srcs[4])
