@@ -7,6 +7,7 @@ import pytest
 from deltafs.read.pull import local_version, pull
 from deltafs.format.keys import bridge_key
 from deltafs.read.chain import MAX_BRIDGES, chain_cost, plan_chain
+from deltafs.read.inspect import plan_pull
 from deltafs.store.repo import Repository
 from deltafs.testing.checkpoints import files_of
 
@@ -50,9 +51,11 @@ def test_reader_before_a_full_version_starts_there_or_crosses_it_by_its_bridge(t
     # before 5 is read.
     repo.objects.delete(bridge_key(5))
     dest = _reader_at(tmp_path, store, 2, "dest2")
+    plan = plan_pull(store, str(dest), version=7)
     res = pull(store, str(dest), version=7)
     assert res.from_full
-    assert res.bytes_read == bytes_needed(repo, 7, None)
+    # ... less what DEST holds unchanged (config.json), linked instead of read, as the dry run says
+    assert res.bytes_read == plan.bytes_to_read < bytes_needed(repo, 7, None) and plan.files_linked
     assert files_of(dest) == files_of(srcs[7])
 
 
@@ -70,8 +73,9 @@ def test_reader_with_nothing_starts_at_the_newest_full_version_at_or_below_the_t
 def test_reader_going_back_to_an_older_version(tmp_path, history):
     store, srcs, repo = history
     dest = _reader_at(tmp_path, store, 8)
+    plan = plan_pull(store, str(dest), version=3)
     res = pull(store, str(dest), version=3)
-    assert res.from_full and res.bytes_read == bytes_needed(repo, 3, None)
+    assert res.from_full and res.bytes_read == plan.bytes_to_read < bytes_needed(repo, 3, None)  # links config.json
     assert files_of(dest) == files_of(srcs[3])
 
 
