@@ -244,6 +244,12 @@ class DeviceBaseline:
         prev.copy_(src)  # device to device (asynchronous on an accelerator: end() waits for it)
 
 
+def check_baseline(baseline: object) -> None:
+    """UsageError unless baseline is None or a DeviceBaseline."""
+    if baseline is not None and not isinstance(baseline, DeviceBaseline):
+        raise UsageError(f"device_baseline must be a deltafs.DeviceBaseline, not {type(baseline).__name__}")
+
+
 class Committed:
     """What a push tells its baseline_push: the digest of the manifest it committed."""
 
@@ -264,8 +270,7 @@ def baseline_push(baseline: DeviceBaseline | None) -> Iterator[Committed]:
     if baseline is None:
         yield done
         return
-    if not isinstance(baseline, DeviceBaseline):
-        raise UsageError(f"device_baseline must be a deltafs.DeviceBaseline, not {type(baseline).__name__}")
+    check_baseline(baseline)
     baseline.begin()
     ok = False
     try:
@@ -275,4 +280,4 @@ def baseline_push(baseline: DeviceBaseline | None) -> Iterator[Committed]:
         baseline.end(ok, done.digest)
 
 
-__all__ = ["Committed", "DeviceBaseline", "DiffStats", "Known", "VersionId", "Writing", "baseline_push"]
+__all__ = ["Committed", "DeviceBaseline", "check_baseline", "DiffStats", "Known", "VersionId", "Writing", "baseline_push"]

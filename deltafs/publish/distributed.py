@@ -29,7 +29,7 @@ from typing import Any, TypeVar, Unpack
 
 from deltafs.errors import SourceError, UsageError, integer
 from deltafs.format.manifest import path_clash
-from deltafs.publish.device_diff import DeviceBaseline, baseline_push
+from deltafs.publish.device_diff import DeviceBaseline, baseline_push, check_baseline
 from deltafs.publish.hf import INDEX_FILE, check_tensor, collect_tensors, index_bytes, make_shard, shard_file_name
 from deltafs.publish.options import PushKeywords, PushOptions, PushResult
 from deltafs.publish.pipeline import DistributedPushError, RankWork, World, collective, run
@@ -116,7 +116,7 @@ def on_every_rank(what: str, fn: Callable[[], T], *, group: Any = None) -> T:
         box.append(fn())
         return True
 
-    collective(comm, what, run)
+    collective(comm, what, run, tag="on_every_rank")  # what may name the rank ("loading shard 3"): not the tag
     return box[0]
 
 
@@ -289,6 +289,7 @@ def push_distributed(store: str, tensors: Mapping[str, Any], options: PushOption
             raise UsageError(f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
         if extra_files is not None and not isinstance(extra_files, Mapping):
             raise UsageError(f"extra_files must be a mapping of paths to bytes, got {type(extra_files).__name__}")
+        check_baseline(device_baseline)  # here, inside the collective: on one rank alone the others would wait
         mine.append(opts)  # stays on this rank (storage options, callbacks)
         step = {STEP_KEY: opts.metadata[STEP_KEY]} if STEP_KEY in opts.metadata else {}
         return _Call(comm.root, opts.version, step)

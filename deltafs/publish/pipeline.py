@@ -102,8 +102,9 @@ def _raise_first(results: list[Any], own: BaseException | None, what: str) -> No
     raise DistributedPushError(f"{what}: rank {f.rank} failed ({f.kind}: {f.message}); version not committed")
 
 
-def collective(world: World, what: str, fn: Callable[[], T]) -> list[T]:
-    """Run fn on every rank and all-gather the results; any failure raises on every rank."""
+def collective(world: World, what: str, fn: Callable[[], T], *, tag: str | None = None) -> list[T]:
+    """Run fn on every rank and all-gather the results; any failure raises on every rank. tag (default what): the
+    pipeline step the ranks must all be at (see _check_in_step)."""
     own: BaseException | None = None
     value: Any
     try:
@@ -112,8 +113,9 @@ def collective(world: World, what: str, fn: Callable[[], T]) -> list[T]:
         own, value = exc, _Failure(world.rank, type(exc).__name__, str(exc))
     if world.world == 1 and own is not None:
         raise own
-    tagged = world.all_gather((what, value))
-    _check_in_step([(f"rank {r}", _step_of(t)) for r, t in enumerate(tagged)], what, world.rank)
+    step = what if tag is None else tag
+    tagged = world.all_gather((step, value))
+    _check_in_step([(f"rank {r}", _step_of(t)) for r, t in enumerate(tagged)], step, world.rank)
     results = [t[1] for t in tagged]
     _raise_first(results, own, what)
     return results

@@ -264,3 +264,20 @@ def fold_on_the_root_only(rank: int, world: int, args: dict[str, Any]) -> dict[s
         out.append(res.to_json())
     return {"results": out}
 SCENARIOS.update(fold_on_the_root_only=fold_on_the_root_only)
+
+
+def own_labels_and_a_bad_baseline(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """on_every_rank with a label naming the rank; then rank 1 passes a device_baseline that is no DeviceBaseline."""
+    from deltafs.publish.distributed import on_every_rank, push_distributed
+
+    got = on_every_rank(f"loading shard {rank}", lambda: rank * 10)
+    refused: dict[str, Any] = {}
+    try:
+        push_distributed(args["store"], owned(0, rank, world), device_baseline=object() if rank == 1 else None)
+    except Exception as exc:  # noqa: BLE001
+        refused = {"error": type(exc).__name__, "message": str(exc)}
+    again = _push(rank, world, {**args, "step": 0})["result"]
+    return {"got": got, "refused": refused, "again": again}
+
+
+SCENARIOS.update(own_labels_and_a_bad_baseline=own_labels_and_a_bad_baseline)

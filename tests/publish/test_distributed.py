@@ -351,3 +351,16 @@ def test_ranks_out_of_step_fail_instead_of_taking_another_collective_s_payload()
         collective(Skewed(), "checking the call", lambda: 1)
     with pytest.raises(DistributedPushError, match="out of step: the root is 'folding'"):
         from_root(Skewed(), "reading the store", lambda: 1)
+
+
+def test_on_every_rank_takes_labels_of_each_rank_and_a_bad_baseline_fails_every_rank(tmp_path):
+    """on_every_rank's label became the collective's step tag, so labels naming the rank failed as "out of step";
+    a device_baseline that is no DeviceBaseline was refused on its rank alone, outside the first collective, and the
+    other ranks waited for the process group's timeout."""
+    store = str(tmp_path / "store")
+    reports = run_ranks(tmp_path, 2, "own_labels_and_a_bad_baseline", store=store, timeout=60)
+    assert all(r and r["ok"] for r in reports), reports
+    assert [r["got"] for r in reports] == [0, 10]
+    for r in reports:
+        assert "device_baseline must be a deltafs.DeviceBaseline" in r["refused"]["message"], r["refused"]
+        assert r["again"]["version"] == 1
