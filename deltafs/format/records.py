@@ -90,10 +90,10 @@ DENSE_JSON_FROM = 1 << 20  # records at least this long are checked for their de
 MIN_BYTES_PER_VALUE = 8
 
 
-def _check_size(data: bytes, what: str, max_bytes: int | None) -> None:
+def _check_size(data: bytes, what: str, max_bytes: int | None, dense_from: int = DENSE_JSON_FROM) -> None:
     if max_bytes is not None and len(data) > max_bytes:
         raise FormatError(f"{what} is {len(data)} bytes, more than the {max_bytes} a valid one can be")
-    if len(data) > DENSE_JSON_FROM:
+    if len(data) > dense_from:
         # Parsed JSON costs ~60 bytes per value: 250 MiB of "[]," took 6.8 GB before the structure was even looked
         # at. deltafs's records hold a value per 12-17 bytes of text; refuse text far denser than that, unparsed.
         values = data.count(b",")  # values in arrays and objects are comma-separated (nesting is bounded below)
@@ -102,11 +102,13 @@ def _check_size(data: bytes, what: str, max_bytes: int | None) -> None:
                               "of its size (a damaged or hostile store)")
 
 
-def check_readable(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> None:
+def check_readable(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH,
+                   dense_from: int = DENSE_JSON_FROM) -> None:
     """FormatError unless load_json(data, ...) would take this valid JSON text: what a writer checks before it
     stores a record, so that it never stores one every reader refuses (metadata nested 150 levels deep was
-    committed, and every pull, log and gc of the store then failed on the newest manifest)."""
-    _check_size(data, what, max_bytes)
+    committed, and every pull, log and gc of the store then failed on the newest manifest). dense_from: check the
+    density of shorter text too (a part of a record, which may make the whole too dense)."""
+    _check_size(data, what, max_bytes, dense_from)
     if text_depth(data, max_depth) > max_depth:
         raise FormatError(f"{what} is nested more than {max_depth} levels deep")
 
@@ -184,8 +186,8 @@ def text_depth(data: bytes | str, cap: int | None = None) -> int:
     return depth
 
 
-def _object(data: bytes, what: str, fmt: str, max_bytes: int) -> dict[str, Any]:
-    raw = load_json(data, what, max_bytes=max_bytes)
+def _object(data: bytes, what: str, fmt: str, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    raw = load_json(data, what, max_bytes=max_bytes, max_depth=max_depth)
     if not isinstance(raw, dict) or raw.get("format") != fmt:
         raise FormatError(f"{what} is not a {fmt} record")
     return raw
@@ -329,7 +331,9 @@ def embedded_manifest_span(state: bytes) -> tuple[int, int] | None:
 
 def parse_dest_state(data: bytes) -> dict[str, Any]:
     """A DEST state record as a dict with store_id, store_url, version, digest and manifest; FormatError otherwise."""
-    raw = _object(data, "DEST state record", DEST_STATE_FORMAT, DEST_STATE_MAX_BYTES)
+    # One level deeper than a manifest, which it holds under "manifest": a manifest readers take is never refused
+    # here (metadata 31 levels deep made the DEST that pulled it unreadable: exit 9 at the next pull).
+    raw = _object(data, "DEST state record", DEST_STATE_FORMAT, DEST_STATE_MAX_BYTES, MAX_JSON_DEPTH + 1)
     if not all(isinstance(raw.get(k), str) for k in ("store_id", "store_url", "digest")) \
             or not isinstance(raw.get("version"), int) or not isinstance(raw.get("manifest"), dict):
         raise FormatError("DEST state record is malformed")

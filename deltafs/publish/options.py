@@ -51,7 +51,9 @@ class PushOptions:
         if text is None or text_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH - 1:
             raise UsageError(f"metadata is nested more than {MAX_JSON_DEPTH - 1} levels deep") from None
         try:
-            check_readable(text, "metadata", max_bytes=MANIFEST_MAX_BYTES // 2)
+            # Density from 64 KiB: a manifest of 1 MiB and more is refused as a whole when that dense, and metadata
+            # just under 1 MiB passed here, then failed the push at the seal, after its chunks were written.
+            check_readable(text, "metadata", max_bytes=MANIFEST_MAX_BYTES // 2, dense_from=64 << 10)
         except FormatError as exc:  # the manifest is checked whole before the commit too (Manifest.sealed)
             raise UsageError(f"{str(exc).partition(' (')[0]}: readers would refuse the manifest; store large data "
                              "as a file of the checkpoint") from None
