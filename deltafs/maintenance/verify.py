@@ -5,7 +5,6 @@ With every version, keyframe bridges too: a broken one is a warning (readers fal
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,7 +14,7 @@ from deltafs.format.versions import MAX_VERSION, VERSION_DIGITS
 from deltafs.format.keys import bridge_key
 from deltafs.read.chain import Chain, plan_chain
 from deltafs.store.accelerators import is_bridge_of, read_accelerator
-from deltafs.read.dest import LocalCheckpoint, check_layout, extra_entries, file_digest_on_disk
+from deltafs.read.dest import LocalCheckpoint, check_layout, extra_entries, file_digest_on_disk, in_place
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
 
@@ -187,8 +186,10 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
         path = os.path.join(state.path, f.path)
         report.files_checked += 1
         try:
-            if not stat.S_ISREG(os.lstat(path).st_mode):  # a symlink to the right bytes elsewhere is not them
-                report.fail(f"{dest}: {f.path} is not a regular file (a symlink or a special file)")
+            if not in_place(state.path, f.path):  # a symlink to the right bytes elsewhere is not them
+                os.lstat(path)  # gone: said below as such
+                report.fail(f"{dest}: {f.path} is not a regular file in {dest} (a symlink, a special file, or "
+                            "reached through a symlinked directory)")
                 continue
             size = os.path.getsize(path)
             digest = file_digest_on_disk(path, f, man.chunk_bytes)

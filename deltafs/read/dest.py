@@ -232,6 +232,8 @@ class LocalCheckpoint:
                 return f"{f.path} is missing"
             if not stat.S_ISREG(st.st_mode):
                 return f"{f.path} is not a regular file"
+            if "/" in f.path and not in_place(state.path, f.path):
+                return f"{f.path} is reached through a symlinked directory"
             if st.st_size != f.size:
                 return f"{f.path} is {st.st_size} bytes, version {state.version} has {f.size}"
             recorded = (state.files or {}).get(f.path)
@@ -667,6 +669,17 @@ def _file_stamps(directory: str, manifest: Manifest) -> dict[str, list[int]]:
             continue  # a partial copy (a rank's push cache holds only its own files)
         out[f.path] = [st.st_size, st.st_mtime_ns]
     return out
+
+
+def in_place(root: str, rel: str) -> bool:
+    """Whether root/rel is a regular file reached without a symlink below root: a directory of a version replaced by
+    a link to elsewhere would hand out a file outside DEST as the version's (a pull hard-linked it in)."""
+    path = os.path.join(root, rel)
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode) and \
+            os.path.realpath(path) == os.path.join(os.path.realpath(root), os.path.normpath(rel))
+    except OSError:
+        return False
 
 
 def sidecar_holding(path: str) -> str | None:

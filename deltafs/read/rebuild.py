@@ -35,7 +35,7 @@ from deltafs.format import digests
 from deltafs.format.manifest import DELTA_CODECS, ChunkRef, FileEntry, Segment
 from deltafs.parallel import ordered_map
 from deltafs.read.chain import Chain
-from deltafs.read.dest import file_digest_on_disk, rewritable, segment_digest_on_disk
+from deltafs.read.dest import file_digest_on_disk, in_place, rewritable, segment_digest_on_disk
 from deltafs.store.repo import Repository
 
 
@@ -613,7 +613,8 @@ class Builder:
                     # Only a regular file: link(2) does not follow a symlink, so a link planted in DEST (to a file
                     # outside it with the right bytes) became part of the new version, "repaired" at every pull.
                     before = os.lstat(src)
-                    if not stat.S_ISREG(before.st_mode) or file_digest_on_disk(src, f, self.chunk_bytes) != f.digest:
+                    if not stat.S_ISREG(before.st_mode) or not in_place(local.path, lf.path) \
+                            or file_digest_on_disk(src, f, self.chunk_bytes) != f.digest:
                         return False
                     after = os.lstat(src)
                     if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):

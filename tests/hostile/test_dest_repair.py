@@ -70,3 +70,35 @@ def test_a_symlink_planted_in_dest_is_repaired_into_a_real_file(tmp_path, maker)
     outside.write_bytes(b"{}")
     assert files_of(dest) == files_of(src)
     assert deltafs("verify", store, "--local", dest).returncode == 0
+
+
+def test_a_directory_of_dest_replaced_by_a_symlink_is_never_linked_into_a_version(tmp_path, maker):
+    """The same through a directory: tok/ of the served version replaced by a symlink to a copy outside DEST. The
+    file check looked at the last component only, so the next version hard-linked the outside file (its owner could
+    change what DEST serves) and verify --local said ok."""
+    import shutil
+
+    store = str(tmp_path / "store")
+    src = maker.write()
+    os.makedirs(os.path.join(src, "tok"))
+    with open(os.path.join(src, "tok", "t.json"), "w") as fh:
+        fh.write('{"vocab": 1}')
+    push(store, src)
+    dest = tmp_path / "dest"
+    pull(store, str(dest))
+    served = os.path.realpath(dest)
+    outside = tmp_path / "outside"
+    shutil.copytree(os.path.join(served, "tok"), outside, copy_function=shutil.copy2)
+    shutil.rmtree(os.path.join(served, "tok"))
+    os.symlink(outside, os.path.join(served, "tok"))
+    verify = deltafs("verify", store, "--local", dest)
+    assert verify.returncode == 6 and "tok/t.json is not a regular file in" in verify.stdout, verify.stdout
+    maker.advance()
+    src2 = maker.write("b")
+    shutil.copytree(os.path.join(src, "tok"), os.path.join(src2, "tok"))
+    push(store, src2)
+    pull(store, str(dest))
+    new = os.path.join(os.path.realpath(dest), "tok", "t.json")
+    assert not os.path.islink(os.path.dirname(new))
+    assert os.stat(new).st_ino != os.stat(outside / "t.json").st_ino
+    assert deltafs("verify", store, "--local", dest).returncode == 0
