@@ -764,8 +764,7 @@ class TorchModuleEngine:
             elif self._version == previous.version:
                 rolled_back = True  # still on previous
             else:
-                with self.lock:  # it writes into the module: never under a forward pass
-                    rolled_back = self._rollback(None, previous)
+                rolled_back = self._put_back(previous)
             raise SwitchError(f"in-place apply of version {target.version} failed: {exc}",
                               rolled_back=rolled_back, previous=previous) from exc
         started = time.monotonic()
@@ -786,6 +785,24 @@ class TorchModuleEngine:
                   report.stage_seconds, time.monotonic() - locked, report.sparse, report.whole, report.unchanged)
         return SwitchResult(version=target.version, pause_seconds=pause, load_seconds=report.seconds,
                             tensors_changed=report.changed)
+
+    def _put_back(self, previous: Target) -> bool:
+        """Apply previous after a failed staging, when the module was not on it (a fresh engine, an earlier failed
+        rollback): staged while the module serves, committed under the lock (it was applied without the lock)."""
+        try:
+            staged = self.applier.stage(previous.path, read_version_manifest(previous.path))
+            with self.lock:
+                try:
+                    self.applier.commit(staged)
+                except BaseException:
+                    self.applier.undo(staged)
+                    raise
+        except (DeltafsError, OSError, RuntimeError, ValueError) as exc:
+            log.critical("rollback of the module to version %s failed: %s", previous.version, exc)
+            self._version = None
+            return False
+        self._version = previous.version
+        return True
 
     def _rollback(self, staged: StagedVersion | None, previous: Target | None) -> bool:
         """Put the module back on previous: undo the scatter, then re-apply previous where checksums disagree."""

@@ -538,12 +538,22 @@ def test_a_failed_staging_puts_the_previous_version_back_under_the_lock(versions
         except SwitchError as exc:
             errors.append(exc)
 
+    staged: list[str] = []
+    real_stage = engine.applier.stage
+
+    def stage(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        got = real_stage(path, *args, **kwargs)
+        staged.append(str(path))
+        return got
+
+    engine.applier.stage = stage  # type: ignore[method-assign]
     with lock:  # a forward pass
         worker = threading.Thread(target=switch)
         worker.start()
         worker.join(1.0)
         assert worker.is_alive()  # waits for the pass
         assert_module_holds(module, before)
+        assert staged == [str(paths[1])]  # ... but staged version 1 meanwhile: only the commit waits for the lock
     worker.join(30)
     assert len(errors) == 1 and errors[0].rolled_back
     assert_module_holds(module, weights[1])
