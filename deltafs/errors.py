@@ -181,7 +181,10 @@ def is_local_write_failure(exc: BaseException) -> bool:
 def local_write_error(exc: OSError, path: str | None = None, hint: str = "") -> LocalWriteError:
     """A one-line LocalWriteError naming the path, for an OSError raised while writing local files."""
     where = path or exc.filename or "a local file"
-    err = LocalWriteError(f"cannot write {where}: {exc.strerror or exc}{hint}")
+    if exc.errno in (errno.EACCES, errno.EPERM):  # a read may be the one denied, and free space is no cure
+        err = LocalWriteError(f"cannot use {where}: {exc.strerror or exc} (check its owner and permissions)")
+    else:
+        err = LocalWriteError(f"cannot write {where}: {exc.strerror or exc}{hint}")
     err.errno = exc.errno
     return err
 

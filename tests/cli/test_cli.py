@@ -357,3 +357,7 @@ def test_a_file_size_limit_or_a_read_only_sidecar_is_a_local_write_failure(tmp_p
     from deltafs.errors import exit_code
 
     assert exit_code(PermissionError(13, "Permission denied")) == 12
+    from deltafs.errors import local_write_error
+
+    denied = local_write_error(PermissionError(13, "Permission denied", "/d.deltafs/chunks"), hint=" (free space ...)")
+    assert str(denied) == "cannot use /d.deltafs/chunks: Permission denied (check its owner and permissions)"
