@@ -138,6 +138,7 @@ def error_line(exc: BaseException) -> tuple[str, int]:
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}  # logging's own other names
 
 
 class _LogFormat(logging.Formatter):
@@ -161,7 +162,8 @@ def _setup_logging() -> None:
     handler.setFormatter(_LogFormat())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    level = os.environ.get("DELTAFS_LOG_LEVEL", "WARNING").strip().upper()
+    level = os.environ.get("DELTAFS_LOG_LEVEL", "").strip().upper() or "WARNING"  # empty: unset, as watch takes it
+    level = _ALIASES.get(level, level)
     if level not in _LEVELS:
         raise UsageError(f"DELTAFS_LOG_LEVEL must be one of {', '.join(_LEVELS)}, not {os.environ['DELTAFS_LOG_LEVEL']!r}")
     root.setLevel(level if level == "DEBUG" else "WARNING")

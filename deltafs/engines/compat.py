@@ -32,7 +32,10 @@ def restart_reason(served: str, new: str) -> str | None:
             if a is None or b is None:
                 return f"{what} {name} {'added' if a is None else 'removed'}"
             return f"{what} {name} changed"
-    old, now = tensor_layout(served), tensor_layout(new)
+    try:
+        old, now = tensor_layout(served), tensor_layout(new)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:  # a served checkpoint deltafs did not check
+        return f"the tensor layouts cannot be compared ({exc})"
     if old.keys() != now.keys():
         added, removed = sorted(now.keys() - old.keys()), sorted(old.keys() - now.keys())
         parts = [f"{len(lst)} {word} ({', '.join(lst[:3])}{', ...' if len(lst) > 3 else ''})"
@@ -70,13 +73,19 @@ def tensor_layout(directory: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as fh:
-            wanted = set(json.load(fh).get("weight_map", {}).values())
+            try:
+                wanted = set(json.load(fh).get("weight_map", {}).values())
+            except RecursionError:
+                raise ValueError(f"{index} is nested too deeply to be an index") from None
         files = [f for f in files if os.path.basename(f) in wanted]
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path in files:
         with open(path, "rb") as fh:
             (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
+            try:
+                header = json.loads(fh.read(size))
+            except RecursionError:
+                raise ValueError(f"{path}: a safetensors header nested too deeply") from None
         for name, meta in header.items():
             if name != "__metadata__":
                 out[name] = (str(meta["dtype"]), tuple(int(d) for d in meta["shape"]))

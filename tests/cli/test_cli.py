@@ -204,6 +204,8 @@ def test_log_level_is_deltafs_s_own_and_other_libraries_lines_name_them(monkeypa
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
         logging.getLogger("deltafs").setLevel(saved[2])
+    for fine in ("warn", "FATAL", "", " info "):
+        assert run_cli("version", env={"DELTAFS_LOG_LEVEL": fine}).returncode == 0, fine
     proc = run_cli("version", env={"DELTAFS_LOG_LEVEL": "loud"})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == ("deltafs: error: DELTAFS_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, "

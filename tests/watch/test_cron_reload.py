@@ -351,3 +351,18 @@ def test_an_engine_restarted_from_other_weights_under_the_same_label_is_reloaded
     assert again.returncode == 0, again.stderr
     assert same_weights(engine_server.state_dict(), trainer.weights[1])
     assert pull_once(trainer.store, dest, engine_server.url).returncode == 100  # and only once
+
+
+def test_a_served_checkpoint_whose_layout_cannot_be_read_needs_a_restart(tmp_path):
+    """restart_reason read a served directory deltafs never checked (the engine's first checkpoint): a safetensors
+    header nested too deeply was a RecursionError out of the cron run or the watcher. Now it is a reason to restart."""
+    import struct
+
+    from deltafs.engines.compat import restart_reason
+
+    header = b"[" * 100_000 + b"]" * 100_000
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    reason = restart_reason(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert reason is not None and reason.startswith("the tensor layouts cannot be compared")
