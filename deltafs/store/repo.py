@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import logging
 import time
 import uuid
@@ -71,6 +72,9 @@ class Repository:
             data = objects.get(CONFIG_KEY, limit=CONFIG_MAX_BYTES)
         except ObjectNotFoundError:
             if not create:
+                root = objects.local_root
+                if root is not None and os.path.lexists(root) and not os.path.isdir(root):
+                    raise StoreNotFoundError(f"no deltafs store at {url}: it is a file, not a directory") from None
                 raise StoreNotFoundError(f"no deltafs store at {url} (push to it first)") from None
             if objects.exists(HEAD_KEY):
                 # A HEAD but no deltafs.json: another tool's prefix, or a store whose config was deleted. Making a
