@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -133,7 +134,8 @@ def error_line(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, MemoryError):
         return "deltafs: error: out of memory", EXIT_INTERNAL
     if isinstance(exc, OSError):
-        return f"deltafs: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", code
+        hint = " (check its owner and permissions)" if exc.errno in (errno.EACCES, errno.EPERM) else ""
+        return f"deltafs: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}{hint}", code
     return f"deltafs: internal error: {type(exc).__name__}: {exc} (set DELTAFS_DEBUG=1 for the traceback)", code
 
 

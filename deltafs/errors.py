@@ -183,6 +183,9 @@ def local_write_error(exc: OSError, path: str | None = None, hint: str = "") -> 
     where = path or exc.filename or "a local file"
     if exc.errno in (errno.EACCES, errno.EPERM):  # a read may be the one denied, and free space is no cure
         err = LocalWriteError(f"cannot use {where}: {exc.strerror or exc} (check its owner and permissions)")
+    elif exc.errno == errno.EFBIG:  # nor for a size limit
+        err = LocalWriteError(f"cannot write {where}: {exc.strerror or exc} (a file size limit: `ulimit -f`, or the "
+                              "filesystem's largest file)")
     else:
         err = LocalWriteError(f"cannot write {where}: {exc.strerror or exc}{hint}")
     err.errno = exc.errno

@@ -40,6 +40,7 @@ from deltafs.publish.options import PushOptions, PushResult
 from deltafs.publish.plan import Decision, base_for, cached_base, decide, default_cache_dir, drop_cache
 from deltafs.publish.source import SourceFile, scan_file
 from deltafs.read.dest import LocalCheckpoint, LocalState, sidecar_holding
+from deltafs.store.open import local_path
 from deltafs.read.rebuild import LocalBaseError
 from deltafs.store.lock import PushGuard
 from deltafs.store.repo import Repository
@@ -245,12 +246,12 @@ def _refuse_store_in_a_dest(store: str | Repository) -> None:
     """A local store path that is a pulled DEST, or lies in one's sidecar, is refused (exit 2) before the store is
     created: the push wrote the store into the version directory an engine served, and the next pull's repair
     deleted it as files foreign to that version."""
-    if not isinstance(store, str) or ("://" in store and not store.startswith("file://")):
+    path = local_path(store) if isinstance(store, str) else store.objects.local_root
+    if path is None:
         return
-    path = os.path.expanduser(store.removeprefix("file://"))
     sidecar = sidecar_holding(path)
     if sidecar is not None:
-        raise UsageError(f"the store {store} is inside {sidecar}, where deltafs keeps the versions pulled into "
+        raise UsageError(f"the store {store if isinstance(store, str) else store.url} is inside {sidecar}, where deltafs keeps the versions pulled into "
                          f"{sidecar[:-len('.deltafs')]}; push to a store directory outside it")
 
 

@@ -101,6 +101,12 @@ def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:
 _KNOWN_SCHEMES = ("s3", "s3a", "gs", "gcs", "memory")  # remote ones: "file:/x" is left as it was
 
 
+def local_path(url: str) -> str | None:
+    """The directory a store URL names on this host (a plain path, file://, local://), or None for other stores."""
+    protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
+    return os.path.abspath(os.path.expanduser(rest)) if protocol in ("file", "local") else None
+
+
 def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
     """An ObjectStore for url; local paths get atomic rename-based writes."""
     options = dict(storage_options or {})
@@ -120,8 +126,8 @@ def open_objects(url: str, storage_options: dict[str, Any] | None = None) -> Obj
     check_option_values(protocol, options)
     retry, workers, flags = _split_tuning(options)
     store: ObjectStore
-    if protocol in ("file", "local"):
-        root = os.path.abspath(os.path.expanduser(rest))
+    root = local_path(url)
+    if root is not None:
         store = LocalObjectStore(root, url, retry=retry, **workers)
     elif protocol in ("gs", "gcs"):
         from deltafs.store.gcs import open_gcs

@@ -355,6 +355,7 @@ def test_a_file_size_limit_or_a_read_only_sidecar_is_a_local_write_failure(tmp_p
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 12, proc.stderr
     assert proc.stderr.startswith("deltafs: error: cannot write ") and "File too large" in proc.stderr, proc.stderr
+    assert "a file size limit" in proc.stderr and "free" not in proc.stderr, proc.stderr
     assert not dest.exists()
     from deltafs.errors import exit_code
 
@@ -363,3 +364,7 @@ def test_a_file_size_limit_or_a_read_only_sidecar_is_a_local_write_failure(tmp_p
 
     denied = local_write_error(PermissionError(13, "Permission denied", "/d.deltafs/chunks"), hint=" (free space ...)")
     assert str(denied) == "cannot use /d.deltafs/chunks: Permission denied (check its owner and permissions)"
+    from deltafs.cli.main import error_line
+
+    assert error_line(PermissionError(13, "Permission denied", "/d.deltafs/chunks")) == (
+        "deltafs: error: Permission denied: /d.deltafs/chunks (check its owner and permissions)", 12)

@@ -113,9 +113,16 @@ def test_a_pulled_dest_is_not_a_store(tmp_path, maker):
     pull(store, dest)
     served = os.path.realpath(dest)
     before = sorted(os.listdir(served))
-    for target in (dest, f"{dest}.deltafs/store", f"file://{dest}"):
+    for target in (dest, f"{dest}.deltafs/store", f"file://{dest}", f"local://{dest}", f"local://{dest}.deltafs/s"):
         proc = run_cli("push", maker.write("next"), target)
         assert proc.returncode == 2, proc.stderr
         assert f"is inside {dest}.deltafs, where deltafs keeps the versions pulled into {dest}" in proc.stderr
+    from deltafs.errors import UsageError
+    from deltafs.store.repo import Repository
+
+    os.makedirs(f"{dest}.deltafs/made")
+    with pytest.raises(UsageError, match="is inside"):  # a Repository object (the Python API) as well
+        push(Repository.open(f"{dest}.deltafs/made", create=True), maker.write("next"))
     assert sorted(os.listdir(served)) == before and not os.path.exists(f"{dest}.deltafs/store")
+    assert not os.path.exists(f"{dest}.deltafs/s")
     assert run_cli("pull", store, dest, "--once").returncode == 100  # DEST untouched
