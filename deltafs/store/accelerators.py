@@ -43,20 +43,23 @@ def read_accelerator(repo: Repository, key: str, version: int, what: str) -> Man
     """The fold or bridge manifest under `key` for `version`, read and checked as any manifest of this store.
 
     Raises ObjectNotFoundError when there is none, another DeltafsError when it cannot be used."""
-    return _read_sized(repo, key, version, what)[0]
+    return _checked(repo, repo.objects.get(key, limit=MANIFEST_MAX_BYTES), version, what)
 
 
-def _read_sized(repo: Repository, key: str, version: int, what: str) -> tuple[Manifest, int]:
-    data = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
-    return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what), len(data)
+def _checked(repo: Repository, data: bytes, version: int, what: str) -> Manifest:
+    return repo.check_manifest(Manifest.decode(data, where=f"{what} of version {version}"), version, what)
 
 
 def _load_accelerator(repo: Repository, key: str, version: int, what: str,
                       strict: bool = False) -> tuple[Manifest, int] | None:
     """(manifest, stored size) as read_accelerator reads it, or None if there is none or it is unusable (logged).
-    strict: a store error (a timeout after the retries, access denied) is raised, not taken for "unusable"."""
+
+    strict (gc, which deletes what is unusable): a store error (a timeout after the retries, access denied) is
+    raised, not taken for "unusable"; and a read that does not check is read again, and only the same bytes twice
+    make it unusable. A transfer that damaged one read (a body cut short, a bit flipped on the way) made gc delete a
+    kept version's intact bridge or fold, for good. Other bytes the second time: StoreError."""
     try:
-        return _read_sized(repo, key, version, what)
+        data = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
     except ObjectNotFoundError:
         return None
     except StoreError as exc:
@@ -64,8 +67,24 @@ def _load_accelerator(repo: Repository, key: str, version: int, what: str,
             raise
         log.warning("ignoring the %s of version %s: %s", what, version, exc)
         return None
+    except DeltafsError as exc:  # larger than any manifest, a link, not a file: what the store holds
+        log.warning("%s the %s of version %s: %s", "removing" if strict else "ignoring", what, version, exc)
+        return None
+    try:
+        return _checked(repo, data, version, what), len(data)
     except DeltafsError as exc:
-        log.warning("ignoring the %s of version %s: %s", what, version, exc)
+        if strict:
+            try:
+                again = repo.objects.get(key, limit=MANIFEST_MAX_BYTES)
+            except ObjectNotFoundError:
+                return None
+            if again != data:
+                try:
+                    return _checked(repo, again, version, what), len(again)  # the first read was damaged on the way
+                except DeltafsError:
+                    raise StoreError(f"{key} came back with other bytes when read again ({exc}): it may be intact "
+                                     f"in {repo.url}") from None
+        log.warning("%s the %s of version %s: %s", "removing" if strict else "ignoring", what, version, exc)
         return None
 
 

@@ -413,3 +413,41 @@ def test_a_kept_versions_bridge_or_fold_that_cannot_be_read_now_stops_gc(tmp_pat
     assert store_bytes(store) == before and os.path.exists(os.path.join(store, key))
     gc(store, keep_last=3, grace=0, settle=0)  # readable again: kept
     assert os.path.exists(os.path.join(store, key)) and verify(store, all_versions=True).ok
+
+
+def test_a_bridge_damaged_on_one_read_is_read_again_before_gc_removes_it(tmp_path, maker):
+    """One GET of a kept version's bridge cut short by the network (the stored object intact) made gc remove it and
+    the objects only it names, for good. gc reads an unusable bridge or fold again: other bytes stop gc (exit 3);
+    the same bytes twice (damaged in the store) still remove it."""
+    from deltafs.errors import StoreError, exit_code
+    from deltafs.format.keys import bridge_key
+    from deltafs.store.repo import Repository
+
+    store = str(tmp_path / "store")
+    push_history(store, maker, 5, keyframe_every=3)  # full 1 and 4 (bridge 4)
+    key = bridge_key(4)
+    intact = open(os.path.join(store, key), "rb").read()
+
+    def damaging(repo, reads):  # type: ignore[no-untyped-def]
+        real = repo.objects.get
+
+        def get(k, *args, **kwargs):  # type: ignore[no-untyped-def]
+            data = real(k, *args, **kwargs)
+            if k == key and reads:
+                return reads.pop(0)(data)
+            return data
+
+        repo.objects.get = get  # type: ignore[method-assign]
+        return repo
+
+    once = damaging(Repository.open(store), [lambda d: d[:100]])
+    gc(once, keep_last=2, grace=0, settle=0)  # cut short once, intact the second time: kept
+    assert open(os.path.join(store, key), "rb").read() == intact
+    twice = damaging(Repository.open(store), [lambda d: d[:100], lambda d: d[:90]])
+    with pytest.raises(StoreError, match=f"gc stopped: {key} cannot be read .*came back with other bytes") as err:
+        gc(twice, keep_last=2, grace=0, settle=0)
+    assert exit_code(err.value) == 3 and open(os.path.join(store, key), "rb").read() == intact
+    with open(os.path.join(store, key), "r+b") as fh:  # damaged in the store: every read the same
+        fh.truncate(100)
+    gc(store, keep_last=2, grace=0, settle=0)
+    assert not os.path.exists(os.path.join(store, key)) and verify(store, all_versions=True).ok
