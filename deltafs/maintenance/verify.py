@@ -14,7 +14,7 @@ from deltafs.format.versions import MAX_VERSION, VERSION_DIGITS
 from deltafs.format.keys import bridge_key
 from deltafs.read.chain import Chain, plan_chain
 from deltafs.store.accelerators import is_bridge_of, read_accelerator
-from deltafs.read.dest import LocalCheckpoint, check_layout, extra_entries, file_digest_on_disk, in_place
+from deltafs.read.dest import LocalCheckpoint, Placement, check_layout, extra_entries, file_digest_on_disk
 from deltafs.read.rebuild import Builder, ChunkSource
 from deltafs.store.repo import Repository
 
@@ -182,11 +182,12 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
     if man.digest != state.digest:
         report.fail(f"{dest}: version {v} in the store is not the one that was pulled (manifest digest differs)")
     listed = {f.path for f in man.files}
+    placement = Placement(state.path)
     for f in man.files:
         path = os.path.join(state.path, f.path)
         report.files_checked += 1
         try:
-            if not in_place(state.path, f.path):  # a symlink to the right bytes elsewhere is not them
+            if not placement.holds(f.path):  # a symlink to the right bytes elsewhere is not them
                 os.lstat(path)  # gone: said below as such
                 report.fail(f"{dest}: {f.path} is not a regular file in {dest} (a symlink, a special file, or "
                             "reached through a symlinked directory)")

@@ -35,7 +35,7 @@ from deltafs.format import digests
 from deltafs.format.manifest import DELTA_CODECS, ChunkRef, FileEntry, Segment
 from deltafs.parallel import ordered_map
 from deltafs.read.chain import Chain
-from deltafs.read.dest import file_digest_on_disk, in_place, rewritable, segment_digest_on_disk
+from deltafs.read.dest import Placement, file_digest_on_disk, rewritable, segment_digest_on_disk
 from deltafs.store.repo import Repository
 
 
@@ -194,6 +194,13 @@ class Builder:
         self.chunk_bytes = chain.target.chunk_bytes
         self._per_step = [m.segments() for m in chain.steps]
         self._local_segments = chain.local.manifest.segments() if chain.local else {}
+        # DEST's files by (digest, size), for _link_unchanged: a scan of all of them per file was quadratic (20,000
+        # files: 2 s of a full version's pull), which pulls that start at a full version pay too since they link.
+        self._local_files: dict[tuple[str, int], list[FileEntry]] = {}
+        holder = chain.local or chain.link
+        for lf in holder.manifest.files if holder is not None else ():
+            self._local_files.setdefault((lf.digest, lf.size), []).append(lf)
+        self._placement = Placement(holder.path) if holder is not None else None
         # Only a source that memoizes shared objects alone asks which they are (a pass over every chunk record).
         self._shared = None if source.memo_unshared else _shared_objects(chain)
         self._local_checked: dict[str, bool] = {}
@@ -606,31 +613,37 @@ class Builder:
         local = self.chain.local or self.chain.link
         if local is None:
             return False
-        for lf in local.manifest.files:
-            if lf.digest == f.digest and lf.size == f.size:
-                src = os.path.join(local.path, lf.path)
+        for lf in self._local_files.get((f.digest, f.size), ()):
+            src = os.path.join(local.path, lf.path)
+            try:
+                # Only a regular file reached without a symlink below DEST's version: link(2) does not follow a
+                # symlink, so a link planted in DEST (to a file outside it with the right bytes) became part of the
+                # new version, "repaired" at every pull; through a symlinked directory the outside file itself did.
+                before = os.lstat(src)
+                assert self._placement is not None
+                if not stat.S_ISREG(before.st_mode) or not self._placement.holds(lf.path) \
+                        or file_digest_on_disk(src, f, self.chunk_bytes) != f.digest:
+                    continue
+                after = os.lstat(src)
+                if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):
+                    continue
+                dst = _mkparents(out_dir, f.path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(dst)  # a file of a recycled version (DEST.recycle_as_staging)
                 try:
-                    # Only a regular file: link(2) does not follow a symlink, so a link planted in DEST (to a file
-                    # outside it with the right bytes) became part of the new version, "repaired" at every pull.
-                    before = os.lstat(src)
-                    if not stat.S_ISREG(before.st_mode) or not in_place(local.path, lf.path) \
-                            or file_digest_on_disk(src, f, self.chunk_bytes) != f.digest:
-                        return False
-                    after = os.lstat(src)
-                    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):
-                        return False
-                    dst = _mkparents(out_dir, f.path)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(dst)  # a file of a recycled version (DEST.recycle_as_staging)
-                    try:
-                        os.link(src, dst)
-                    except OSError:
-                        import shutil
-
-                        shutil.copyfile(src, dst)
-                    return True
+                    os.link(src, dst)
                 except OSError:
-                    return False
+                    import shutil
+
+                    shutil.copyfile(src, dst)
+                    return True  # a copy of the bytes just hashed through the same checked path
+                linked = os.lstat(dst)
+                if (linked.st_dev, linked.st_ino) != (before.st_dev, before.st_ino):
+                    os.unlink(dst)  # a directory of src swapped for a link between the checks and link(2)
+                    continue
+                return True
+            except OSError:
+                continue
         return False
 
 

@@ -102,3 +102,56 @@ def test_a_directory_of_dest_replaced_by_a_symlink_is_never_linked_into_a_versio
     assert not os.path.islink(os.path.dirname(new))
     assert os.stat(new).st_ino != os.stat(outside / "t.json").st_ino
     assert deltafs("verify", store, "--local", dest).returncode == 0
+
+
+def test_the_quick_check_of_dest_notices_a_symlinked_directory(tmp_path, maker):
+    """`pull --once` checks the current version by sizes and mtimes: a directory replaced by a symlink to a copy
+    with the same sizes and mtimes passed it, and DEST served files outside it until a newer version came."""
+    import shutil
+
+    store = str(tmp_path / "store")
+    src = maker.write()
+    os.makedirs(os.path.join(src, "tok"))
+    with open(os.path.join(src, "tok", "t.json"), "w") as fh:
+        fh.write('{"vocab": 1}')
+    push(store, src)
+    dest = tmp_path / "dest"
+    pull(store, str(dest))
+    served = os.path.realpath(dest)
+    outside = tmp_path / "outside"
+    shutil.copytree(os.path.join(served, "tok"), outside, copy_function=shutil.copy2)  # sizes and mtimes kept
+    shutil.rmtree(os.path.join(served, "tok"))
+    os.symlink(outside, os.path.join(served, "tok"))
+    proc = deltafs("pull", store, dest, "--once")
+    assert proc.returncode == 0 and "repaired" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+    assert not os.path.islink(os.path.join(os.path.realpath(dest), "tok"))
+    assert deltafs("pull", store, dest, "--once").returncode == 100
+
+
+def test_a_candidate_that_fails_its_checks_gives_way_to_the_next(tmp_path, maker):
+    """DEST's files are linked by digest; the first file with the right digest failing its checks (here a symlink)
+    sent the file to the store, although another file of DEST had the same bytes in place."""
+    store = str(tmp_path / "store")
+    src = maker.write()
+    for name in ("a.bin", "b.bin"):
+        with open(os.path.join(src, name), "wb") as fh:
+            fh.write(b"\x07" * 300_000)
+    push(store, src)
+    dest = tmp_path / "dest"
+    pull(store, str(dest))
+    served = os.path.realpath(dest)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"\x07" * 300_000)
+    os.unlink(os.path.join(served, "a.bin"))
+    os.symlink(outside, os.path.join(served, "a.bin"))
+    maker.advance()
+    src2 = maker.write("b")
+    for name in ("a.bin", "b.bin"):
+        with open(os.path.join(src2, name), "wb") as fh:
+            fh.write(b"\x07" * 300_000)
+    push(store, src2, full=True, bridge=False)  # the pull starts at this full version and links what DEST holds
+    kept = os.stat(os.path.join(served, "b.bin")).st_ino
+    pull(store, str(dest))
+    now = os.path.realpath(dest)
+    assert os.stat(os.path.join(now, "a.bin")).st_ino == kept == os.stat(os.path.join(now, "b.bin")).st_ino
+    assert files_of(dest) == files_of(src2)

@@ -126,3 +126,16 @@ def test_a_pulled_dest_is_not_a_store(tmp_path, maker):
     assert sorted(os.listdir(served)) == before and not os.path.exists(f"{dest}.deltafs/store")
     assert not os.path.exists(f"{dest}.deltafs/s")
     assert run_cli("pull", store, dest, "--once").returncode == 100  # DEST untouched
+
+
+def test_a_directory_merely_named_like_a_sidecar_is_a_store_like_any(tmp_path, maker):
+    """X.deltafs counted as a DEST's sidecar whenever X was a symlink to anywhere: `stores/run7` linking to
+    `run7.deltafs` (a store's own alias), or `proj -> /tmp` beside `proj.deltafs/store`, refused the push (and a pull
+    into such a path). A sidecar is one that its DEST links into, or that holds DEST's lock."""
+    stores = tmp_path / "stores"
+    (stores / "run7.deltafs").mkdir(parents=True)
+    os.symlink("run7.deltafs", stores / "run7")
+    assert run_cli("push", maker.write(), stores / "run7.deltafs", "-q").returncode == 0
+    os.symlink(tmp_path / "stores", tmp_path / "proj")
+    assert run_cli("push", maker.write(), tmp_path / "proj.deltafs" / "store", "-q").returncode == 0
+    assert run_cli("pull", stores / "run7.deltafs", tmp_path / "proj.deltafs" / "dest", "-q").returncode == 0
