@@ -178,14 +178,16 @@ def is_local_write_failure(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and not isinstance(exc, DeltafsError) and exc.errno in _LOCAL_ERRNOS
 
 
-def local_write_error(exc: OSError, path: str | None = None, hint: str = "") -> LocalWriteError:
-    """A one-line LocalWriteError naming the path, for an OSError raised while writing local files."""
+def local_write_error(exc: OSError, path: str | None = None, hint: str = "", elsewhere: str = "") -> LocalWriteError:
+    """A one-line LocalWriteError naming the path, for an OSError raised while writing local files. hint: said about
+    the other failures (free space); elsewhere: where else the files may go, said about every failure."""
     where = path or exc.filename or "a local file"
+    more = f"; {elsewhere}" if elsewhere else ""
     if exc.errno in (errno.EACCES, errno.EPERM):  # a read may be the one denied, and free space is no cure
-        err = LocalWriteError(f"cannot use {where}: {exc.strerror or exc} (check its owner and permissions)")
+        err = LocalWriteError(f"cannot use {where}: {exc.strerror or exc} (check its owner and permissions{more})")
     elif exc.errno == errno.EFBIG:  # nor for a size limit
         err = LocalWriteError(f"cannot write {where}: {exc.strerror or exc} (a file size limit: `ulimit -f`, or the "
-                              "filesystem's largest file)")
+                              f"filesystem's largest file{more})")
     else:
         err = LocalWriteError(f"cannot write {where}: {exc.strerror or exc}{hint}")
     err.errno = exc.errno

@@ -33,9 +33,10 @@ def restart_reason(served: str, new: str) -> str | None:
                 return f"{what} {name} {'added' if a is None else 'removed'}"
             return f"{what} {name} changed"
     try:
-        old, now = tensor_layout(served), tensor_layout(new)
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:  # a served checkpoint deltafs did not check
-        return f"the tensor layouts cannot be compared ({exc})"
+        old = tensor_layout(served)  # a checkpoint deltafs may never have checked (the engine's first one)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
+        return f"the tensor layout of the served checkpoint cannot be read ({exc})"
+    now = tensor_layout(new)  # verified by the pull: an error here is one (EMFILE, EIO), not a reason to restart
     if old.keys() != now.keys():
         added, removed = sorted(now.keys() - old.keys()), sorted(old.keys() - now.keys())
         parts = [f"{len(lst)} {word} ({', '.join(lst[:3])}{', ...' if len(lst) > 3 else ''})"

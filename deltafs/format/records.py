@@ -90,10 +90,10 @@ DENSE_JSON_FROM = 1 << 20  # records at least this long are checked for their de
 MIN_BYTES_PER_VALUE = 8
 
 
-def _check_size(data: bytes, what: str, max_bytes: int | None, dense_from: int = DENSE_JSON_FROM) -> None:
+def _check_size(data: bytes, what: str, max_bytes: int | None) -> None:
     if max_bytes is not None and len(data) > max_bytes:
         raise FormatError(f"{what} is {len(data)} bytes, more than the {max_bytes} a valid one can be")
-    if len(data) > dense_from:
+    if len(data) > DENSE_JSON_FROM:
         # Parsed JSON costs ~60 bytes per value: 250 MiB of "[]," took 6.8 GB before the structure was even looked
         # at. deltafs's records hold a value per 12-17 bytes of text; refuse text far denser than that, unparsed.
         values = data.count(b",")  # values in arrays and objects are comma-separated (nesting is bounded below)
@@ -102,15 +102,23 @@ def _check_size(data: bytes, what: str, max_bytes: int | None, dense_from: int =
                               "of its size (a damaged or hostile store)")
 
 
-def check_readable(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH,
-                   dense_from: int = DENSE_JSON_FROM) -> None:
+def check_readable(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> None:
     """FormatError unless load_json(data, ...) would take this valid JSON text: what a writer checks before it
     stores a record, so that it never stores one every reader refuses (metadata nested 150 levels deep was
-    committed, and every pull, log and gc of the store then failed on the newest manifest). dense_from: check the
-    density of shorter text too (a part of a record, which may make the whole too dense)."""
-    _check_size(data, what, max_bytes, dense_from)
+    committed, and every pull, log and gc of the store then failed on the newest manifest)."""
+    _check_size(data, what, max_bytes)
     if text_depth(data, max_depth) > max_depth:
         raise FormatError(f"{what} is nested more than {max_depth} levels deep")
+
+
+def could_make_dense(part: bytes) -> bool:
+    """Whether JSON text `part`, inside a record whose other text holds at most a value per 12 bytes (deltafs's
+    manifests hold one per 12-17), could make that record one load_json refuses as too dense: a record of
+    DENSE_JSON_FROM bytes or more with a value per fewer than MIN_BYTES_PER_VALUE bytes. With v values in n bytes
+    here and R bytes of the rest, refused when n + R > DENSE_JSON_FROM and 8(v + R/12) > n + R, so for some R
+    exactly when 8v > n and 3(8v - n) > DENSE_JSON_FROM - n."""
+    n, v = len(part), part.count(b",")
+    return MIN_BYTES_PER_VALUE * v > n and 3 * (MIN_BYTES_PER_VALUE * v - n) > DENSE_JSON_FROM - n
 
 
 def load_json(data: bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> Any:

@@ -11,7 +11,7 @@ from deltafs.defaults import (DEFAULT_FULL_LEVEL, DEFAULT_KEYFRAME_BUDGET, DEFAU
 from deltafs.format.versions import check_version
 from deltafs.errors import FormatError, UsageError, check_count
 from deltafs.format.manifest import canonical_json
-from deltafs.format.records import MANIFEST_MAX_BYTES, MAX_JSON_DEPTH, check_readable, text_depth
+from deltafs.format.records import MANIFEST_MAX_BYTES, MAX_JSON_DEPTH, check_readable, could_make_dense, text_depth
 
 # How the push cache takes a pushed file: "auto" tries a reflink (copy-on-write clone), then a hard
 # link, then an in-kernel copy; "copy" never links (for trainers that rewrite checkpoint files in
@@ -51,12 +51,14 @@ class PushOptions:
         if text is None or text_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH - 1:
             raise UsageError(f"metadata is nested more than {MAX_JSON_DEPTH - 1} levels deep") from None
         try:
-            # Density from 64 KiB: a manifest of 1 MiB and more is refused as a whole when that dense, and metadata
-            # just under 1 MiB passed here, then failed the push at the seal, after its chunks were written.
-            check_readable(text, "metadata", max_bytes=MANIFEST_MAX_BYTES // 2, dense_from=64 << 10)
+            check_readable(text, "metadata", max_bytes=MANIFEST_MAX_BYTES // 2)
         except FormatError as exc:  # the manifest is checked whole before the commit too (Manifest.sealed)
             raise UsageError(f"{str(exc).partition(' (')[0]}: readers would refuse the manifest; store large data "
                              "as a file of the checkpoint") from None
+        if could_make_dense(text):  # metadata just under 1 MiB passed the check above, then failed the seal
+            raise UsageError(f"metadata holds {text.count(b',')} JSON values in {len(text)} bytes: readers would refuse "
+                             "a manifest of it (one of 1 MiB or more with a value per fewer than 8 bytes); store large "
+                             "data as a file of the checkpoint")
         if self.link not in LINK_MODES:
             raise UsageError(f"link must be one of {', '.join(LINK_MODES)}, not {self.link!r}")
         if self.threads is not None:

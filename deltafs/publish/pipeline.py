@@ -402,7 +402,8 @@ class _Rank:
             if not is_local_write_failure(exc) or (named is not None and (root is None or not _inside(named, root))):
                 raise  # not a write of the cache (a source file turned into a directory, say): as it is
             raise local_write_error(exc, named or root or "the push cache", " (the push cache: free space there, or "
-                                    "choose another with --cache or DELTAFS_CACHE)") from None
+                                    "choose another with --cache or DELTAFS_CACHE)",
+                                    elsewhere="or choose another push cache with --cache or DELTAFS_CACHE") from None
 
     # --- encode ----------------------------------------------------------------------------
     def encode(self, *, progress: bool) -> RankReport:

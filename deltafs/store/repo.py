@@ -74,7 +74,7 @@ class Repository:
             if not create:
                 root = objects.local_root
                 if root is not None and os.path.lexists(root) and not os.path.isdir(root):
-                    raise StoreNotFoundError(f"no deltafs store at {url}: it is a file, not a directory") from None
+                    raise StoreNotFoundError(f"no deltafs store at {url}: it is not a directory") from None
                 raise StoreNotFoundError(f"no deltafs store at {url} (push to it first)") from None
             if objects.exists(HEAD_KEY):
                 # A HEAD but no deltafs.json: another tool's prefix, or a store whose config was deleted. Making a

@@ -193,14 +193,15 @@ def test_log_level_is_deltafs_s_own_and_other_libraries_lines_name_them(monkeypa
         monkeypatch.setenv("DELTAFS_LOG_LEVEL", "info")
         cli_main._setup_logging()
         logging.getLogger("deltafs.read.pull").info("pulled it")
-        logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
-        logging.getLogger("botocore.endpoint").warning("slow down")
+        # another library's loggers (not botocore's own: other tests' imports configure those)
+        logging.getLogger("otherlib.credentials").info("Found credentials in environment variables.")
+        logging.getLogger("otherlib.endpoint").warning("slow down")
         err = capsys.readouterr().err.splitlines()
-        assert [line.split(" ", 1)[1] for line in err] == ["deltafs: INFO: pulled it", "botocore: WARNING: slow down"]
+        assert [line.split(" ", 1)[1] for line in err] == ["deltafs: INFO: pulled it", "otherlib: WARNING: slow down"]
         monkeypatch.setenv("DELTAFS_LOG_LEVEL", "DEBUG")
         cli_main._setup_logging()
-        logging.getLogger("botocore.credentials").debug("signing")
-        assert capsys.readouterr().err.split(" ", 1)[1] == "botocore: DEBUG: signing\n"
+        logging.getLogger("otherlib.credentials").debug("signing")
+        assert capsys.readouterr().err.split(" ", 1)[1] == "otherlib: DEBUG: signing\n"
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
         logging.getLogger("deltafs").setLevel(saved[2])
@@ -364,6 +365,10 @@ def test_a_file_size_limit_or_a_read_only_sidecar_is_a_local_write_failure(tmp_p
 
     denied = local_write_error(PermissionError(13, "Permission denied", "/d.deltafs/chunks"), hint=" (free space ...)")
     assert str(denied) == "cannot use /d.deltafs/chunks: Permission denied (check its owner and permissions)"
+    cache = local_write_error(PermissionError(13, "Permission denied", "/c/push"), hint=" (free space ...)",
+                              elsewhere="or choose another push cache with --cache or DELTAFS_CACHE")
+    assert str(cache) == ("cannot use /c/push: Permission denied (check its owner and permissions; or choose another "
+                          "push cache with --cache or DELTAFS_CACHE)")
     from deltafs.cli.main import error_line
 
     assert error_line(PermissionError(13, "Permission denied", "/d.deltafs/chunks")) == (

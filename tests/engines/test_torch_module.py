@@ -550,7 +550,10 @@ def test_a_failed_staging_puts_the_previous_version_back_under_the_lock(versions
     with lock:  # a forward pass
         worker = threading.Thread(target=switch)
         worker.start()
-        worker.join(1.0)
+        deadline = time.monotonic() + 60
+        while not staged and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker.join(0.2)
         assert worker.is_alive()  # waits for the pass
         assert_module_holds(module, before)
         assert staged == [str(paths[1])]  # ... but staged version 1 meanwhile: only the commit waits for the lock

@@ -295,10 +295,15 @@ def test_metadata_readers_would_refuse_is_refused_before_anything_is_written(tmp
     for depth in (31, 150, 3000):
         with pytest.raises(UsageError, match="metadata is nested more than 31 levels deep"):
             push_tensors(store, w, metadata={"deep": nested(depth)})
-    for count in (600_000, 450_000, 40_000):  # 40,000 values: 80 KB of metadata, under 1 MiB of manifest
-        with pytest.raises(UsageError, match="metadata holds .* JSON values .*: readers would refuse the manifest"):
+    with pytest.raises(UsageError, match="metadata holds .* JSON values .*: readers would refuse the manifest"):
+        push_tensors(store, w, metadata={"x": [0] * 600_000})
+    for count in (450_000, 100_000):  # 900 and 200 KB: a manifest of them and enough tensors is too dense
+        with pytest.raises(UsageError, match="metadata holds .* JSON values in .* bytes: readers would refuse a "
+                                             "manifest of it"):
             push_tensors(store, w, metadata={"x": [0] * count})
     assert not os.path.exists(os.path.join(store, "manifests"))
+    dense = push_tensors(store, w, metadata={"x": [0] * 40_000})  # 80 KB of it: no manifest it is in is too dense
+    assert Repository.open(store).manifest(dense.version).metadata["x"] == [0] * 40_000
     got = push_tensors(store, w, metadata={"deep": nested(30)})  # the deepest a reader takes
     assert Repository.open(store).manifest(got.version).metadata["deep"] == nested(30)
     pull(store, str(tmp_path / "d"))

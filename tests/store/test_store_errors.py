@@ -360,5 +360,5 @@ def test_a_local_store_path_that_cannot_be_a_directory_says_so(tmp_path: Any, wh
     assert "deltafs.json" not in str(err.value)
     assert (tmp_path / "afile").read_bytes() == b"x"
     if where == "file":  # and read: said as what it is, not "push to it first"
-        with pytest.raises(StoreNotFoundError, match="it is a file, not a directory"):
+        with pytest.raises(StoreNotFoundError, match="it is not a directory"):
             Repository.open(root)

@@ -360,9 +360,11 @@ def test_a_served_checkpoint_whose_layout_cannot_be_read_needs_a_restart(tmp_pat
 
     from deltafs.engines.compat import restart_reason
 
-    header = b"[" * 100_000 + b"]" * 100_000
-    for name in ("a", "b"):
+    (tmp_path / "new").mkdir()
+    header = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    (tmp_path / "new" / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    for name, served in (("deep", b"[" * 100_000 + b"]" * 100_000), ("list", b"[]")):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    reason = restart_reason(str(tmp_path / "a"), str(tmp_path / "b"))
-    assert reason is not None and reason.startswith("the tensor layouts cannot be compared")
+        (tmp_path / name / "model.safetensors").write_bytes(struct.pack("<Q", len(served)) + served)
+        reason = restart_reason(str(tmp_path / name), str(tmp_path / "new"))
+        assert reason is not None and reason.startswith("the tensor layout of the served checkpoint cannot be read")
