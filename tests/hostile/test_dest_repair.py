@@ -72,10 +72,9 @@ def test_a_symlink_planted_in_dest_is_repaired_into_a_real_file(tmp_path, maker)
     assert deltafs("verify", store, "--local", dest).returncode == 0
 
 
-def test_a_directory_of_dest_replaced_by_a_symlink_is_never_linked_into_a_version(tmp_path, maker):
-    """The same through a directory: tok/ of the served version replaced by a symlink to a copy outside DEST. The
-    file check looked at the last component only, so the next version hard-linked the outside file (its owner could
-    change what DEST serves) and verify --local said ok."""
+def _dest_with_tok_linked_outside(tmp_path, maker):  # type: ignore[no-untyped-def]
+    """A version with tok/t.json pulled into DEST, whose tok/ is then a symlink to a copy outside DEST (sizes and
+    mtimes kept): (store, source, DEST, the outside copy)."""
     import shutil
 
     store = str(tmp_path / "store")
@@ -91,6 +90,16 @@ def test_a_directory_of_dest_replaced_by_a_symlink_is_never_linked_into_a_versio
     shutil.copytree(os.path.join(served, "tok"), outside, copy_function=shutil.copy2)
     shutil.rmtree(os.path.join(served, "tok"))
     os.symlink(outside, os.path.join(served, "tok"))
+    return store, src, dest, outside
+
+
+def test_a_directory_of_dest_replaced_by_a_symlink_is_never_linked_into_a_version(tmp_path, maker):
+    """The same through a directory: tok/ of the served version replaced by a symlink to a copy outside DEST. The
+    file check looked at the last component only, so the next version hard-linked the outside file (its owner could
+    change what DEST serves) and verify --local said ok."""
+    import shutil
+
+    store, src, dest, outside = _dest_with_tok_linked_outside(tmp_path, maker)
     verify = deltafs("verify", store, "--local", dest)
     assert verify.returncode == 6 and "tok/t.json is not a regular file in" in verify.stdout, verify.stdout
     maker.advance()
@@ -107,21 +116,7 @@ def test_a_directory_of_dest_replaced_by_a_symlink_is_never_linked_into_a_versio
 def test_the_quick_check_of_dest_notices_a_symlinked_directory(tmp_path, maker):
     """`pull --once` checks the current version by sizes and mtimes: a directory replaced by a symlink to a copy
     with the same sizes and mtimes passed it, and DEST served files outside it until a newer version came."""
-    import shutil
-
-    store = str(tmp_path / "store")
-    src = maker.write()
-    os.makedirs(os.path.join(src, "tok"))
-    with open(os.path.join(src, "tok", "t.json"), "w") as fh:
-        fh.write('{"vocab": 1}')
-    push(store, src)
-    dest = tmp_path / "dest"
-    pull(store, str(dest))
-    served = os.path.realpath(dest)
-    outside = tmp_path / "outside"
-    shutil.copytree(os.path.join(served, "tok"), outside, copy_function=shutil.copy2)  # sizes and mtimes kept
-    shutil.rmtree(os.path.join(served, "tok"))
-    os.symlink(outside, os.path.join(served, "tok"))
+    store, src, dest, outside = _dest_with_tok_linked_outside(tmp_path, maker)
     proc = deltafs("pull", store, dest, "--once")
     assert proc.returncode == 0 and "repaired" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
     assert not os.path.islink(os.path.join(os.path.realpath(dest), "tok"))
