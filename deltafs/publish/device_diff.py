@@ -40,12 +40,6 @@ from deltafs.errors import UsageError
 from deltafs.publish.devices import lazy_torch, wait_for_devices
 
 _POSITION_BYTES = 4  # positions cross as int32: ranges of 2**31 elements or more are copied whole
-class _HasDigest(Protocol):
-    @property
-    def digest(self) -> str | None: ...
-
-
-R = TypeVar("R", bound=_HasDigest)
 Known = tuple[np.ndarray, np.ndarray]  # (ascending element indices, their values), as codec.encode takes them
 VersionId = tuple[str, int, str]  # (store id, version number, manifest digest): one committed version
 Writing = tuple[str, int]  # (store id, version number) of the version a push writes: its digest comes at the commit
@@ -248,6 +242,14 @@ def check_baseline(baseline: object) -> None:
     """UsageError unless baseline is None or a DeviceBaseline."""
     if baseline is not None and not isinstance(baseline, DeviceBaseline):
         raise UsageError(f"device_baseline must be a deltafs.DeviceBaseline, not {type(baseline).__name__}")
+
+
+class _HasDigest(Protocol):
+    @property
+    def digest(self) -> str | None: ...
+
+
+R = TypeVar("R", bound=_HasDigest)
 
 
 class Committed:

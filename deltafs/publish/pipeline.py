@@ -238,7 +238,8 @@ def run(world: World, store: str | Repository, work: RankWork, opts: PushOptions
         rank.after_commit()
         fold_bytes = rank.fold(man) if decision.fold else 0
         rank.close_guard()
-    return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes, "digest": man.digest,
+    return PushResult(**{**outcome.result, "seconds": time.monotonic() - t0, "fold_bytes": fold_bytes,
+                         "digest": man.digest,
                          "base_rederived": any(r.rederived for r in reports)})
 
 
@@ -251,7 +252,8 @@ def _refuse_store_in_a_dest(store: str | Repository) -> None:
         return
     sidecar = sidecar_holding(path)
     if sidecar is not None:
-        raise UsageError(f"the store {store if isinstance(store, str) else store.url} is inside {sidecar}, where deltafs keeps the versions pulled into "
+        name = store if isinstance(store, str) else store.url
+        raise UsageError(f"the store {name} is inside {sidecar}, where deltafs keeps the versions pulled into "
                          f"{sidecar[:-len('.deltafs')]}; push to a store directory outside it")
 
 
