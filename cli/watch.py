@@ -224,9 +224,9 @@ def _ago(stamp: str | None) -> str:
 
 def _log_to_stderr(quiet: bool) -> None:
     """A daemon's log is its output: INFO lines (one per version) unless --quiet or DELTAFS_LOG_LEVEL."""
-    level = os.environ.get("DELTAFS_LOG_LEVEL", "").strip() or ("WARNING" if quiet else "INFO")
     logger = logging.getLogger("deltafs")
-    logger.setLevel(level.upper())  # the CLI's entry point has refused a level that is no level name
+    if not os.environ.get("DELTAFS_LOG_LEVEL", "").strip():  # set: the CLI's entry point has applied it
+        logger.setLevel("WARNING" if quiet else "INFO")
     if not logging.getLogger().handlers and not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("deltafs: %(asctime)s %(levelname)s %(message)s"))

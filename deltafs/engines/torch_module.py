@@ -804,15 +804,15 @@ class TorchModuleEngine:
         self._version = previous.version
         return True
 
-    def _rollback(self, staged: StagedVersion | None, previous: Target | None) -> bool:
-        """Put the module back on previous: undo the scatter, then re-apply previous where checksums disagree."""
+    def _rollback(self, staged: StagedVersion, previous: Target | None) -> bool:
+        """Put the module back on previous after a failed pause: undo the scatter, then re-apply previous where
+        checksums disagree."""
         try:
-            if staged is not None:
-                self.applier.undo(staged)
+            self.applier.undo(staged)
             if previous is None:
                 self._version = None  # partly applied: what the module holds is no known version
                 return False
-            if staged is not None and staged.restored and not os.path.isdir(previous.path):
+            if staged.restored and not os.path.isdir(previous.path):
                 # The undo put back every byte (the old bytes were kept because previous's files are gone);
                 # the device checksums confirm it.
                 if self.applier.verify():

@@ -131,7 +131,8 @@ class VLLMEngine(HttpEngine):
                               f"{short(error_detail(resp, 'error', 'detail', 'message'))}")
         if text:
             return resp.text
-        return json_body(resp, f"{method} {route}")  # None: /collective_rpc answers an empty 200 when no worker returned anything
+        # None: /collective_rpc answers an empty 200 when no worker returned anything
+        return json_body(resp, f"{method} {route}")
 
     def _set_label(self, version: str) -> None:
         self._call("POST", SET_VERSION_ROUTE, version_body(version), self.timeout)

@@ -39,7 +39,7 @@ from deltafs.publish.fold import FoldPart, encode_fold_part, fold_needed, write_
 from deltafs.publish.options import PushOptions, PushResult
 from deltafs.publish.plan import Decision, base_for, cached_base, decide, default_cache_dir, drop_cache
 from deltafs.publish.source import SourceFile, scan_file
-from deltafs.read.dest import LocalCheckpoint, LocalState, sidecar_holding
+from deltafs.read.dest import SIDECAR_SUFFIX, LocalCheckpoint, LocalState, sidecar_holding
 from deltafs.store.open import local_path
 from deltafs.read.rebuild import LocalBaseError
 from deltafs.store.lock import PushGuard
@@ -254,7 +254,7 @@ def _refuse_store_in_a_dest(store: str | Repository) -> None:
     if sidecar is not None:
         name = store if isinstance(store, str) else store.url
         raise UsageError(f"the store {name} is inside {sidecar}, where deltafs keeps the versions pulled into "
-                         f"{sidecar[:-len('.deltafs')]}; push to a store directory outside it")
+                         f"{sidecar[:-len(SIDECAR_SUFFIX)]}; push to a store directory outside it")
 
 
 def _from_copy(files: list[SourceFile], root: str) -> list[SourceFile]:

@@ -233,7 +233,7 @@ class LocalCheckpoint:
                 return f"{f.path} is missing"
             if not stat.S_ISREG(st.st_mode):
                 return f"{f.path} is not a regular file"
-            if "/" in f.path and not placement.holds(f.path):
+            if not placement.parent_in_place(f.path):
                 return f"{f.path} is reached through a symlinked directory"
             if st.st_size != f.size:
                 return f"{f.path} is {st.st_size} bytes, version {state.version} has {f.size}"
@@ -690,6 +690,11 @@ class Placement:
                 return False
         except OSError:
             return False
+        return self.parent_in_place(rel)
+
+    def parent_in_place(self, rel: str) -> bool:
+        """Whether the directory of root/rel is reached without a symlink below root (for callers that lstat'ed the
+        file itself already)."""
         parent = os.path.dirname(os.path.normpath(rel))
         if not parent:
             return True

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import logging
+import os
 import time
 import uuid
 from typing import Any, Callable
