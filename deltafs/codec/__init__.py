@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from deltafs.codec import compare, native, streams
+from deltafs.codec import compare, gamma, native, streams
 from deltafs.codec.codecs import Dense, Raw, Same, Sparse, Xor, choose_split, dense_planes
 from deltafs.codec.gamma import WIDTHS as GAMMA_WIDTHS, Counts, Gamma, count
 from deltafs.defaults import DEFAULT_LEVEL
@@ -147,10 +147,18 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
             # per element near zero, so a payload within DENSE_TRUSTED of the chunk is a trainer step; a larger
             # one (unrelated values, bit flips) goes on to the general path, which tries every codec.
             if counts is not None:
-                step = _difference(nw, bw, level, counts)
+                if _gamma_alone(counts, nw.size):
+                    # The usual small F32 step, decided by the counts alone: gamma's size is plan.payload, so a
+                    # payload over DENSE_TRUSTED is never written (the general path below decides).
+                    plan = counts.plan
+                    if plan.payload <= DENSE_TRUSTED[width] * n.size:
+                        return Encoded(gamma.record(width, plan), gamma.payload(nw, bw, plan), changed)
+                    step = None
+                else:
+                    step = _difference(nw, bw, level, counts)
             else:
                 step = Dense.encode(nw, bw, level, diff=d, planes=planes)
-            if len(step[1]) <= DENSE_TRUSTED[width] * n.size:
+            if step is not None and len(step[1]) <= DENSE_TRUSTED[width] * n.size:
                 if changed >= DENSE_FROM * nw.size:
                     return Encoded(step[0].to_json(), step[1], changed)
                 small_dense = step  # a trainer step: below, the smaller of it and sparse
@@ -212,11 +220,16 @@ def _difference(nw: np.ndarray, bw: np.ndarray, level: int, counts: Counts) -> t
     is 0.84x dense's bytes.
     """
     plan = counts.plan
-    if (counts.repeats < REPEATS_TRY_DENSE * nw.size and counts.changed >= DENSE_FROM * nw.size
-            and counts.skew < SKEW_TRY_DENSE * plan.payload):
+    if _gamma_alone(counts, nw.size):
         return Gamma.encode(nw, bw, plan)
     dense = Dense.encode(nw, bw, level)
     return Gamma.encode(nw, bw, plan) if plan.payload < len(dense[1]) else dense
+
+
+def _gamma_alone(counts: Counts, elements: int) -> bool:
+    """Whether _difference writes gamma without trying dense (its docstring says when)."""
+    return (counts.repeats < REPEATS_TRY_DENSE * elements and counts.changed >= DENSE_FROM * elements
+            and counts.skew < SKEW_TRY_DENSE * counts.plan.payload)
 
 
 def decode(codec: dict[str, Any], payload: bytes | None, base: Any | None, size: int, itemsize: int, *,

@@ -6,7 +6,7 @@
  * k-bit remainders (MSB first), a sign bit per change (MSB first), all zero-padded to whole bytes.
  *
  * Every function reads untrusted bytes (payloads from a store) and bounds every index by the buffer lengths
- * given; the GIL is released while they run. The cheap whole-stream checks (sizes, padding, the range of k)
+ * given; the GIL is released while they run (the gamma loops: on large inputs only, GIL_FROM). The cheap whole-stream checks (sizes, padding, the range of k)
  * stay in Python, before these are called.
  */
 #define PY_SSIZE_T_CLEAN
@@ -18,6 +18,12 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+
+/* The gamma loops over fewer bytes than this keep the GIL: letting it go and taking it back costs about as much as
+ * such a loop, and with other threads waiting for it the taking back can wait longer than the loop ran. */
+#define GIL_FROM (16 << 10)
+#define RELEASE_GIL_IF(big) PyThreadState *released_ = (big) ? PyEval_SaveThread() : NULL;
+#define TAKE_GIL() if (released_) PyEval_RestoreThread(released_);
 
 enum { OK = 0, WRONG_COUNT = 1, TRAILING_BYTES = 2, OUT_OF_RANGE = 3, SHORT_REMAINDER = 4 };
 
@@ -1119,7 +1125,7 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
         int64_t *h = (int64_t *)hist.buf;
         const uint8_t *nb = (const uint8_t *)nbuf.buf, *bb = (const uint8_t *)bbuf.buf;
         const Py_ssize_t n = nbuf.len / width;
-        Py_BEGIN_ALLOW_THREADS
+        RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
         memset(h, 0, hist.len);
         /* One count per element, by its length and (from length 4) the three bits below its leading one: the
          * length histogram is the sum of each row. 264 bins also make back-to-back increments of one counter (a
@@ -1142,7 +1148,7 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
         changed = n - (Py_ssize_t)h[0];
         skew = lowbits_skew(top, 8 * width + 1);
         plan_lengths(h, 8 * width + 1, o);
-        Py_END_ALLOW_THREADS
+        TAKE_GIL()
     } else
         PyErr_SetString(PyExc_ValueError, "lengths: width must be 1, 2 or 4 and the buffers sized alike");
     PyBuffer_Release(&nbuf);
@@ -1181,6 +1187,11 @@ static void plan_lengths(const int64_t *h, Py_ssize_t m, int64_t out[5]) {
         const int kmax = gmax > 0 ? (64 - __builtin_clzll((uint64_t)gmax) < 8 ? 64 - __builtin_clzll((uint64_t)gmax) : 8)
                                   : 0;
         for (int k = 0; k <= kmax; k++) {
+            /* Every code takes at least its one bit, so no pair (c, k' >= k) costs less than this bound, which
+             * grows with k: once it reaches the best cost, larger parameters cannot replace it (only a smaller
+             * cost does). The same answer as the full search, in a fraction of the pairs. */
+            if (best >= 0 && (n + 7) / 8 + (n * k + 7) / 8 >= best)
+                break;
             int64_t bits = 0;
             for (int j = 0; j < used; j++) {
                 const int64_t s = len[j] - c, g = s >= 0 ? 2 * s : -2 * s - 1;
@@ -1294,7 +1305,7 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
         const Py_ssize_t n = nbuf.len / width, man_len = out.len - 8 - un_len - rem_len;
         bitwriter u = {o, un_len, 0, 0, 0}, r = {o + un_len, rem_len, 0, 0, 0},
                   m = {o + un_len + rem_len, man_len, 0, 0, 0};
-        Py_BEGIN_ALLOW_THREADS
+        RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint32_t z = zz_at(nb, bb, i, width);
             const int L = bit_length(z), s = L - center;
@@ -1309,7 +1320,7 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
         flush_bits(&u);
         flush_bits(&r);
         flush_bits(&m);
-        Py_END_ALLOW_THREADS
+        TAKE_GIL()
         ok = u.pos == un_len && r.pos == rem_len && m.pos == man_len;
         if (!ok)
             PyErr_SetString(PyExc_ValueError, "gamma: the streams do not have the sizes given");
@@ -1444,7 +1455,7 @@ static PyObject *gamma_decode(PyObject *self, PyObject *args) {
         if (!diff)
             PyErr_NoMemory();
         else {
-        Py_BEGIN_ALLOW_THREADS
+        RELEASE_GIL_IF(out.len >= GIL_FROM)
         status = gamma_pass(un, unary_len, rem, rem_len, man, man_len, width, center, k, n, diff);
         if (status == OK) { /* only now is out written: it may be the base */
             for (Py_ssize_t i = 0; i < n; i++) {
@@ -1455,7 +1466,7 @@ static PyObject *gamma_decode(PyObject *self, PyObject *args) {
                 }
             }
         }
-        Py_END_ALLOW_THREADS
+        TAKE_GIL()
         PyMem_RawFree(diff);
         }
     } else

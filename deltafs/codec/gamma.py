@@ -54,17 +54,22 @@ class Counts(NamedTuple):
     plan: Layout  # layout(hist)
 
 
+_tuple = tuple.__new__
+
+
 def count(nw: np.ndarray, bw: np.ndarray) -> Counts:
     """Counts of new against base (width-byte unsigned ints, width 1, 2 or 4), in one compiled call where built.
 
     (Named tuples, not dataclasses: one is made per small chunk, and a frozen dataclass costs ~1.5 us to build.)
     """
     width = nw.dtype.itemsize
-    hist = np.zeros(8 * width + 1, np.int64)
     c = native.loops()
     if c is not None:
-        changed, repeats, skew, *plan = c.lengths(nw, bw, width, hist)
-        return Counts(hist, changed, repeats, skew, Layout(*plan))
+        hist = np.empty(8 * width + 1, np.int64)  # lengths() fills every entry
+        r = c.lengths(nw, bw, width, hist)  # (changed, repeats, skew, *layout)
+        # tuple.__new__ makes the named tuples without their Python-level __new__ (one pair per small chunk).
+        return _tuple(Counts, (hist, r[0], r[1], r[2], _tuple(Layout, r[3:])))
+    hist = np.zeros(8 * width + 1, np.int64)
     z = zigzag(nw - bw)
     lengths = _bit_lengths(z)
     hist[:] = np.bincount(lengths, minlength=8 * width + 1)
@@ -178,18 +183,7 @@ class Gamma:
             raise ValueError(f"gamma: width {width} is not one of {WIDTHS}")
         if plan is None:
             plan = count(nw, bw).plan
-        # The payload in one buffer: the streams are written in place, then the trailer after them.
-        payload = bytearray(plan.payload)
-        c = native.loops()
-        if c is not None:
-            c.gamma(nw, bw, width, plan.center, plan.rice, plan.unary, plan.remainder, payload)
-        else:
-            body = np.frombuffer(payload, np.uint8)
-            un = body[:plan.unary]
-            rem = body[plan.unary:plan.unary + plan.remainder]
-            _encode_numpy(nw, bw, plan, un, rem, body[plan.unary + plan.remainder:plan.payload - streams.TRAILER])
-        streams.trail(payload)
-        return Gamma(width, plan.center, plan.rice, plan.unary), bytes(payload)
+        return Gamma(width, plan.center, plan.rice, plan.unary), payload(nw, bw, plan)
 
     def decode(self, payload: bytes | None, base: np.ndarray | None, size: int,
                out: np.ndarray | None = None) -> np.ndarray:
@@ -233,6 +227,28 @@ class Gamma:
         z = z.astype(np.uint64) | _read_fields(man, low)
         dtype = streams.UINT[width]
         return unzigzag(z.astype(dtype))
+
+
+def record(width: int, plan: Layout) -> dict[str, Any]:
+    """Gamma(width, plan.center, plan.rice, plan.unary).to_json(), without the object (one per small chunk)."""
+    return {"name": "gamma", "width": width, "center": plan.center, "rice": plan.rice, "unary": plan.unary}
+
+
+def payload(nw: np.ndarray, bw: np.ndarray, plan: Layout) -> bytes:
+    """The gamma payload of new against base (width-byte unsigned ints, width in WIDTHS, not checked here):
+    the streams plan (count(nw, bw).plan) sizes, then the trailer."""
+    # One buffer: the streams are written in place, then the trailer after them.
+    out = bytearray(plan.unary + plan.remainder + plan.mantissa + streams.TRAILER)
+    c = native.loops()
+    if c is not None:
+        c.gamma(nw, bw, nw.dtype.itemsize, plan.center, plan.rice, plan.unary, plan.remainder, out)
+    else:
+        body = np.frombuffer(out, np.uint8)
+        un = body[:plan.unary]
+        rem = body[plan.unary:plan.unary + plan.remainder]
+        _encode_numpy(nw, bw, plan, un, rem, body[plan.unary + plan.remainder:len(out) - streams.TRAILER])
+    streams.trail(out)
+    return bytes(out)
 
 
 def _encode_numpy(nw: np.ndarray, bw: np.ndarray, plan: Layout, un: np.ndarray, rem: np.ndarray,

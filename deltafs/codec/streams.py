@@ -5,6 +5,7 @@ trailer, byte planes and Rice-coded gaps. Every function here is pure and vector
 from __future__ import annotations
 
 import math
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -128,6 +129,8 @@ def decompress(frame: bytes | memoryview, size: int, what: str) -> np.ndarray:
 # names objects by their sha256; this makes the codec fail closed on its own (tests, other callers, bugs): a damaged
 # payload raises instead of decoding to different bytes.
 TRAILER = 8
+_PUT_U64 = struct.Struct("<Q").pack_into
+_GET_U64 = struct.Struct("<Q").unpack_from
 
 
 def seal(parts: list[Any]) -> bytes:
@@ -138,8 +141,8 @@ def seal(parts: list[Any]) -> bytes:
 
 def trail(payload: bytearray) -> None:
     """seal() in place: payload's last TRAILER bytes become the checksum of the bytes before them."""
-    # The digest's big-endian bytes reversed: the little-endian integer, without an int round trip.
-    payload[len(payload) - TRAILER:] = xxhash.xxh3_64_digest(memoryview(payload)[: len(payload) - TRAILER])[::-1]
+    end = len(payload) - TRAILER
+    _PUT_U64(payload, end, xxhash.xxh3_64_intdigest(memoryview(payload)[:end]))  # little-endian, as seal()
 
 
 def unseal(payload: bytes | memoryview, what: str) -> memoryview:
@@ -147,8 +150,9 @@ def unseal(payload: bytes | memoryview, what: str) -> memoryview:
     view = memoryview(payload)
     if len(view) < TRAILER:
         raise IntegrityError(f"{what}: payload of {len(view)} bytes is too short")
-    body = view[: len(view) - TRAILER]
-    if xxhash.xxh3_64_digest(body)[::-1] != view[len(view) - TRAILER:]:
+    end = len(view) - TRAILER
+    body = view[:end]
+    if xxhash.xxh3_64_intdigest(body) != _GET_U64(view, end)[0]:
         raise IntegrityError(f"{what}: payload checksum does not match")
     return body
 
