@@ -114,16 +114,22 @@ def watch_cmd(
         install_finish_switch_first()  # SIGTERM (timeout, systemd) lets a running switch finish: never left paused
         try:
             sub.start()
-            sub.sync()
+            sub.once()
             return EXIT_OK
         finally:
             sub.close(stopped=False)  # one cycle: the host is not "stopped" (a daemon may serve beside it)
     # SIGTERM (systemd stop) and Ctrl-C end the loop in order: a switch in progress completes
     # and resumes the engine before the process exits. stop() runs in a thread: see deltafs.watch.signals.
-    from deltafs.watch.signals import handler
+    from deltafs.watch.signals import handler, warn_and_ignore
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP too: a watcher started from an ssh or tmux session that goes away was killed mid-switch, the engine
+    # left paused (adversarial pass).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, handler(sub.stop, "deltafs-stop"))
+    if boundary is not BoundaryKind.signal:
+        # SIGUSR1 says "switch now" to a watcher with --boundary signal; sent to another, it killed it (mid-switch
+        # too). Ignored there, with a line on stderr.
+        warn_and_ignore(signal.SIGUSR1, f"this watcher switches at --boundary {boundary.value}, not on signals")
     return sub.run()
 
 

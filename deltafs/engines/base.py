@@ -41,13 +41,15 @@ class SwitchError(EngineError):
 
     `serving` is what the engine is known to hold now: `previous` after a verified rollback, the
     target when its load was verified but a later step (resuming) failed, None when unknown.
+    `paused`: resuming generation failed, so the engine may still be paused (the caller must resume it).
     """
 
     def __init__(self, message: str, *, rolled_back: bool, previous: Target | None,
-                 serving: Target | None = None) -> None:
+                 serving: Target | None = None, paused: bool = False) -> None:
         self.rolled_back = rolled_back
         self.previous = previous
         self.serving = serving if serving is not None else (previous if rolled_back else None)
+        self.paused = paused
         super().__init__(message)
 
 

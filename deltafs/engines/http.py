@@ -40,6 +40,7 @@ class SwitchState:
     rolled_back: bool = False
     reached: bool = True  # whether the pause may have reached the engine
     resumable: bool = True  # False once the server died: there is nothing to resume
+    paused: bool = False  # resuming failed after the pause reached the engine: it may still be paused
     load_seconds: float = 0.0
 
 
@@ -169,6 +170,7 @@ class HttpEngine:
                 except EngineError as exc:
                     if state.reached:
                         self.log.critical("%s", exc)
+                        state.paused = True
                     if state.failure is None:
                         state.failure = exc
                         state.where = "; it holds the new version but may still be paused"
@@ -176,7 +178,7 @@ class HttpEngine:
         if state.failure is not None:
             raise SwitchError(f"switch to version {target.version} failed: {state.failure}{state.where}",
                               rolled_back=state.rolled_back, previous=previous,
-                              serving=target if state.loaded else None)
+                              serving=target if state.loaded else None, paused=state.paused)
         return SwitchResult(version=target.version, pause_seconds=pause_seconds, load_seconds=state.load_seconds)
 
 

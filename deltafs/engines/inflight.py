@@ -87,21 +87,26 @@ class SwitchRecord:
             # process, which waits for the load or for the record's deadline.
             self.clear()
 
-    def wait_for_killed(self, engine: Engine, stop: threading.Event | None = None) -> None:
+    def wait_for_killed(self, engine: Engine, stop: threading.Event | None = None) -> bool:
         """A switch whose process was killed mid-load left its record: until the engine reports that version, or
-        the load's time is up, the load may still run. Wait for it (or for stop), then drop the record."""
+        the load's time is up, the load may still run. Wait for it, then drop the record and return True. When stop
+        ends the wait first, return False and keep the record: the load may still run, so the caller must neither
+        resume the engine nor send it anything (a watcher stopped during the wait resumed it mid-load, adversarial
+        pass), and the next process waits for it in turn."""
         record = self.local.switch_record()
         if record is None:
-            return
+            return True
         try:
             version, deadline = str(record["version"]), float(record["deadline"])
         except (ValueError, KeyError, TypeError):
-            return
+            return True
         if time.time() < deadline:
             log.warning("a switch to version %s by a deltafs process that stopped may still be loading; waiting for "
                         "the engine to report it (up to %.0fs)", version, deadline - time.time())
         stop = stop if stop is not None else threading.Event()
-        while time.time() < deadline and not stop.is_set():
+        while time.time() < deadline:
+            if stop.is_set():
+                return False
             try:
                 if engine.served_version() == version:
                     break
@@ -109,3 +114,4 @@ class SwitchRecord:
                 break  # not reachable: no load of ours is running there
             stop.wait(1.0)
         self.clear()
+        return True

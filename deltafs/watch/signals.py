@@ -48,6 +48,17 @@ def finish_switch_first(signum: int, frame: Any) -> None:
 
 
 def install_finish_switch_first() -> None:
-    """finish_switch_first for SIGTERM and SIGINT (in the main thread)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    """finish_switch_first for SIGTERM, SIGINT and SIGHUP (in the main thread). SIGHUP comes when the ssh or tmux
+    session a command was started from goes away; by default it killed the command mid-switch."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, finish_switch_first)
+
+
+def warn_and_ignore(sig: signal.Signals, why: str) -> None:
+    """Ignore sig (in the main thread), writing one line to stderr each time it comes."""
+    line = f"deltafs: {sig.name} ignored: {why}\n".encode()
+
+    def run(signum: int, frame: Any) -> None:
+        os.write(2, line)  # no logging in a handler (see above)
+
+    signal.signal(sig, run)

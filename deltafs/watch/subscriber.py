@@ -20,12 +20,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 from deltafs import metrics
 from deltafs.defaults import DEFAULT_GROUP_TIMEOUT, DEFAULT_RETRY_MAX
 from deltafs.engines import weight_version
-from deltafs.engines.base import Engine, NeedsRestartError, SwitchError, Target
+from deltafs.engines.base import Engine, EngineUnreachableError, NeedsRestartError, SwitchError, Target
 from deltafs.engines.inflight import SwitchRecord
 from deltafs.engines.switch import current_target, engine_answer, loaded_checksum, restart_needed, switch_engine
 from deltafs.errors import (
@@ -144,6 +145,8 @@ class Subscriber:
         self.group_poll = group_poll
         self._group_since: dict[int, float] = {}
         self._relearn = False  # the engine was lost mid-switch: ask it again what it serves
+        self._resume_pending = False  # a switch could not resume generation: resume it before anything else
+        self._ledger_lock = threading.Lock()  # the heartbeat thread's writes and the loop's, one at a time
         self._unconfirmed = False  # served was inferred from DEST's link: reload once to be sure
         self._checked_store: str | None = None  # the store id whose checkpoint DEST was last found to hold
         self.status = HostStatus(host_id=check_host_id(host_id or default_host_id()), dest=self.dest,
@@ -177,20 +180,39 @@ class Subscriber:
     def start(self) -> None:
         """Find out what the engine serves, un-pause it if a killed watcher left it paused."""
         if self.engine is not None:
-            SwitchRecord(self.dest).wait_for_killed(self.engine, self.stop_event)
+            if not SwitchRecord(self.dest).wait_for_killed(self.engine, self.stop_event):
+                log.warning("stopped while a killed switch's load may still run: the engine is left as it is")
+                return
             try:
                 self._resume_unless_switching()
             except LockHeldError:
                 log.warning("another deltafs process is switching the engine of %s; not resuming it", self.dest)
-            except EngineError as exc:
+            except EngineUnreachableError as exc:  # not running (yet): nothing there is paused
                 log.error("cannot resume the engine: %s", exc)
+            except EngineError as exc:  # it answered, and may be paused: every cycle tries again until it works
+                log.error("cannot resume the engine: %s", exc)
+                self._resume_pending = True
             self._learn_served(first=True)
         else:
             state = LocalCheckpoint(self.dest).state()
             if state is not None:
                 self.served = Target(state.path, weight_version(state.version))
+        if self.engine_group and self.served is not None:
+            self._link_for_group(self.served)
         self.status.served_version = int(self.served.version) if self.served else None
         self._set_state("serving" if self.served else "starting")
+
+    def _link_for_group(self, target: Target) -> None:
+        """DEST.deltafs/by-version/v<N> for the version this host serves or holds at start: the leader's rollback
+        sends that path to every host, and a follower that started on a DEST pulled beforehand had no link to it
+        (adversarial pass: the rollback named a path missing on the follower's disk)."""
+        text = target.version
+        if not (text.isascii() and text.isdigit()) or not os.path.isdir(target.path):
+            return
+        try:
+            stable_path(self.dest, int(text), target.path)
+        except OSError as exc:
+            log.warning("cannot link version %s for engine group %s: %s", text, self.engine_group, exc)
 
     def _resume_unless_switching(self) -> None:
         """Un-pause the engine (a killed watcher may have left it paused), but not while another process switches
@@ -356,7 +378,7 @@ class Subscriber:
                     return None
                 self._wait_for_group(staged.version)
                 if previous is not None:
-                    previous = Target(stable_path(self.dest, int(previous.version), previous.path), previous.version)
+                    previous = self._group_rollback(previous)
             self._set_state("switching")
             try:
                 # One switch per DEST's engine at a time, as reload_engine (cron mode) takes it: SGLang cannot take
@@ -405,6 +427,13 @@ class Subscriber:
 
     def sync(self) -> Applied | None:
         """One cycle: poll, wait for the boundary, apply. None when there was nothing to do."""
+        if self.engine is not None and self._resume_pending:
+            # A switch could not resume generation: the engine may still be paused, serving nobody. Until a resume
+            # goes through, every cycle tries again and fails (the host stays degraded in the ledger); the cycle that
+            # went through next cleared the failure while the engine stayed paused (adversarial pass).
+            self._resume_unless_switching()
+            self._resume_pending = False
+            log.info("generation resumed on %s", self.status.engine_url or self.status.engine)
         if self.engine is not None and (self._relearn or self.status.needs_restart):
             # The engine was lost mid-switch, or an operator may have restarted it at the staged version.
             self._relearn = False
@@ -485,7 +514,8 @@ class Subscriber:
     # --- the daemon loop ----------------------------------------------------------------------
     def run(self) -> int:
         """Sync until stop(); returns 0, or the exit code of the error the host is stuck on."""
-        self.start()
+        with self._beating():
+            self.start()
         try:
             _ = self.notifier  # watch before the first look at HEAD, so no push falls in between
         except (DeltafsError, OSError) as exc:
@@ -493,37 +523,11 @@ class Subscriber:
         while not self.stop_event.is_set():
             delay: float | None = None
             try:
-                self.sync()
+                with self._beating():
+                    self.sync()
                 self._recovered()
-            except SwitchError as exc:
-                if exc.serving is not None and exc.serving != self.served:
-                    self._now_serving(exc.serving)
-                elif exc.serving is None and not exc.rolled_back:
-                    self._relearn = True  # died, restarted or still loading: what it serves is unknown
-                delay = self._failed(exc)
-            except NeedsRestartError as exc:
-                log.error("%s; still serving version %s. Restart the engine with: deltafs launch-args %s",
-                          exc, self.served.version if self.served else "?", self.dest)
-                delay = jittered(self.fallback_poll)
-            except GroupNotReadyError as exc:
-                if exc.timed_out:
-                    delay = self._failed(exc)
-                else:
-                    log.info("%s", exc)
-                    delay = jittered(self.group_poll)
-            except LockHeldError as exc:
-                log.info("%s; trying again later", exc)
-                delay = self._backoff(1)
-            except StoreNotFoundError as exc:
-                if self.status.store_id is not None:  # it existed: a vanished store is a failure
-                    delay = self._failed(exc)
-                else:  # started before the trainer's first push: wait quietly at the poll rate
-                    if not self._said_waiting:
-                        log.info("%s; waiting for the first version", exc)
-                        self._said_waiting = True
-                    delay = jittered(self.poll_interval or 5.0)
             except (DeltafsError, OSError) as exc:
-                delay = self._failed(exc)
+                delay = self._after(exc)
             if self.stop_event.is_set():
                 break
             self._beat()
@@ -536,6 +540,72 @@ class Subscriber:
                     self.stop_event.wait(self._failed(exc))
         self.close()
         return self.exit_code()
+
+    def once(self) -> Applied | None:
+        """One cycle (`deltafs watch --once`), recorded in the ledger as run() records its cycles: a failure leaves
+        the host degraded with its error (a cron fleet's failures never reached `deltafs status`: adversarial pass).
+        Raises what the cycle raised."""
+        try:
+            with self._beating():
+                applied = self.sync()
+        except (DeltafsError, OSError) as exc:
+            self._after(exc, again=False)
+            raise
+        self._recovered()
+        return applied
+
+    def _after(self, exc: DeltafsError | OSError, *, again: bool = True) -> float:
+        """Record a failed cycle; the delay before the next (again: whether there is one, for the log line)."""
+        if isinstance(exc, SwitchError):
+            if exc.serving is not None and exc.serving != self.served:
+                self._now_serving(exc.serving)
+            elif exc.serving is None and not exc.rolled_back:
+                self._relearn = True  # died, restarted or still loading: what it serves is unknown
+            if exc.paused:
+                self._resume_pending = True
+            return self._failed(exc, again=again)
+        if isinstance(exc, NeedsRestartError):
+            log.error("%s; still serving version %s. Restart the engine with: deltafs launch-args %s",
+                      exc, self.served.version if self.served else "?", self.dest)
+            return jittered(self.fallback_poll)
+        if isinstance(exc, GroupNotReadyError):
+            if exc.timed_out:
+                return self._failed(exc, again=again)
+            log.info("%s", exc)
+            return jittered(self.group_poll)
+        if isinstance(exc, LockHeldError):
+            log.info("%s; trying again later", exc)
+            return self._backoff(1)
+        if isinstance(exc, StoreNotFoundError) and self.status.store_id is None:
+            # Started before the trainer's first push: wait quietly at the poll rate (a store that existed and
+            # vanished is a failure, below).
+            if not self._said_waiting:
+                log.info("%s; waiting for the first version", exc)
+                self._said_waiting = True
+            return jittered(self.poll_interval or 5.0)
+        return self._failed(exc, again=again)
+
+    @contextlib.contextmanager
+    def _beating(self) -> Iterator[None]:
+        """Refresh the ledger entry every heartbeat while a long step runs: a pull of a large model, a wait for the
+        boundary, an engine's load (up to --load-timeout). Silent for more than five minutes, the entry no longer
+        counts as live: `deltafs status` called the host stale mid-load, and an engine group's followers stopped
+        keeping the versions its engine was loading from their disks (adversarial pass)."""
+        if not self.ledger:
+            yield
+            return
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.heartbeat):
+                self._write_ledger()
+
+        thread = threading.Thread(target=beat, name="deltafs-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def close(self, *, stopped: bool = True) -> None:
         """Record "stopped" in the ledger (unless stopped=False: a one-shot `watch --once` beside a daemon or from
@@ -641,6 +711,24 @@ class Subscriber:
         in_use = {v for m in members if m.engine != "none" for v in (m.served_version, m.staged_version) if v is not None}
         paths = [os.path.realpath(by_version(self.dest, v)) for v in sorted(in_use)]
         return [p for p in paths if os.path.isdir(p)]
+
+    def _group_rollback(self, previous: Target) -> Target | None:
+        """The engine group's rollback target: previous at the path that is the same on every host, if every host
+        holds it (the rollback sends it to every rank, on every host's own disk), else None with a warning."""
+        assert self.engine_group is not None
+        path = stable_path(self.dest, int(previous.version), previous.path)
+        try:
+            ready, _ = ready_hosts(self.repo.objects, self.engine_group, int(previous.version),
+                                   store_id=self.status.store_id)
+        except (DeltafsError, OSError) as exc:
+            ready = set()
+            log.debug("cannot read the engine group's ledger entries: %s", exc)
+        if len(ready | {self.status.host_id}) < self.engine_hosts:
+            log.warning("not every host of engine group %s holds version %s: if this switch fails, the engine is not "
+                        "sent back to it (SGLang then keeps the weights it had, or reports the failure)",
+                        self.engine_group, previous.version)
+            return None
+        return Target(path, previous.version)
 
     def _wait_for_group(self, version: int) -> None:
         """Raise GroupNotReadyError until every host of the engine group has the version staged."""
@@ -785,13 +873,16 @@ class Subscriber:
             self.status.last_error = None
             self._set_state("needs-restart" if self.status.needs_restart else "serving" if self.staged is None else "waiting")
 
-    def _failed(self, exc: BaseException) -> float:
+    def _failed(self, exc: BaseException, *, again: bool = True) -> float:
         self.status.failures += 1
         self.status.last_error = short_problem(exc)
         self.status.last_error_at = utcnow()
         self._last_exit = exit_code(exc)
         delay = self._backoff(self.status.failures)
-        log.error("sync failed (%d in a row; next try in %.1fs): %s", self.status.failures, delay, exc)
+        if again:
+            log.error("sync failed (%d in a row; next try in %.1fs): %s", self.status.failures, delay, exc)
+        else:
+            log.error("sync failed: %s", exc)
         self._set_state("degraded")
         self._metrics(failures=1)
         return delay
@@ -814,6 +905,10 @@ class Subscriber:
     def _write_ledger(self) -> None:
         if not self.ledger:
             return
+        with self._ledger_lock:  # each write takes the status as it is then: the last write is the newest status
+            self._write_ledger_now()
+
+    def _write_ledger_now(self) -> None:
         self._last_write = time.monotonic()
         try:
             objects = self.repo.objects

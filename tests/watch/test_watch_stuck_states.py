@@ -1,0 +1,209 @@
+"""The watcher never reports a host healthy while its engine is stuck, and never lets a long step make it look dead.
+
+Each test reproduces what an adversarial pass found against SGLang 0.5.23's own update code
+(tests/sglang_wheel_server.py): an engine left paused after a failed resume while the ledger said serving; a
+multi-minute load that made the leader's ledger entry stale (so an engine group's followers stopped keeping the
+version the engine was loading); a rollback that named a path a follower did not have; a watcher stopped while it
+waited for a killed switch's load, which resumed the engine mid-load; `watch --once` failures that never reached
+the ledger; SIGHUP and a stray SIGUSR1 that killed the watcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from sglang_wheel_server import WheelSGLang
+from watch_helpers import FAST, same_weights, wait_until
+
+from deltafs.engines.base import SwitchError, Target
+from deltafs.engines.inflight import SwitchRecord
+from deltafs.engines.sglang import SGLangEngine
+from deltafs.errors import EngineError
+from deltafs.read.pull import pull
+from deltafs.store.open import open_objects
+from deltafs.watch import Subscriber
+from deltafs.watch.ledger import HostStatus, ledger_key
+
+MAIN = "import sys; from deltafs.cli.main import main; sys.argv[0] = 'deltafs'; main()"
+
+
+def engine(server: WheelSGLang, **kw) -> SGLangEngine:
+    return SGLangEngine(server.url, timeout=2, load_timeout=kw.pop("load_timeout", 10), poll_interval=0.1,
+                        resume_attempts=1, **kw)
+
+
+def ledger(store: str, host: str) -> HostStatus:
+    return HostStatus.from_bytes(open_objects(store).get(ledger_key(host)))
+
+
+def paused(server: WheelSGLang) -> bool:
+    return any(w.is_pause for w in server.workers)
+
+
+@pytest.fixture()
+def staged_v1(trainer, tmp_path):
+    trainer.push()
+    dest = str(tmp_path / "dest")
+    return dest, pull(trainer.store, dest).path
+
+
+def test_a_failed_resume_is_tried_again_and_the_host_stays_degraded_until_it_works(trainer, staged_v1, monkeypatch):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        eng = engine(server)
+        sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
+        sub.start()
+        trainer.push()
+        real = eng._resume_once
+
+        def refused() -> None:
+            raise EngineError("continue_generation answered 500")
+
+        monkeypatch.setattr(eng, "_resume_once", refused)
+        with pytest.raises(SwitchError) as info:
+            sub.once()
+        assert info.value.paused and paused(server)
+        assert same_weights(server.state_dict(), trainer.weights[2])  # loaded and verified, then not resumed
+        # The next cycle has nothing to pull: it used to clear the failure, the engine paused for good.
+        with pytest.raises(EngineError, match="could not resume generation"):
+            sub.once()
+        status = ledger(trainer.store, "h")
+        assert status.state == "degraded" and status.failures == 2 and "resume" in status.last_error
+        assert paused(server)
+        monkeypatch.setattr(eng, "_resume_once", real)
+        assert sub.once() is None
+        assert not paused(server)
+        status = ledger(trainer.store, "h")
+        assert status.state == "serving" and status.failures == 0 and status.served_version == 2
+        sub.close()
+
+
+def test_the_ledger_entry_stays_fresh_through_a_long_load(trainer, staged_v1):
+    """A load longer than five minutes left the leader's entry unrefreshed: `status` called it stale, and the group's
+    followers no longer kept the version the engine was loading. The heartbeat goes on during every step."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="h", **{**FAST, "heartbeat": 0.2})
+        sub.start()
+        trainer.push()
+        server.inject("slow", seconds=2.0)
+        done: list[object] = []
+        thread = threading.Thread(target=lambda: done.append(sub.once()))
+        thread.start()
+        wait_until(lambda: ledger(trainer.store, "h").state == "switching", what="the switch to start")
+        first = ledger(trainer.store, "h").updated_at
+        wait_until(lambda: ledger(trainer.store, "h").updated_at != first, timeout=1.5,
+                   what="a heartbeat during the load")
+        assert ledger(trainer.store, "h").state == "switching" and not done
+        thread.join(20)
+        assert done and ledger(trainer.store, "h").state == "serving"
+        sub.close()
+
+
+def _follower(trainer, tmp_path, dest: str) -> Subscriber:
+    return Subscriber(trainer.store, dest, None, host_id="node-1", engine_group="big", engine_hosts=2, **FAST)
+
+
+def test_a_group_rollback_names_a_path_every_host_has(trainer, staged_v1, tmp_path):
+    """Both hosts pulled version 1 before their watchers started (as the unit-file comment says); the leader's engine
+    refused version 2, and the rollback sent by-version/v1, which the follower never linked."""
+    dest, v1_dir = staged_v1
+    follower_dest = str(tmp_path / "node1-dest")
+    pull(trainer.store, follower_dest)
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            **FAST)
+        follower = _follower(trainer, tmp_path, follower_dest)
+        follower.start()
+        leader.start()
+        assert os.path.isdir(os.path.join(follower_dest + ".deltafs", "by-version", "v1"))
+        trainer.push()
+        follower.once()
+        server.inject("fail")
+        with pytest.raises(SwitchError) as info:
+            leader.once()
+        assert info.value.rolled_back
+        sent = [e.detail["model_path"] for e in server.events if e.what == "update"]
+        assert [os.path.basename(p) for p in sent] == ["v2", "v1"]
+        assert os.path.isdir(os.path.join(follower_dest + ".deltafs", "by-version", "v1"))
+        assert same_weights(server.state_dict(), trainer.weights[1])
+        leader.close()
+        follower.close()
+
+
+def test_a_group_is_not_rolled_back_to_a_version_a_host_does_not_hold(trainer, staged_v1, tmp_path, caplog):
+    dest, v1_dir = staged_v1
+    trainer.push()
+    follower_dest = str(tmp_path / "node1-dest")
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        leader = Subscriber(trainer.store, dest, engine(server), host_id="node-0", engine_group="big", engine_hosts=2,
+                            **FAST)
+        follower = _follower(trainer, tmp_path, follower_dest)
+        follower.start()
+        follower.once()  # a fresh host: it pulls version 2 only
+        leader.start()
+        server.inject("fail")
+        with pytest.raises(SwitchError) as info:
+            leader.once()
+        assert not info.value.rolled_back
+        assert [e.what for e in server.events if e.what == "update"] == ["update"]  # no rollback sent
+        assert "not every host of engine group big holds version 1" in caplog.text
+        leader.close()
+        follower.close()
+
+
+def test_a_watcher_stopped_while_a_killed_switch_loads_leaves_the_engine_and_the_record(trainer, staged_v1, monkeypatch):
+    dest, v1_dir = staged_v1
+    trainer.push()
+    v2_dir = pull(trainer.store, dest).path
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        eng = engine(server, load_timeout=30)
+        record = SwitchRecord(dest)
+        record.write(eng, Target(v2_dir, "2"))  # a killed watcher's load of version 2 may still run
+        resumed: list[int] = []
+        monkeypatch.setattr(eng, "resume", lambda *a, **k: resumed.append(1))
+        sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
+        threading.Timer(0.5, sub.stop).start()
+        started = time.monotonic()
+        sub.start()
+        assert time.monotonic() - started < 10
+        assert resumed == [] and os.path.exists(record.path)
+        sub.close()
+
+
+def test_once_records_its_failure_in_the_ledger(trainer, staged_v1):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        trainer.push()
+        server.inject("fail")
+        result = subprocess.run([sys.executable, "-c", MAIN, "watch", trainer.store, dest, "--engine-url", server.url,
+                                 "--once", "--host-id", "cron-1"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 10, result.stderr
+        status = ledger(trainer.store, "cron-1")
+        assert status.state == "degraded" and status.failures == 1 and "version 2" in status.last_error
+
+
+def test_sighup_stops_the_watcher_in_order_and_a_stray_sigusr1_is_ignored(trainer, tmp_path):
+    trainer.push()
+    log = str(tmp_path / "watch.log")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-c", MAIN, "watch", trainer.store, str(tmp_path / "dest"),
+                                 "--host-id", "h", "--poll", "0.2"], stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "version 1 is in" in open(log).read(), timeout=60, what="the first version")
+        proc.send_signal(signal.SIGUSR1)
+        wait_until(lambda: "SIGUSR1 ignored" in open(log).read(), what="the SIGUSR1 line")
+        time.sleep(0.3)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ledger(trainer.store, "h").state == "stopped"
