@@ -54,10 +54,17 @@ def _no_constant(name: str) -> Any:
 
 def _metadata(items: list[str] | None, text: str | None) -> dict[str, Any]:
     meta = json_object(text, "--metadata")
+    given: dict[str, str] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--meta expects KEY=VALUE, got {item!r}")
+        # A key given twice silently kept the last value (adversarial pass): say which to keep.
+        if key in given:
+            raise UsageError(f"--meta {key} is given twice ({given[key]!r} and {value!r}); give each key once")
+        if key in meta:
+            raise UsageError(f"--meta {key} is also in --metadata; give each key once")
+        given[key] = value
         try:
             parsed = json.loads(value, parse_constant=_no_constant)
         except ValueError:
@@ -152,6 +159,10 @@ def _store_warnings(src: str, store: str) -> list[str]:
     out = []
     if store_path == src_path or store_path.startswith(src_path.rstrip(os.sep) + os.sep):
         out.append(f"the store {store} is inside the source {src}; its files are not published, but move it out")
+    from deltafs.read.dest import sidecar_holding
+
+    if sidecar_holding(store_path) is not None:  # a pulled DEST: push refuses it, and SRC and STORE are not swapped
+        return out
     if os.path.isdir(store_path) and not os.path.exists(os.path.join(store_path, "deltafs.json")):
         names = os.listdir(store_path)
         if any(n.endswith(".safetensors") or n == "config.json" for n in names):

@@ -8,7 +8,7 @@ import stat
 import time
 import uuid
 
-from deltafs.errors import FormatError, StoreError
+from deltafs.errors import FormatError, StoreError, UsageError
 from deltafs.store.base import Capabilities, ObjectStore, RetryPolicy
 
 TEMP_PREFIX = ".tmp-"
@@ -48,6 +48,23 @@ def is_network_fs(fstype: str | None) -> bool:
     return fstype is not None and fstype.startswith(NETWORK_FS)
 
 
+def _check_name_lengths(root: str, url: str) -> None:
+    """UsageError (exit 2) for a store path with a name longer than its filesystem allows: it was said as "cannot
+    read deltafs.json at ...: File name too long" (exit 3), as if a store were there (adversarial pass)."""
+    existing = root
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for name in root.split(os.sep):
+        size = len(os.fsencode(name))
+        if size > limit:
+            raise UsageError(f"cannot use {url} as a store: a name in its path is {size} bytes long, and this "
+                             f"filesystem allows at most {limit}")
+
+
 class LocalObjectStore(ObjectStore):
     """A directory tree: key a/b/c is the file ROOT/a/b/c."""
 
@@ -57,6 +74,7 @@ class LocalObjectStore(ObjectStore):
         # A local disk is bandwidth-bound: about one request per core keeps it busy.
         super().__init__(url, retry=retry, max_workers=max_workers or os.cpu_count() or 1)
         self.root = os.path.abspath(root).rstrip("/") or "/"
+        _check_name_lengths(self.root, url)
         self.fstype = mount_fstype(self.root)
         if is_network_fs(self.fstype):
             self.declare(read_after_write=False, file_events=False)

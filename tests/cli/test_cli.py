@@ -373,3 +373,48 @@ def test_a_file_size_limit_or_a_read_only_sidecar_is_a_local_write_failure(tmp_p
 
     assert error_line(PermissionError(13, "Permission denied", "/d.deltafs/chunks")) == (
         "deltafs: error: Permission denied: /d.deltafs/chunks (check its owner and permissions)", 12)
+
+
+def test_verify_local_checks_a_version_gc_removed_from_the_store_against_what_was_pulled(tmp_path, maker):
+    """A host a few versions behind: gc removed its version from the store, and `verify --local` failed its intact
+    files with exit 6, "version 1 is not in STORE" (adversarial pass). They are checked against the manifest the
+    pull recorded, with a warning; damage is still exit 6."""
+    store, dest = tmp_path / "store", tmp_path / "dest"
+    run_cli("push", maker.write(), store, "-q", check=0)
+    run_cli("pull", store, dest, "-q", check=0)
+    for _ in range(3):
+        maker.advance()
+        run_cli("push", maker.write(), store, "-q", "--full", check=0)
+    run_cli("gc", store, "--keep-last", "1", "--grace", "0", "-q", check=0)
+    proc = run_cli("verify", store, "--local", dest, check=0)
+    assert "version 1 is no longer in" in proc.stdout and "gc removed it" in proc.stdout
+    report = json.loads(run_cli("verify", store, "--local", dest, "--json", check=0).stdout)
+    assert report["ok"] and report["files_checked"] >= 1 and report["warnings"]
+    victim = next(p for p in files_of(str(dest)) if p.endswith(".safetensors"))
+    path = os.path.join(os.path.realpath(dest), victim)
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) - 1)
+        last = fh.read(1)
+        fh.seek(-1, os.SEEK_END)
+        fh.write(bytes([last[0] ^ 1]))
+    run_cli("verify", store, "--local", dest, check=6)
+
+
+def test_a_metadata_key_given_twice_is_refused(tmp_path, maker):
+    """`--meta k=a --meta k=b` kept "b" without a word (adversarial pass); so did a key in both --metadata and --meta."""
+    store = tmp_path / "store"
+    proc = run_cli("push", maker.write(), store, "--meta", "k=a", "--meta", "k=b", check=2)
+    assert proc.stderr.strip() == "deltafs: error: --meta k is given twice ('a' and 'b'); give each key once"
+    proc = run_cli("push", maker.write(), store, "--metadata", '{"k": 1}', "--meta", "k=2", check=2)
+    assert "--meta k is also in --metadata" in proc.stderr
+    assert not store.exists()
+
+
+def test_a_store_path_with_a_name_too_long_is_said_as_such(tmp_path, maker):
+    """A 300-byte store name gave "cannot read deltafs.json at ...: File name too long" (exit 3), as if there were a
+    store to read (adversarial pass)."""
+    store = tmp_path / ("s" * 300)
+    for args in (("push", maker.write(), store), ("log", store), ("pull", store, tmp_path / "dest")):
+        proc = run_cli(*args, check=2)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "a name in its path is 300 bytes long, and this filesystem allows at most 255" in proc.stderr

@@ -117,6 +117,8 @@ def test_a_pulled_dest_is_not_a_store(tmp_path, maker):
         proc = run_cli("push", maker.write("next"), target)
         assert proc.returncode == 2, proc.stderr
         assert f"is inside {dest}.deltafs, where deltafs keeps the versions pulled into {dest}" in proc.stderr
+        # One line: "looks like a checkpoint directory (are SRC and STORE swapped?)" came first, pointing the wrong way.
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     from deltafs.errors import UsageError
     from deltafs.store.repo import Repository
 
