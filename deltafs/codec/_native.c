@@ -1069,7 +1069,8 @@ static inline uint32_t zz_at(const uint8_t *nb, const uint8_t *bb, Py_ssize_t i,
     }
 }
 
-static inline int bit_length(uint32_t z) { return z ? 32 - __builtin_clz(z) : 0; }
+/* 0 for 0 without a branch: z's bit length is one less than that of 2z + 1 (never 0, so clz is defined). */
+static inline int bit_length(uint32_t z) { return 63 - __builtin_clzll(((uint64_t)z << 1) | 1); }
 
 static void plan_lengths(const int64_t *h, Py_ssize_t m, int64_t out[5]);
 
@@ -1306,16 +1307,22 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
         bitwriter u = {o, un_len, 0, 0, 0}, r = {o + un_len, rem_len, 0, 0, 0},
                   m = {o + un_len + rem_len, man_len, 0, 0, 0};
         RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
+        /* No branch on the data but the rare long unary code: the bit lengths of an optimizer step vary at random
+         * from one element to the next, and branches on them were mispredicted about twice per element (12 against
+         * 7.5 ns per element on F32 steps, 65 Ki elements). */
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint32_t z = zz_at(nb, bb, i, width);
-            const int L = bit_length(z), s = L - center;
-            const uint32_t g = s >= 0 ? 2u * (uint32_t)s : 2u * (uint32_t)(-s) - 1u;
-            put_zeros(&u, g >> k);
-            put_bits(&u, 1, 1);
-            if (k)
-                put_bits(&r, g & ((1u << k) - 1), k);
-            if (L > 1)
-                put_bits(&m, z & ((1u << (L - 1)) - 1), L - 1);
+            const int L = bit_length(z), s = L - center, low = L - (L > 0); /* low: the bits below the leading one */
+            const uint32_t g = ((uint32_t)s << 1) ^ (uint32_t)(s >> 31); /* zigzag: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... */
+            const uint32_t q = g >> k;
+            if (__builtin_expect(q < 32, 1))
+                put_bits(&u, 1, (int)q + 1); /* q zeros, then the one */
+            else {
+                put_zeros(&u, q);
+                put_bits(&u, 1, 1);
+            }
+            put_bits(&r, g & ((1u << k) - 1), k);
+            put_bits(&m, z & ((1u << low) - 1), low);
         }
         flush_bits(&u);
         flush_bits(&r);
@@ -1334,93 +1341,87 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* An MSB-first bit reader that fails (ok = 0) instead of reading past its buffer. */
+/* A reader of an MSB-first stream that peeks 64 bits at any bit position: bytes past the end read as zeros, and
+ * callers check at the end that no code reached past it (fr_end_ok). */
 typedef struct {
     const uint8_t *buf;
-    Py_ssize_t len, pos;
-    uint64_t acc;
-    int nacc, ok;
-} bitreader;
+    Py_ssize_t len;
+    uint64_t bit; /* bits consumed */
+} fastreader;
 
-/* Loads whole bytes into the accumulator while at least 8 bits of room are left (at most 63 bits held). */
-static inline void refill(bitreader *r) {
-    if (r->pos + 8 <= r->len) {
-        const int take = (63 - r->nacc) >> 3;
-        if (take) {
-            uint64_t w;
-            memcpy(&w, r->buf + r->pos, 8);
-            w = __builtin_bswap64(w); /* little-endian hosts only (the caller checks) */
-            r->acc = (r->acc << (8 * take)) | (w >> (64 - 8 * take));
-            r->pos += take;
-            r->nacc += 8 * take;
-        }
+/* The 64 bits from r->bit on; while the stream lasts, at least the top 57 are its own. */
+static inline uint64_t fr_peek(const fastreader *r) {
+    const Py_ssize_t at = (Py_ssize_t)(r->bit >> 3);
+    uint64_t w;
+    if (__builtin_expect(at + 8 <= r->len, 1)) {
+        memcpy(&w, r->buf + at, 8);
+        w = __builtin_bswap64(w); /* little-endian hosts only (the caller checks) */
     } else {
-        while (r->nacc <= 55 && r->pos < r->len) {
-            r->acc = (r->acc << 8) | r->buf[r->pos++];
-            r->nacc += 8;
-        }
+        w = 0;
+        for (int j = 0; j < 8; j++)
+            w = (w << 8) | (at + j < r->len ? r->buf[at + j] : 0u);
     }
+    return w << (r->bit & 7);
 }
 
-static inline uint32_t get_bits(bitreader *r, int nbits) { /* nbits <= 32 */
-    if (r->nacc < nbits) {
-        refill(r);
-        if (r->nacc < nbits) {
-            r->ok = 0;
-            return 0;
-        }
-    }
-    r->nacc -= nbits;
-    return nbits ? (uint32_t)((r->acc >> r->nacc) & ((1ULL << nbits) - 1)) : 0;
+/* The stream ends exactly here: no whole byte left, nothing read past its end, and the padding bits are zero. */
+static inline int fr_end_ok(const fastreader *r) {
+    const uint64_t end = 8 * (uint64_t)r->len;
+    if (r->bit > end || end - r->bit >= 8)
+        return 0;
+    const int pad = (int)(end - r->bit);
+    return pad == 0 || (r->buf[r->len - 1] & ((1u << pad) - 1u)) == 0;
 }
 
-/* The stream ends exactly here: no whole byte left, and the padding bits of the last one are zero. */
-static inline int at_end(const bitreader *r) {
-    return r->ok && r->pos == r->len && r->nacc < 8 && (r->acc & ((1ULL << r->nacc) - 1)) == 0;
-}
-
-/* The n differences the three streams hold, into diff, checking them whole. Status as in decode_positions. */
+/* The n differences the three streams hold, into diff, checking them whole. Status as in decode_positions; it
+ * accepts exactly the payloads the bit-by-bit reader before it did (a fuzz test of the two, 280,000 payloads valid
+ * and damaged, found no difference), without a branch on the data but the rare unary code longer than 56 bits: 6.6
+ * against 12 ns per element on F32 steps. */
 static int gamma_pass(const uint8_t *un, Py_ssize_t un_len, const uint8_t *rem, Py_ssize_t rem_len,
                       const uint8_t *man, Py_ssize_t man_len, int width, int center, int k, Py_ssize_t n,
                       uint32_t *diff) {
-    bitreader u = {un, un_len, 0, 0, 0, 1}, r = {rem, rem_len, 0, 0, 0, 1}, m = {man, man_len, 0, 0, 0, 1};
+    fastreader u = {un, un_len, 0}, r = {rem, rem_len, 0}, m = {man, man_len, 0};
     const uint32_t gmax = 2u * (uint32_t)(8 * width) + 1u; /* the largest zigzag of L - center that can be valid */
+    const uint64_t uend = 8 * (uint64_t)un_len;
+    const int top = 8 * width;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t q = 0;
-        for (;;) { /* the zeros before the next one bit, up to 63 bits at a time */
-            if (!u.nacc) {
-                refill(&u);
-                if (!u.nacc)
+        uint64_t w = fr_peek(&u);
+        uint32_t q; /* the zeros before the next one bit */
+        if (__builtin_expect(w != 0 && __builtin_clzll(w) < 57, 1)) {
+            q = (uint32_t)__builtin_clzll(w);
+            u.bit += q + 1;
+        } else { /* a run of zeros longer than one peek sees, or the stream's end */
+            q = 0;
+            for (;;) {
+                if (u.bit >= uend)
                     return WRONG_COUNT;
+                w = fr_peek(&u);
+                const int avail = (int)(uend - u.bit < 57 ? uend - u.bit : 57);
+                if (w && __builtin_clzll(w) < avail) {
+                    const int c = __builtin_clzll(w);
+                    q += (uint32_t)c;
+                    u.bit += (uint64_t)c + 1;
+                    break;
+                }
+                q += (uint32_t)avail;
+                u.bit += (uint64_t)avail;
+                if (q > gmax)
+                    return OUT_OF_RANGE;
             }
-            const uint64_t bits = u.acc & ((1ULL << u.nacc) - 1); /* the unread bits (nacc <= 63) */
-            if (bits) {
-                const int top = 63 - __builtin_clzll(bits);
-                q += (uint32_t)(u.nacc - 1 - top);
-                u.nacc = top;
-                break;
-            }
-            q += (uint32_t)u.nacc;
-            u.nacc = 0;
-            if (q > gmax)
-                return OUT_OF_RANGE;
         }
-        if (q > gmax)
+        if (__builtin_expect(q > gmax, 0))
             return OUT_OF_RANGE;
-        const uint32_t g = (q << k) | get_bits(&r, k);
-        if (!r.ok)
-            return SHORT_REMAINDER;
-        const int L = center + ((g & 1) ? -(int)((g + 1) >> 1) : (int)(g >> 1));
-        if (L < 0 || L > 8 * width)
+        const uint32_t g = (q << k) | (uint32_t)((fr_peek(&r) >> 1) >> (63 - k)); /* k = 0 reads nothing */
+        r.bit += (uint64_t)k;
+        const int L = center + (int)((g >> 1) ^ (0u - (g & 1))); /* zigzag back: 0, 1, 2, 3 ... -> 0, -1, 1, -2 ... */
+        if (__builtin_expect(L < 0 || L > top, 0))
             return OUT_OF_RANGE;
-        uint32_t z = L ? (uint32_t)(1ULL << (L - 1)) : 0;
-        if (L > 1)
-            z |= get_bits(&m, L - 1);
-        if (!m.ok)
-            return SHORT_REMAINDER;
+        const int low = L - (L > 0);
+        const uint32_t z = (uint32_t)((1ULL << L) >> 1) | (uint32_t)((fr_peek(&m) >> 1) >> (63 - low));
+        m.bit += (uint64_t)low;
         diff[i] = (z >> 1) ^ (0u - (z & 1));
     }
-    if (!at_end(&u) || !at_end(&r) || !at_end(&m))
+    if (!fr_end_ok(&u) || !fr_end_ok(&r) || !fr_end_ok(&m))
         return TRAILING_BYTES;
     return OK;
 }
