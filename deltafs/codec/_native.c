@@ -6,8 +6,8 @@
  * k-bit remainders (MSB first), a sign bit per change (MSB first), all zero-padded to whole bytes.
  *
  * Every function reads untrusted bytes (payloads from a store) and bounds every index by the buffer lengths
- * given; the GIL is released while they run (the gamma loops: on large inputs only, GIL_FROM). The cheap whole-stream checks (sizes, padding, the range of k)
- * stay in Python, before these are called.
+ * given; the GIL is released while they run (the gamma loops: on large inputs only, GIL_FROM). The cheap
+ * whole-stream checks (sizes, padding, the range of k) stay in Python, before these are called.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

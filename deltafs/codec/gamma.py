@@ -155,8 +155,7 @@ class Gamma:
     needs_base: ClassVar[bool] = True
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "width": self.width, "center": self.center, "rice": self.rice,
-                "unary": self.unary}
+        return _record(self.width, self.center, self.rice, self.unary)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Gamma:
@@ -231,7 +230,11 @@ class Gamma:
 
 def record(width: int, plan: Layout) -> dict[str, Any]:
     """Gamma(width, plan.center, plan.rice, plan.unary).to_json(), without the object (one per small chunk)."""
-    return {"name": "gamma", "width": width, "center": plan.center, "rice": plan.rice, "unary": plan.unary}
+    return _record(width, plan.center, plan.rice, plan.unary)
+
+
+def _record(width: int, center: int, rice: int, unary: int) -> dict[str, Any]:
+    return {"name": Gamma.name, "width": width, "center": center, "rice": rice, "unary": unary}
 
 
 def payload(nw: np.ndarray, bw: np.ndarray, plan: Layout) -> bytes:

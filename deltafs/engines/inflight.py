@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from deltafs.engines.base import Engine, Target
 from deltafs.errors import EngineError
@@ -48,6 +49,19 @@ def in_switch() -> int:
     """The serial number of the newest switch if one runs in this process now, else 0 (read by signal handlers:
     no lock taken)."""
     return _serial if _switches > 0 else 0
+
+
+def _alive(pid: Any) -> bool:
+    """Whether a process with this pid runs on this host (the record's writer, if not reused since)."""
+    if type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
 
 
 class SwitchRecord:
@@ -101,12 +115,19 @@ class SwitchRecord:
         except (ValueError, KeyError, TypeError):
             return True
         if time.time() < deadline:
-            log.warning("a switch to version %s by a deltafs process that stopped may still be loading; waiting for "
-                        "the engine to report it (up to %.0fs)", version, deadline - time.time())
+            who = ("deltafs process %s, still running" % record.get("pid") if _alive(record.get("pid"))
+                   else "a deltafs process that stopped")
+            log.warning("a switch to version %s by %s may still be loading; waiting for the engine to report it, or "
+                        "for that process to finish it (up to %.0fs)", version, who, deadline - time.time())
         stop = stop if stop is not None else threading.Event()
         while time.time() < deadline:
             if stop.is_set():
                 return False
+            if self.local.switch_record() != record:
+                # Its process finished the switch (and cleared the record), or another switch began: that one's
+                # process owns the engine now. A watcher started beside a cron run waited out the cron's whole
+                # deadline after the cron had rolled back and resumed (adversarial pass).
+                return True
             try:
                 if engine.served_version() == version:
                     break
@@ -115,3 +136,11 @@ class SwitchRecord:
             stop.wait(1.0)
         self.clear()
         return True
+
+    def pending(self) -> dict[str, Any] | None:
+        """The record of a switch that may still be loading (its deadline not passed), else None."""
+        record = self.local.switch_record()
+        try:
+            return record if record is not None and time.time() < float(record["deadline"]) else None
+        except (ValueError, KeyError, TypeError):
+            return None

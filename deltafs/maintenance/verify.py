@@ -177,12 +177,22 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
     try:
         man = repo.manifest(v)
     except VersionNotFoundError:
-        # gc removed it from the store since the pull (a host a few versions behind): DEST's files are checked
-        # against the manifest the pull recorded beside them. It was exit 6, "version 1 is not in STORE", for intact
-        # files (adversarial pass).
+        # gc removed it from the store since the pull (a host a few versions behind): it was exit 6, "version 1 is not
+        # in STORE", for intact files (adversarial pass). DEST's files are checked against the manifest the pull
+        # recorded beside them, once the store vouches for that manifest: the next version names it by digest.
+        child = _child_of(repo, v)
+        if child is None:
+            raise VersionNotFoundError(f"version {v} is no longer in {repo.url} (gc removed it), and no version there "
+                                       f"names it as its parent: {dest}'s files cannot be checked against the store. "
+                                       "The next pull updates it") from None
         man = state.manifest
+        if child.parent_digest != man.digest:
+            report.fail(f"{dest}: the manifest recorded for version {v} is not the one version {child.version} of "
+                        f"{repo.url} names as its parent (digest {man.digest}, named {child.parent_digest})")
+            return
         report.warnings.append(f"version {v} is no longer in {repo.url} (gc removed it); {dest}'s files are checked "
-                               "against the manifest recorded when it was pulled. The next pull updates it")
+                               f"against the manifest recorded when it was pulled, which version {child.version} names "
+                               "as its parent. The next pull updates it")
     except DeltafsError as exc:
         report.fail(_about(v, exc))
         return
@@ -210,6 +220,18 @@ def _verify_local(repo: Repository, dest: str, version: int | None, report: Veri
             report.fail(f"{dest}: {f.path}: digest {digest[:24]}… differs from version {v}'s {f.digest[:24]}…")
     for rel in extra_entries(state.path, listed):
         report.fail(f"{dest}: {rel} is not part of version {v}")
+
+
+def _child_of(repo: Repository, version: int) -> Manifest | None:
+    """The first version after `version` in the store, if it names `version` as its parent (its parent_digest then
+    vouches for version's manifest), else None."""
+    for v in repo.versions(after=version):
+        try:
+            man = repo.manifest(v)
+        except VersionNotFoundError:
+            continue  # gc'd meanwhile
+        return man if man.parent == version else None
+    return None
 
 
 def _about(version: int, exc: BaseException) -> str:

@@ -58,7 +58,9 @@ def _check_name_lengths(root: str, url: str) -> None:
         limit = os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
-    for name in root.split(os.sep):
+    if limit <= 0:  # not known (-1), or a filesystem that reports none (some FUSE ones: 0)
+        limit = 255
+    for name in os.path.relpath(root, existing).split(os.sep):  # the names that exist fit their filesystem
         size = len(os.fsencode(name))
         if size > limit:
             raise UsageError(f"cannot use {url} as a store: a name in its path is {size} bytes long, and this "

@@ -56,6 +56,7 @@ from deltafs.watch.ledger import (
     HostStatus,
     check_host_id,
     default_host_id,
+    ledger_key,
     record_checksum,
     utcnow,
     write_status,
@@ -180,8 +181,22 @@ class Subscriber:
     def start(self) -> None:
         """Find out what the engine serves, un-pause it if a killed watcher left it paused."""
         if self.engine is not None:
-            if not SwitchRecord(self.dest).wait_for_killed(self.engine, self.stop_event):
-                log.warning("stopped while a killed switch's load may still run: the engine is left as it is")
+            record = SwitchRecord(self.dest)
+            pending = record.pending()
+            if pending is not None:
+                # While the killed switch's load may run, this host's ledger entry goes on saying what that watcher
+                # left (served, and the version loading as staged), refreshed: a group's followers keep those
+                # versions on their disks only while the entry says so (an entry of this process's, with nothing
+                # served yet, let them delete the version the engine was loading: adversarial pass).
+                self._adopt_entry(pending)
+                with self._beating():
+                    over = record.wait_for_killed(self.engine, self.stop_event)
+            else:
+                over = record.wait_for_killed(self.engine, self.stop_event)
+            if not over:
+                log.warning("stopped while a killed switch's load may still run: the engine and this host's ledger "
+                            "entry are left as they are")
+                self._leave_entry = True
                 return
             try:
                 self._resume_unless_switching()
@@ -200,7 +215,24 @@ class Subscriber:
         if self.engine_group and self.served is not None:
             self._link_for_group(self.served)
         self.status.served_version = int(self.served.version) if self.served else None
+        self.status.staged_version = None  # (what a killed switch's wait took over, _adopt_entry)
         self._set_state("serving" if self.served else "starting")
+
+    def _adopt_entry(self, record: dict[str, Any]) -> None:
+        """Take over served and staged from this host's last ledger entry (the killed watcher's), the version the
+        switch record names as staged, state "switching"; written at once."""
+        try:
+            previous = HostStatus.from_bytes(self.repo.objects.get(ledger_key(self.status.host_id)))
+        except (DeltafsError, OSError, ValueError) as exc:
+            log.debug("no ledger entry to take over: %s", exc)
+            previous = None
+        if previous is not None and previous.store_id in (None, self.status.store_id):
+            self.status.served_version = previous.served_version
+            self.status.staged_version = previous.staged_version
+        text = str(record.get("version", ""))
+        if text.isascii() and text.isdigit():
+            self.status.staged_version = int(text)
+        self._set_state("switching")
 
     def _link_for_group(self, target: Target) -> None:
         """DEST.deltafs/by-version/v<N> for the version this host serves or holds at start: the leader's rollback
@@ -246,8 +278,9 @@ class Subscriber:
         except (DeltafsError, OSError) as exc:  # another pull holds DEST (it moves the link itself), or DEST's disk
             log.warning("cannot point %s at version %d: %s", self.dest, staged.version, exc)
 
-    def _learn_served(self, *, first: bool = False) -> None:
-        """Ask the engine what it serves (weight_version, else model_path) and record its checksum."""
+    def _learn_served(self, *, first: bool = False) -> bool:
+        """Ask the engine what it serves (weight_version, else model_path) and record its checksum; False when it
+        cannot be asked."""
         assert self.engine is not None
         try:
             reported, path = answer = engine_answer(self.engine)
@@ -255,7 +288,7 @@ class Subscriber:
             loaded_from = path if found is not None and reported != found.version else None
         except EngineError as exc:
             log.error("cannot ask the engine what it serves: %s", exc)
-            return
+            return False
         self._unconfirmed = False
         self._engine_said, self._engine_path_said = reported, path
         if found is not None and reported != found.version:
@@ -276,6 +309,7 @@ class Subscriber:
             if self.staged is not None and self.staged.version <= int(found.version):
                 self.staged = None  # e.g. a slow load that finished after the switch gave up waiting
                 self.status.staged_version = None
+        return True
 
     def poll(self) -> Staged | None:
         """Stage the newest version if it is newer than what is served; None when up to date.
@@ -430,14 +464,17 @@ class Subscriber:
         if self.engine is not None and self._resume_pending:
             # A switch could not resume generation: the engine may still be paused, serving nobody. Until a resume
             # goes through, every cycle tries again and fails (the host stays degraded in the ledger); the cycle that
-            # went through next cleared the failure while the engine stayed paused (adversarial pass).
-            self._resume_unless_switching()
+            # went through next cleared the failure while the engine stayed paused (adversarial pass). An engine that
+            # cannot be reached at all was restarted or moved: nothing of it is paused, and what it serves is asked.
+            try:
+                self._resume_unless_switching()
+                log.info("generation resumed on %s", self.status.engine_url or self.status.engine)
+            except EngineUnreachableError:
+                self._relearn = True
             self._resume_pending = False
-            log.info("generation resumed on %s", self.status.engine_url or self.status.engine)
         if self.engine is not None and (self._relearn or self.status.needs_restart):
             # The engine was lost mid-switch, or an operator may have restarted it at the staged version.
-            self._relearn = False
-            self._learn_served()
+            self._relearn = not self._learn_served()  # asked again next cycle while it cannot be asked
             wanted = self.status.needs_restart
             if wanted and self.served is not None and int(self.served.version) >= int(wanted["version"]):
                 log.info("the engine was restarted at version %s; the restart is done", self.served.version)
@@ -514,8 +551,7 @@ class Subscriber:
     # --- the daemon loop ----------------------------------------------------------------------
     def run(self) -> int:
         """Sync until stop(); returns 0, or the exit code of the error the host is stuck on."""
-        with self._beating():
-            self.start()
+        self.start()
         try:
             _ = self.notifier  # watch before the first look at HEAD, so no push falls in between
         except (DeltafsError, OSError) as exc:
@@ -597,8 +633,14 @@ class Subscriber:
         done = threading.Event()
 
         def beat() -> None:
-            while not done.wait(self.heartbeat):
-                self._write_ledger()
+            while not done.wait(max(self.heartbeat, 0.1)):  # (a heartbeat of 0, as tests use, must not spin)
+                repo = self._repo  # never opened here: the main thread opens and forgets the store
+                if repo is None:
+                    continue
+                try:
+                    self._write_ledger(repo)
+                except Exception as exc:  # noqa: BLE001 - e.g. the status changed while it was written: next beat
+                    log.debug("heartbeat not written: %s", exc)
 
         thread = threading.Thread(target=beat, name="deltafs-heartbeat", daemon=True)
         thread.start()
@@ -606,11 +648,14 @@ class Subscriber:
             yield
         finally:
             done.set()
+            thread.join(5.0)  # a write in progress (under the ledger lock, so never after a newer one)
+
+    _leave_entry = False  # stopped while a killed switch's load may run: the entry keeps saying what it loads
 
     def close(self, *, stopped: bool = True) -> None:
         """Record "stopped" in the ledger (unless stopped=False: a one-shot `watch --once` beside a daemon or from
         cron, which must not mark the host stopped) and release the boundary and file watches."""
-        if stopped:
+        if stopped and not self._leave_entry:
             self._set_state("stopped")
         self.boundary.close()
         if self._notifier is not None:
@@ -721,8 +766,9 @@ class Subscriber:
             ready, _ = ready_hosts(self.repo.objects, self.engine_group, int(previous.version),
                                    store_id=self.status.store_id)
         except (DeltafsError, OSError) as exc:
-            ready = set()
-            log.debug("cannot read the engine group's ledger entries: %s", exc)
+            log.warning("cannot read engine group %s's ledger entries (%s): if this switch fails, the engine is not sent "
+                        "back to version %s", self.engine_group, exc, previous.version)
+            return None
         if len(ready | {self.status.host_id}) < self.engine_hosts:
             log.warning("not every host of engine group %s holds version %s: if this switch fails, the engine is not "
                         "sent back to it (SGLang then keeps the weights it had, or reports the failure)",
@@ -902,16 +948,16 @@ class Subscriber:
         if time.monotonic() - self._last_write > self.heartbeat:
             self._write_ledger()
 
-    def _write_ledger(self) -> None:
+    def _write_ledger(self, repo: Repository | None = None) -> None:
         if not self.ledger:
             return
         with self._ledger_lock:  # each write takes the status as it is then: the last write is the newest status
-            self._write_ledger_now()
+            self._write_ledger_now(repo)
 
-    def _write_ledger_now(self) -> None:
+    def _write_ledger_now(self, repo: Repository | None) -> None:
         self._last_write = time.monotonic()
         try:
-            objects = self.repo.objects
+            objects = (repo or self.repo).objects
             # Never let a ledger write re-create a store directory that was removed or moved.
             if not objects.exists(CONFIG_KEY):
                 raise StoreNotFoundError(f"no deltafs store at {self.store_url}")

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from deltafs.testing.checkpoints import files_of, run_cli
 
 
@@ -378,26 +380,34 @@ def test_a_file_size_limit_or_a_read_only_sidecar_is_a_local_write_failure(tmp_p
 def test_verify_local_checks_a_version_gc_removed_from_the_store_against_what_was_pulled(tmp_path, maker):
     """A host a few versions behind: gc removed its version from the store, and `verify --local` failed its intact
     files with exit 6, "version 1 is not in STORE" (adversarial pass). They are checked against the manifest the
-    pull recorded, with a warning; damage is still exit 6."""
+    pull recorded, which the next version names as its parent (its digest), with a warning; damage is still exit 6.
+    With no version in the store naming it, nothing vouches for that record: exit 4, said as such."""
     store, dest = tmp_path / "store", tmp_path / "dest"
     run_cli("push", maker.write(), store, "-q", check=0)
     run_cli("pull", store, dest, "-q", check=0)
-    for _ in range(3):
-        maker.advance()
-        run_cli("push", maker.write(), store, "-q", "--full", check=0)
-    run_cli("gc", store, "--keep-last", "1", "--grace", "0", "-q", check=0)
+    maker.advance()
+    run_cli("push", maker.write(), store, "-q", "--full", check=0)  # version 2: full, parent 1 (its bridge)
+    maker.advance()
+    run_cli("push", maker.write(), store, "-q", check=0)
+    run_cli("gc", store, "--keep-last", "2", "--grace", "0", "-q", check=0)
+    assert sorted(os.listdir(store / "manifests")) == ["v0000000002.json", "v0000000003.json"]
     proc = run_cli("verify", store, "--local", dest, check=0)
-    assert "version 1 is no longer in" in proc.stdout and "gc removed it" in proc.stdout
+    assert "version 1 is no longer in" in proc.stdout and "which version 2 names as its parent" in proc.stdout
     report = json.loads(run_cli("verify", store, "--local", dest, "--json", check=0).stdout)
     assert report["ok"] and report["files_checked"] >= 1 and report["warnings"]
     victim = next(p for p in files_of(str(dest)) if p.endswith(".safetensors"))
     path = os.path.join(os.path.realpath(dest), victim)
     with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) - 1)
+        fh.seek(-1, os.SEEK_END)
         last = fh.read(1)
         fh.seek(-1, os.SEEK_END)
         fh.write(bytes([last[0] ^ 1]))
     run_cli("verify", store, "--local", dest, check=6)
+    maker.advance()
+    run_cli("push", maker.write(), store, "-q", "--full", "--no-bridge", check=0)
+    run_cli("gc", store, "--keep-last", "1", "--grace", "0", "-q", check=0)
+    proc = run_cli("verify", store, "--local", dest, check=4)
+    assert "no version there names it as its parent" in proc.stderr
 
 
 def test_a_metadata_key_given_twice_is_refused(tmp_path, maker):
@@ -418,3 +428,14 @@ def test_a_store_path_with_a_name_too_long_is_said_as_such(tmp_path, maker):
         proc = run_cli(*args, check=2)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "a name in its path is 300 bytes long, and this filesystem allows at most 255" in proc.stderr
+
+
+def test_a_filesystem_that_reports_no_name_limit_still_takes_stores(tmp_path, monkeypatch):
+    """pathconf answers -1 (not known) or 0 (some FUSE filesystems): every store path was refused (review)."""
+    from deltafs.store import local
+
+    for answer in (-1, 0):
+        monkeypatch.setattr(local.os, "pathconf", lambda path, name, answer=answer: answer)
+        local._check_name_lengths(str(tmp_path / "a" / "store"), "store")
+        with pytest.raises(Exception, match="is 300 bytes long, and this filesystem allows at most 255"):
+            local._check_name_lengths(str(tmp_path / ("s" * 300)), "store")

@@ -84,6 +84,30 @@ def test_a_failed_resume_is_tried_again_and_the_host_stays_degraded_until_it_wor
         sub.close()
 
 
+def test_an_engine_gone_while_a_resume_is_pending_is_asked_what_it_serves_once_back(trainer, staged_v1, monkeypatch):
+    """A resume that cannot reach the engine at all means it was restarted or moved: nothing of it is paused. The
+    watcher no longer fails every cycle on it (review): it asks the restarted engine what it serves."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        eng = engine(server)
+        sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
+        sub.start()
+        trainer.push()
+        monkeypatch.setattr(eng, "_resume_once", lambda: (_ for _ in ()).throw(EngineError("answered 500")))
+        with pytest.raises(SwitchError):
+            sub.once()
+        monkeypatch.undo()
+        server.stop()  # it died; a supervisor restarts it below
+        assert sub.once() is None  # nothing paused to resume there, and nothing to ask yet: not a failed cycle
+        assert not sub._resume_pending
+        server.start()  # from version 1's directory, unpaused
+        assert sub.once() is not None  # learned it serves version 1 again, and switched it to version 2
+        assert not paused(server) and same_weights(server.state_dict(), trainer.weights[2])
+        status = ledger(trainer.store, "h")
+        assert status.state == "serving" and status.served_version == 2 and status.failures == 0
+        sub.close()
+
+
 def test_the_ledger_entry_stays_fresh_through_a_long_load(trainer, staged_v1):
     """A load longer than five minutes left the leader's entry unrefreshed: `status` called it stale, and the group's
     followers no longer kept the version the engine was loading. The heartbeat goes on during every step."""
@@ -97,10 +121,13 @@ def test_the_ledger_entry_stays_fresh_through_a_long_load(trainer, staged_v1):
         thread = threading.Thread(target=lambda: done.append(sub.once()))
         thread.start()
         wait_until(lambda: ledger(trainer.store, "h").state == "switching", what="the switch to start")
-        first = ledger(trainer.store, "h").updated_at
-        wait_until(lambda: ledger(trainer.store, "h").updated_at != first, timeout=1.5,
-                   what="a heartbeat during the load")
-        assert ledger(trainer.store, "h").state == "switching" and not done
+        stamps = set()
+        while len(stamps) < 3 and not done:  # the switch writes its state once; the rest are heartbeats
+            status = ledger(trainer.store, "h")
+            if status.state == "switching":
+                stamps.add(status.updated_at)
+            time.sleep(0.05)
+        assert len(stamps) >= 3 and not done, stamps
         thread.join(20)
         assert done and ledger(trainer.store, "h").state == "serving"
         sub.close()
@@ -175,6 +202,61 @@ def test_a_watcher_stopped_while_a_killed_switch_loads_leaves_the_engine_and_the
         assert time.monotonic() - started < 10
         assert resumed == [] and os.path.exists(record.path)
         sub.close()
+
+
+def test_a_group_leader_restarted_during_a_killed_switch_keeps_its_followers_holding_what_loads(trainer, staged_v1,
+                                                                                                  tmp_path):
+    """The leader was killed mid-load of version 2 and restarted; while the new watcher waited for that load, its
+    fresh ledger entry (nothing served) replaced the killed one's, and the follower's pulls deleted version 2, which the
+    engine's ranks there were reading (adversarial pass). The entry now says what the killed switch left until the wait
+    ends, and a watcher stopped during the wait leaves it so."""
+    dest, v1_dir = staged_v1
+    follower_dest = str(tmp_path / "node1-dest")
+    follower = _follower(trainer, tmp_path, follower_dest)
+    follower.start()
+    follower.once()  # version 1
+    trainer.push()
+    follower.once()  # version 2
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        eng = engine(server, load_timeout=60)
+        killed = Subscriber(trainer.store, dest, eng, host_id="node-0", engine_group="big", engine_hosts=2,
+                            **{**FAST, "heartbeat": 0.2})
+        killed.start()
+        killed.poll()  # version 2 staged; the switch to it is sent, then this watcher is killed (kill -9)
+        killed.status.staged_version = 2
+        killed._set_state("switching")
+        SwitchRecord(dest).write(eng, Target(os.path.join(dest + ".deltafs", "by-version", "v2"), "2"))
+        again = Subscriber(trainer.store, dest, engine(server, load_timeout=60), host_id="node-0", engine_group="big",
+                           engine_hosts=2, **{**FAST, "heartbeat": 0.2})
+        thread = threading.Thread(target=again.start)
+        thread.start()
+        time.sleep(1.0)
+        status = ledger(trainer.store, "node-0")
+        assert (status.state, status.served_version, status.staged_version) == ("switching", 1, 2)
+        in_use = {os.path.basename(p) for p in follower._group_versions_in_use()}
+        assert len(in_use) == 2, in_use  # versions 1 and 2 stay on the follower's disk
+        again.stop()
+        thread.join(10)
+        again.close()
+        status = ledger(trainer.store, "node-0")
+        assert status.state == "switching" and status.staged_version == 2  # not "stopped": the load may still run
+        follower.close()
+
+
+def test_a_wait_for_another_process_switch_ends_when_it_clears_its_record(trainer, staged_v1):
+    """A watcher started while a cron `pull --engine` was switching waited out the cron's whole deadline (16 minutes
+    by default) after the cron had rolled back, resumed and cleared its record (adversarial pass)."""
+    dest, v1_dir = staged_v1
+    trainer.push()
+    v2_dir = pull(trainer.store, dest).path
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        eng = engine(server, load_timeout=600)
+        record = SwitchRecord(dest)
+        record.write(eng, Target(v2_dir, "2"))
+        threading.Timer(1.0, record.clear).start()  # the cron's switch ends (a rollback: the engine stays on 1)
+        started = time.monotonic()
+        assert record.wait_for_killed(eng)
+        assert time.monotonic() - started < 10
 
 
 def test_once_records_its_failure_in_the_ledger(trainer, staged_v1):
