@@ -957,7 +957,7 @@ class Subscriber:
     def _write_ledger_now(self, repo: Repository | None) -> None:
         self._last_write = time.monotonic()
         try:
-            objects = (repo or self.repo).objects
+            objects = (repo if repo is not None else self.repo).objects
             # Never let a ledger write re-create a store directory that was removed or moved.
             if not objects.exists(CONFIG_KEY):
                 raise StoreNotFoundError(f"no deltafs store at {self.store_url}")
