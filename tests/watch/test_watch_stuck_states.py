@@ -10,12 +10,14 @@ the ledger; SIGHUP and a stray SIGUSR1 that killed the watcher.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from sglang_wheel_server import WheelSGLang
@@ -53,22 +55,30 @@ def staged_v1(trainer, tmp_path):
     return dest, pull(trainer.store, dest).path
 
 
+def _left_paused(trainer, dest: str, server: WheelSGLang, monkeypatch) -> tuple[SGLangEngine, Subscriber]:
+    """A watcher whose switch to version 2 loaded it, then could not resume generation (continue_generation: 500)."""
+    eng = engine(server)
+    sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
+    sub.start()
+    trainer.push()
+    real = eng._resume_once
+
+    def refused() -> None:
+        raise EngineError("continue_generation answered 500")
+
+    monkeypatch.setattr(eng, "_resume_once", refused)
+    with pytest.raises(SwitchError) as info:
+        sub.once()
+    assert info.value.paused and paused(server)
+    eng.real_resume_once = real  # type: ignore[attr-defined] - put back by the test
+    return eng, sub
+
+
 def test_a_failed_resume_is_tried_again_and_the_host_stays_degraded_until_it_works(trainer, staged_v1, monkeypatch):
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        eng = engine(server)
-        sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
-        sub.start()
-        trainer.push()
-        real = eng._resume_once
-
-        def refused() -> None:
-            raise EngineError("continue_generation answered 500")
-
-        monkeypatch.setattr(eng, "_resume_once", refused)
-        with pytest.raises(SwitchError) as info:
-            sub.once()
-        assert info.value.paused and paused(server)
+        eng, sub = _left_paused(trainer, dest, server, monkeypatch)
+        real = eng.real_resume_once
         assert same_weights(server.state_dict(), trainer.weights[2])  # loaded and verified, then not resumed
         # The next cycle has nothing to pull: it used to clear the failure, the engine paused for good.
         with pytest.raises(EngineError, match="could not resume generation"):
@@ -89,14 +99,8 @@ def test_an_engine_gone_while_a_resume_is_pending_is_asked_what_it_serves_once_b
     watcher no longer fails every cycle on it (review): it asks the restarted engine what it serves."""
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        eng = engine(server)
-        sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
-        sub.start()
-        trainer.push()
-        monkeypatch.setattr(eng, "_resume_once", lambda: (_ for _ in ()).throw(EngineError("answered 500")))
-        with pytest.raises(SwitchError):
-            sub.once()
-        monkeypatch.undo()
+        eng, sub = _left_paused(trainer, dest, server, monkeypatch)
+        monkeypatch.setattr(eng, "_resume_once", eng.real_resume_once)
         server.stop()  # it died; a supervisor restarts it below
         assert sub.once() is None  # nothing paused to resume there, and nothing to ask yet: not a failed cycle
         assert not sub._resume_pending
@@ -185,14 +189,21 @@ def test_a_group_is_not_rolled_back_to_a_version_a_host_does_not_hold(trainer, s
         follower.close()
 
 
-def test_a_watcher_stopped_while_a_killed_switch_loads_leaves_the_engine_and_the_record(trainer, staged_v1, monkeypatch):
+@contextlib.contextmanager
+def _switch_to_v2_recorded(trainer, staged_v1, load_timeout: float) -> Iterator[tuple[str, SGLangEngine, SwitchRecord]]:
+    """Version 2 pulled beside version 1, the engine serving 1, and a switch record saying a load of 2 may run."""
     dest, v1_dir = staged_v1
     trainer.push()
     v2_dir = pull(trainer.store, dest).path
     with WheelSGLang(v1_dir, weight_version="1") as server:
-        eng = engine(server, load_timeout=30)
+        eng = engine(server, load_timeout=load_timeout)
         record = SwitchRecord(dest)
-        record.write(eng, Target(v2_dir, "2"))  # a killed watcher's load of version 2 may still run
+        record.write(eng, Target(v2_dir, "2"))
+        yield dest, eng, record
+
+
+def test_a_watcher_stopped_while_a_killed_switch_loads_leaves_the_engine_and_the_record(trainer, staged_v1, monkeypatch):
+    with _switch_to_v2_recorded(trainer, staged_v1, 30) as (dest, eng, record):  # the killed watcher's load
         resumed: list[int] = []
         monkeypatch.setattr(eng, "resume", lambda *a, **k: resumed.append(1))
         sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
@@ -246,13 +257,7 @@ def test_a_group_leader_restarted_during_a_killed_switch_keeps_its_followers_hol
 def test_a_wait_for_another_process_switch_ends_when_it_clears_its_record(trainer, staged_v1):
     """A watcher started while a cron `pull --engine` was switching waited out the cron's whole deadline (16 minutes
     by default) after the cron had rolled back, resumed and cleared its record (adversarial pass)."""
-    dest, v1_dir = staged_v1
-    trainer.push()
-    v2_dir = pull(trainer.store, dest).path
-    with WheelSGLang(v1_dir, weight_version="1") as server:
-        eng = engine(server, load_timeout=600)
-        record = SwitchRecord(dest)
-        record.write(eng, Target(v2_dir, "2"))
+    with _switch_to_v2_recorded(trainer, staged_v1, 600) as (_dest, eng, record):
         threading.Timer(1.0, record.clear).start()  # the cron's switch ends (a rollback: the engine stays on 1)
         started = time.monotonic()
         assert record.wait_for_killed(eng)
