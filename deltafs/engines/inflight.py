@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from deltafs.engines.base import Engine, Target
+from deltafs.engines.base import Engine, EngineUnreachableError, Target
 from deltafs.errors import EngineError
 from deltafs.read.dest import SWITCH_RECORD, LocalCheckpoint, atomic_write
 
@@ -131,8 +131,12 @@ class SwitchRecord:
             try:
                 if engine.served_version() == version:
                     break
-            except EngineError:
-                break  # not reachable: no load of ours is running there
+            except EngineUnreachableError:
+                break  # nothing answers there: no load of ours is running
+            except EngineError as exc:
+                # A timeout or an error answer: busy, maybe loading. It ended the wait, and the engine was resumed
+                # mid-load (docs audit).
+                log.debug("the engine did not say what it serves (%s); still waiting", exc)
             stop.wait(1.0)
         self.clear()
         return True

@@ -568,7 +568,8 @@ class Subscriber:
                 break
             self._beat()
             if delay is not None:
-                self.stop_event.wait(delay)
+                with self._beating():  # a degraded host's backoff reaches --retry-max (300 s): still alive
+                    self.stop_event.wait(delay)
             else:
                 try:
                     self.notifier.wait()

@@ -264,6 +264,53 @@ def test_a_wait_for_another_process_switch_ends_when_it_clears_its_record(traine
         assert time.monotonic() - started < 10
 
 
+def test_an_engine_that_does_not_answer_during_a_killed_switch_is_still_waited_for(trainer, staged_v1, monkeypatch):
+    """One /model_info that timed out while a killed switch's load ran ended the wait, and the engine was resumed
+    mid-load (docs audit). Only an engine that cannot be reached at all ends it early."""
+    from deltafs.errors import EngineError as Busy
+
+    with _switch_to_v2_recorded(trainer, staged_v1, 600) as (_dest, eng, record):
+        def busy() -> str:
+            raise Busy("GET /model_info timed out after 2s")
+
+        monkeypatch.setattr(eng, "served_version", busy)
+        stop = threading.Event()
+        threading.Timer(2.5, stop.set).start()
+        started = time.monotonic()
+        assert record.wait_for_killed(eng, stop) is False  # still waiting when stopped
+        assert time.monotonic() - started >= 2.0 and os.path.exists(record.path)
+
+
+def test_a_degraded_host_keeps_its_entry_fresh_while_it_waits_to_retry(trainer, tmp_path):
+    """After failures the daemon waits up to --retry-max (300 s) before the next try, without a ledger write: the
+    entry went stale although the host was alive (docs audit)."""
+    from watch_helpers import running
+
+    trainer.push()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("not a deltafs checkpoint")  # every pull refuses this DEST (exit 9)
+    sub = Subscriber(trainer.store, str(dest), None, host_id="h",
+                     **{**FAST, "retry_base": 30.0, "retry_max": 30.0, "heartbeat": 0.2})
+    with running(sub):
+        wait_until(lambda: _state(trainer.store, "h") == "degraded", what="the first failure")
+        stamps = set()
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and len(stamps) < 3:
+            status = ledger(trainer.store, "h")
+            if status.state == "degraded" and status.failures == 1:
+                stamps.add(status.updated_at)
+            time.sleep(0.05)
+        assert len(stamps) >= 3, stamps  # refreshed while it waits (the next try is 15-30 s away)
+
+
+def _state(store: str, host: str) -> str | None:
+    try:
+        return ledger(store, host).state
+    except FileNotFoundError:
+        return None
+
+
 def test_once_records_its_failure_in_the_ledger(trainer, staged_v1):
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
