@@ -15,12 +15,14 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from deltafs.engines.base import Engine, EngineUnreachableError, Target
+from deltafs.defaults import DEFAULT_LOAD_TIMEOUT
 from deltafs.errors import EngineError
 from deltafs.read.dest import SWITCH_RECORD, LocalCheckpoint, atomic_write
 
@@ -52,16 +54,15 @@ def in_switch() -> int:
 
 
 def _alive(pid: Any) -> bool:
-    """Whether a process with this pid runs on this host (the record's writer, if not reused since)."""
+    """Whether a deltafs process with this pid runs on this host (the record's writer: a pid reused by another
+    program is not it)."""
     if type(pid) is not int or pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"deltafs" in fh.read(65536)
+    except OSError:  # gone, or no /proc: said as stopped, which only changes a log line
         return False
-    except OSError:
-        return True  # it exists, owned by someone else
-    return True
 
 
 class SwitchRecord:
@@ -83,9 +84,28 @@ class SwitchRecord:
         except OSError as exc:
             log.warning("cannot record the switch in %s: %s", self.path, exc)
 
-    def clear(self) -> None:
+    def clear(self, only: dict[str, Any] | None = None) -> None:
+        """Remove the record; with only, just if it is still that one (not a newer switch's)."""
+        if only is not None and self.read() != only:
+            return
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+    def read(self) -> dict[str, Any] | None:
+        """The record, or None when there is none. One that is there but cannot be read (damaged, cut short, another
+        format) is a switch that may still be loading all the same: its version is unknown ("?") and its deadline
+        the file's mtime plus the longest load a deltafs switch allows by default, plus 60 s (it was taken for no
+        record, and the engine resumed mid-load: adversarial pass). A planted symlink counts as none."""
+        record = self.local.switch_record()
+        if record is not None:
+            return record
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return {"version": "?", "deadline": st.st_mtime + DEFAULT_LOAD_TIMEOUT + 60, "unreadable": True}
 
     @contextlib.contextmanager
     def around(self, engine: Engine, target: Target) -> Iterator[None]:
@@ -103,47 +123,53 @@ class SwitchRecord:
 
     def wait_for_killed(self, engine: Engine, stop: threading.Event | None = None) -> bool:
         """A switch whose process was killed mid-load left its record: until the engine reports that version, or
-        the load's time is up, the load may still run. Wait for it, then drop the record and return True. When stop
-        ends the wait first, return False and keep the record: the load may still run, so the caller must neither
-        resume the engine nor send it anything (a watcher stopped during the wait resumed it mid-load, adversarial
-        pass), and the next process waits for it in turn."""
-        record = self.local.switch_record()
-        if record is None:
-            return True
-        try:
-            version, deadline = str(record["version"]), float(record["deadline"])
-        except (ValueError, KeyError, TypeError):
-            return True
-        if time.time() < deadline:
-            who = ("deltafs process %s, still running" % record.get("pid") if _alive(record.get("pid"))
-                   else "a deltafs process that stopped")
-            log.warning("a switch to version %s by %s may still be loading; waiting for the engine to report it, or "
-                        "for that process to finish it (up to %.0fs)", version, who, deadline - time.time())
+        the load's time is up, the load may still run. Wait for it, then drop the record and return True. A record
+        that goes away meanwhile was cleared by its own process, which finished the switch; a record replaced by
+        another is another switch, waited for in turn (its process may be killed mid-load too: adversarial pass).
+        When stop ends the wait first, return False and keep the record: the load may still run, so the caller must
+        neither resume the engine nor send it anything, and the next process waits for it in turn."""
         stop = stop if stop is not None else threading.Event()
-        while time.time() < deadline:
-            if stop.is_set():
-                return False
-            if self.local.switch_record() != record:
-                # Its process finished the switch (and cleared the record), or another switch began: that one's
-                # process owns the engine now. A watcher started beside a cron run waited out the cron's whole
-                # deadline after the cron had rolled back and resumed (adversarial pass).
-                return True
+        record = self.read()
+        while record is not None:
             try:
-                if engine.served_version() == version:
-                    break
-            except EngineUnreachableError:
-                break  # nothing answers there: no load of ours is running
-            except EngineError as exc:
-                # A timeout or an error answer: busy, maybe loading. It ended the wait, and the engine was resumed
-                # mid-load (docs audit).
-                log.debug("the engine did not say what it serves (%s); still waiting", exc)
-            stop.wait(1.0)
-        self.clear()
+                version, deadline = str(record["version"]), float(record["deadline"])
+            except (ValueError, KeyError, TypeError):
+                version, deadline = "?", 0.0  # not a deltafs record: nothing to wait for
+            if time.time() < deadline:
+                who = (f"deltafs process {record.get('pid')}, still running" if _alive(record.get("pid"))
+                       else "a deltafs process that stopped")
+                what = "an unreadable switch record" if record.get("unreadable") else f"a switch to version {version}"
+                log.warning("%s (%s) may still be loading; waiting for the engine to report it, or for that process "
+                            "to finish it (up to %.0fs)", what, who, deadline - time.time())
+            while time.time() < deadline:
+                if stop.is_set():
+                    return False
+                now = self.read()
+                if now != record:
+                    break  # gone (its process finished the switch), or another switch: waited for in turn
+                try:
+                    if engine.served_version() == version:
+                        break
+                except EngineUnreachableError:
+                    break  # nothing answers there: no load of ours is running
+                except EngineError as exc:
+                    # A timeout or an error answer: busy, maybe loading. It ended the wait, and the engine was
+                    # resumed mid-load (docs audit).
+                    log.debug("the engine did not say what it serves (%s); still waiting", exc)
+                stop.wait(1.0)
+            else:
+                now = record  # the deadline passed
+            if now is record or now == record:
+                self.clear(only=record)  # done with this one (not a newer switch's that replaced it meanwhile)
+                now = self.read()
+                if now == record:  # it cannot be removed: nothing more to wait for (its time is up, or it loaded)
+                    return True
+            record = now
         return True
 
     def pending(self) -> dict[str, Any] | None:
         """The record of a switch that may still be loading (its deadline not passed), else None."""
-        record = self.local.switch_record()
+        record = self.read()
         try:
             return record if record is not None and time.time() < float(record["deadline"]) else None
         except (ValueError, KeyError, TypeError):

@@ -354,7 +354,7 @@ class LocalCheckpoint:
             return None
         try:
             with open(fd, "rb") as fh:
-                record = json.loads(fh.read(4096))
+                record = json.loads(fh.read(1 << 16))  # its path may be up to PATH_MAX (4096 bytes) long
         except (OSError, ValueError):
             return None
         return record if isinstance(record, dict) else None

@@ -199,7 +199,9 @@ class Subscriber:
                 self._leave_entry = True
                 return
             try:
-                self._resume_unless_switching()
+                if not self._resume_unless_switching():
+                    self._leave_entry = True
+                    return
             except LockHeldError:
                 log.warning("another deltafs process is switching the engine of %s; not resuming it", self.dest)
             except EngineUnreachableError as exc:  # not running (yet): nothing there is paused
@@ -246,17 +248,29 @@ class Subscriber:
         except OSError as exc:
             log.warning("cannot link version %s for engine group %s: %s", text, self.engine_group, exc)
 
-    def _resume_unless_switching(self) -> None:
+    def _resume_unless_switching(self) -> bool:
         """Un-pause the engine (a killed watcher may have left it paused), but not while another process switches
         this DEST's engine (a cron `pull --engine`): its load may be running, and a resume would let generation go
-        on mid-load. A DEST whose lock cannot be made yet (nothing pulled, no sidecar) has no such process."""
+        on mid-load. A DEST whose lock cannot be made yet (nothing pulled, no sidecar) has no such process.
+
+        Under the lock, a switch record whose load may still run (its process was killed after it took the lock)
+        is waited for first, without the lock. False when stop ended that wait: nothing was resumed."""
         assert self.engine is not None
-        with contextlib.ExitStack() as held:
-            try:
-                held.enter_context(LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"))
-            except (DestinationError, OSError):
-                pass  # no lock to take: resume all the same (LockHeldError, another's switch, passes on)
-            self.engine.resume()
+        record = SwitchRecord(self.dest)
+        while True:
+            with contextlib.ExitStack() as held:
+                try:
+                    held.enter_context(LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"))
+                except (DestinationError, OSError):
+                    pass  # no lock to take: resume all the same (LockHeldError, another's switch, passes on)
+                if record.pending() is None:
+                    stale = record.read()  # a record whose time is up: its load is over
+                    if stale is not None:
+                        record.clear(only=stale)
+                    self.engine.resume()
+                    return True
+            if not record.wait_for_killed(self.engine, self.stop_event):
+                return False
 
     def _keep_dest_on(self, staged: Staged) -> None:
         """DEST names the version now served: one pointed back by hand while it waited (to an older version, or at
@@ -418,6 +432,13 @@ class Subscriber:
                 # One switch per DEST's engine at a time, as reload_engine (cron mode) takes it: SGLang cannot take
                 # two updates at once, and the other's resume would end this one's pause mid-load.
                 with LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"):
+                    # A switch killed mid-load (a cron run's, after this watcher's last look) left its record: its
+                    # load may run, and a second update breaks SGLang (adversarial pass: sent 6.5 s into it).
+                    if not SwitchRecord(self.dest).wait_for_killed(self.engine, self.stop_event):
+                        log.warning("stopped while a killed switch's load may still run; version %d not switched to",
+                                    staged.version)
+                        self._leave_entry = True
+                        return None
                     ahead = self._serves_newer(staged.version)
                     if ahead is None:
                         with SwitchRecord(self.dest).around(self.engine, target):
@@ -461,14 +482,21 @@ class Subscriber:
 
     def sync(self) -> Applied | None:
         """One cycle: poll, wait for the boundary, apply. None when there was nothing to do."""
-        if self.engine is not None and self._resume_pending:
+        killed = self.engine is not None and SwitchRecord(self.dest).read() is not None
+        if self.engine is not None and (self._resume_pending or killed):
             # A switch could not resume generation: the engine may still be paused, serving nobody. Until a resume
             # goes through, every cycle tries again and fails (the host stays degraded in the ledger); the cycle that
             # went through next cleared the failure while the engine stayed paused (adversarial pass). An engine that
             # cannot be reached at all was restarted or moved: nothing of it is paused, and what it serves is asked.
+            # Likewise after another process's switch left its record (a cron run killed mid-load left the engine
+            # paused beside a running watcher): its load is waited for, then the engine resumed and asked what it
+            # serves. (A live process's switch holds the engine lock: LockHeldError, tried again later.)
             try:
-                self._resume_unless_switching()
-                log.info("generation resumed on %s", self.status.engine_url or self.status.engine)
+                if not self._resume_unless_switching():
+                    return None  # stopped while that load may still run
+                if self._resume_pending:
+                    log.info("generation resumed on %s", self.status.engine_url or self.status.engine)
+                self._relearn = self._relearn or killed
             except EngineUnreachableError:
                 self._relearn = True
             self._resume_pending = False

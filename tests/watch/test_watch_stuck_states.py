@@ -11,6 +11,7 @@ the ledger; SIGHUP and a stray SIGUSR1 that killed the watcher.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -309,6 +310,78 @@ def _state(store: str, host: str) -> str | None:
         return ledger(store, host).state
     except FileNotFoundError:
         return None
+
+
+def _killed_record(dest: str, version: str, seconds: float) -> SwitchRecord:
+    """The record a switch killed mid-load (a cron run's, kill -9) leaves: its process is gone."""
+    from deltafs.read.dest import atomic_write
+
+    record = SwitchRecord(dest)
+    atomic_write(record.path, json.dumps({"version": version, "path": dest, "pid": 2**22 + 7,
+                                          "deadline": time.time() + seconds}).encode())
+    return record
+
+
+def test_a_watcher_does_not_switch_while_a_killed_cron_runs_load_may_run(trainer, staged_v1):
+    """A cron `pull --engine` was killed mid-load beside a running watcher; the watcher's next switch took the freed
+    engine lock and sent its update 6.5 s into that load (adversarial pass). It waits for the record first."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="h", **FAST)
+        sub.start()
+        trainer.push()
+        sub.poll()  # version 2 staged
+        _killed_record(dest, "2", 2.0)  # the cron's load of version 2 may run for 2 s more
+        started = time.monotonic()
+        applied = sub.apply()
+        assert applied is not None and applied.version == 2
+        first = next(e for e in server.events if e.what == "update")
+        assert time.monotonic() - started >= 1.5 and first.detail["weight_version"] == "2"
+        assert not os.path.exists(SwitchRecord(dest).path) and not paused(server)
+        sub.close()
+
+
+def test_a_wait_goes_on_when_the_record_is_replaced_by_another_switch(trainer, staged_v1):
+    """The waiter took a replaced record for "its owner finished" and resumed the engine mid-load of the second
+    switch, whose process was killed in turn (adversarial pass)."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        eng = engine(server)
+        record = _killed_record(dest, "2", 30.0)
+        threading.Timer(0.5, lambda: _killed_record(dest, "3", 2.5)).start()  # a second switch, then killed
+        started = time.monotonic()
+        assert record.wait_for_killed(eng)
+        assert time.monotonic() - started >= 2.5 and record.read() is None
+
+
+def test_an_unreadable_record_is_a_switch_that_may_still_load(trainer, staged_v1):
+    """A damaged record was taken for no record, and the engine was resumed mid-load (adversarial pass)."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        record = SwitchRecord(dest)
+        with open(record.path, "w") as fh:
+            fh.write("garbage")
+        assert record.pending() is not None
+        stop = threading.Event()
+        threading.Timer(1.5, stop.set).start()
+        assert record.wait_for_killed(engine(server), stop) is False and os.path.exists(record.path)
+
+
+def test_an_engine_left_paused_by_a_killed_cron_run_is_resumed_by_the_watcher(trainer, staged_v1):
+    """A cron run killed mid-switch beside a running watcher left the engine paused for good: the watcher saw
+    nothing to do. Its next cycle waits for that switch's load, resumes the engine and asks what it serves."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        eng = engine(server)
+        sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
+        sub.start()
+        eng._pause()  # the cron run paused it, sent its update (of the version served), and was killed
+        _killed_record(dest, "1", 600.0)
+        assert paused(server)
+        assert sub.once() is None
+        assert not paused(server) and SwitchRecord(dest).read() is None
+        assert ledger(trainer.store, "h").state == "serving"
+        sub.close()
 
 
 def test_once_records_its_failure_in_the_ledger(trainer, staged_v1):
