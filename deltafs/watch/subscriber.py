@@ -257,13 +257,15 @@ class Subscriber:
         is waited for first, without the lock. False when stop ended that wait: nothing was resumed."""
         assert self.engine is not None
         record = SwitchRecord(self.dest)
+        waited: dict[str, Any] | None = None
         while True:
             with contextlib.ExitStack() as held:
                 try:
                     held.enter_context(LocalCheckpoint(self.dest).lock(wait=False, name="engine.lock"))
                 except (DestinationError, OSError):
                     pass  # no lock to take: resume all the same (LockHeldError, another's switch, passes on)
-                if record.pending() is None:
+                pending = record.pending()
+                if pending is None or pending == waited:  # none, or one waited for that could not be removed
                     stale = record.read()  # a record whose time is up: its load is over
                     if stale is not None:
                         record.clear(only=stale)
@@ -271,6 +273,7 @@ class Subscriber:
                     return True
             if not record.wait_for_killed(self.engine, self.stop_event):
                 return False
+            waited = pending
 
     def _keep_dest_on(self, staged: Staged) -> None:
         """DEST names the version now served: one pointed back by hand while it waited (to an older version, or at
