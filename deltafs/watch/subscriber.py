@@ -147,6 +147,7 @@ class Subscriber:
         self._group_since: dict[int, float] = {}
         self._relearn = False  # the engine was lost mid-switch: ask it again what it serves
         self._resume_pending = False  # a switch could not resume generation: resume it before anything else
+        self._handled_record: dict[str, Any] | None = None  # a switch record waited for that cannot be removed
         self._ledger_lock = threading.Lock()  # the heartbeat thread's writes and the loop's, one at a time
         self._unconfirmed = False  # served was inferred from DEST's link: reload once to be sure
         self._checked_store: str | None = None  # the store id whose checkpoint DEST was last found to hold
@@ -220,6 +221,17 @@ class Subscriber:
         self.status.staged_version = None  # (what a killed switch's wait took over, _adopt_entry)
         self._set_state("serving" if self.served else "starting")
 
+    def _show_loading(self, record: dict[str, Any]) -> None:
+        """The ledger entry while another process's switch may still load: state "switching", its version staged
+        (an engine group's other hosts keep it on their disks meanwhile)."""
+        text = str(record.get("version", ""))
+        if text.isascii() and text.isdigit():
+            self.status.staged_version = int(text)
+        self._set_state("switching")
+
+    def _settled_state(self) -> str:
+        return "needs-restart" if self.status.needs_restart else "serving" if self.staged is None else "waiting"
+
     def _adopt_entry(self, record: dict[str, Any]) -> None:
         """Take over served and staged from this host's last ledger entry (the killed watcher's), the version the
         switch record names as staged, state "switching"; written at once."""
@@ -231,10 +243,7 @@ class Subscriber:
         if previous is not None and previous.store_id in (None, self.status.store_id):
             self.status.served_version = previous.served_version
             self.status.staged_version = previous.staged_version
-        text = str(record.get("version", ""))
-        if text.isascii() and text.isdigit():
-            self.status.staged_version = int(text)
-        self._set_state("switching")
+        self._show_loading(record)
 
     def _link_for_group(self, target: Target) -> None:
         """DEST.deltafs/by-version/v<N> for the version this host serves or holds at start: the leader's rollback
@@ -271,8 +280,11 @@ class Subscriber:
                         record.clear(only=stale)
                     self.engine.resume()
                     return True
+            self._show_loading(pending)
             if not record.wait_for_killed(self.engine, self.stop_event):
                 return False
+            self.status.staged_version = self.staged.version if self.staged is not None else None
+            self._set_state(self._settled_state())
             waited = pending
 
     def _keep_dest_on(self, staged: Staged) -> None:
@@ -485,7 +497,8 @@ class Subscriber:
 
     def sync(self) -> Applied | None:
         """One cycle: poll, wait for the boundary, apply. None when there was nothing to do."""
-        killed = self.engine is not None and SwitchRecord(self.dest).read() is not None
+        found = SwitchRecord(self.dest).read() if self.engine is not None else None
+        killed = found is not None and found != self._handled_record
         if self.engine is not None and (self._resume_pending or killed):
             # A switch could not resume generation: the engine may still be paused, serving nobody. Until a resume
             # goes through, every cycle tries again and fails (the host stays degraded in the ledger); the cycle that
@@ -500,6 +513,11 @@ class Subscriber:
                 if self._resume_pending:
                     log.info("generation resumed on %s", self.status.engine_url or self.status.engine)
                 self._relearn = self._relearn or killed
+                if killed and SwitchRecord(self.dest).read() == found:
+                    # Waited for, and still there: it cannot be removed (a read-only sidecar). Handled once, not at
+                    # every cycle (each took the engine lock, and cron runs beside it found it held: re-check).
+                    log.warning("cannot remove the switch record %s; its switch is over", SwitchRecord(self.dest).path)
+                    self._handled_record = found
             except EngineUnreachableError:
                 self._relearn = True
             self._resume_pending = False
@@ -949,7 +967,7 @@ class Subscriber:
                      self.served.version if self.served else "(unknown)")
             self.status.failures = 0
             self.status.last_error = None
-            self._set_state("needs-restart" if self.status.needs_restart else "serving" if self.staged is None else "waiting")
+            self._set_state(self._settled_state())
 
     def _failed(self, exc: BaseException, *, again: bool = True) -> float:
         self.status.failures += 1

@@ -384,6 +384,45 @@ def test_an_engine_left_paused_by_a_killed_cron_run_is_resumed_by_the_watcher(tr
         sub.close()
 
 
+def test_a_switch_record_that_cannot_be_removed_is_handled_once(trainer, staged_v1, monkeypatch):
+    """A read-only sidecar kept a finished switch's record: the watcher took the engine lock and resumed the engine
+    at every cycle, and cron runs beside it found the lock held (exit 101) (re-check of the adversarial fixes)."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        eng = engine(server)
+        sub = Subscriber(trainer.store, dest, eng, host_id="h", **FAST)
+        sub.start()
+        monkeypatch.setattr(SwitchRecord, "clear", lambda self, only=None: None)  # cannot be removed
+        _killed_record(dest, "1", -1.0)  # its time is up
+        resumed: list[int] = []
+        real = eng.resume
+        monkeypatch.setattr(eng, "resume", lambda *a, **k: (resumed.append(1), real(*a, **k)))
+        for _ in range(3):
+            assert sub.once() is None
+        assert resumed == [1]
+        sub.close()
+
+
+def test_the_ledger_says_switching_while_a_killed_cron_runs_load_may_run(trainer, staged_v1):
+    """While a watcher waited for a killed cron run's load at a cycle (not at start-up), its entry said "serving":
+    an engine group's followers would not keep the version being loaded (re-check of the adversarial fixes)."""
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="h", **FAST)
+        sub.start()
+        trainer.push()
+        pull(trainer.store, dest)  # the cron run pulled version 2, sent its update, and was killed
+        _killed_record(dest, "2", 2.0)
+        thread = threading.Thread(target=sub.once)
+        thread.start()
+        wait_until(lambda: ledger(trainer.store, "h").state == "switching", what="the wait shown")
+        assert ledger(trainer.store, "h").staged_version == 2
+        assert SwitchRecord(dest).read() is not None and server.count("update") == 0  # still the cron's load
+        thread.join(20)
+        assert ledger(trainer.store, "h").state == "serving"
+        sub.close()
+
+
 def test_once_records_its_failure_in_the_ledger(trainer, staged_v1):
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
