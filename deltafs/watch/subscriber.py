@@ -509,7 +509,8 @@ class Subscriber:
             # serves. (A live process's switch holds the engine lock: LockHeldError, tried again later.)
             try:
                 if not self._resume_unless_switching():
-                    return None  # stopped while that load may still run
+                    self._leave_entry = True  # stopped while that load may still run: the entry says so
+                    return None
                 if self._resume_pending:
                     log.info("generation resumed on %s", self.status.engine_url or self.status.engine)
                 self._relearn = self._relearn or killed

@@ -423,6 +423,24 @@ def test_the_ledger_says_switching_while_a_killed_cron_runs_load_may_run(trainer
         sub.close()
 
 
+def test_a_watcher_stopped_while_a_cycle_waits_for_a_killed_cron_run_leaves_its_entry(trainer, staged_v1):
+    dest, v1_dir = staged_v1
+    with WheelSGLang(v1_dir, weight_version="1") as server:
+        sub = Subscriber(trainer.store, dest, engine(server), host_id="h", **FAST)
+        sub.start()
+        trainer.push()
+        pull(trainer.store, dest)
+        _killed_record(dest, "2", 60.0)
+        thread = threading.Thread(target=sub.once)
+        thread.start()
+        wait_until(lambda: ledger(trainer.store, "h").state == "switching", what="the wait shown")
+        sub.stop()
+        thread.join(10)
+        sub.close()
+        status = ledger(trainer.store, "h")
+        assert (status.state, status.staged_version) == ("switching", 2) and server.count("update") == 0
+
+
 def test_once_records_its_failure_in_the_ledger(trainer, staged_v1):
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
