@@ -403,19 +403,28 @@ def test_a_switch_record_that_cannot_be_removed_is_handled_once(trainer, staged_
         sub.close()
 
 
-def test_the_ledger_says_switching_while_a_killed_cron_runs_load_may_run(trainer, staged_v1):
-    """While a watcher waited for a killed cron run's load at a cycle (not at start-up), its entry said "serving":
-    an engine group's followers would not keep the version being loaded (re-check of the adversarial fixes)."""
+@contextlib.contextmanager
+def _cycle_waiting_for_killed_cron(trainer, staged_v1, seconds: float) -> Iterator[
+        tuple[str, WheelSGLang, Subscriber, threading.Thread]]:
+    """A watcher's cycle (sub.once, in a thread) waiting for a cron run's load of version 2 that may run `seconds`
+    more (the cron pulled version 2, sent its update and was killed); yielded once its entry says so."""
     dest, v1_dir = staged_v1
     with WheelSGLang(v1_dir, weight_version="1") as server:
         sub = Subscriber(trainer.store, dest, engine(server), host_id="h", **FAST)
         sub.start()
         trainer.push()
-        pull(trainer.store, dest)  # the cron run pulled version 2, sent its update, and was killed
-        _killed_record(dest, "2", 2.0)
+        pull(trainer.store, dest)
+        _killed_record(dest, "2", seconds)
         thread = threading.Thread(target=sub.once)
         thread.start()
         wait_until(lambda: ledger(trainer.store, "h").state == "switching", what="the wait shown")
+        yield dest, server, sub, thread
+
+
+def test_the_ledger_says_switching_while_a_killed_cron_runs_load_may_run(trainer, staged_v1):
+    """While a watcher waited for a killed cron run's load at a cycle (not at start-up), its entry said "serving":
+    an engine group's followers would not keep the version being loaded (re-check of the adversarial fixes)."""
+    with _cycle_waiting_for_killed_cron(trainer, staged_v1, 2.0) as (dest, server, sub, thread):
         assert ledger(trainer.store, "h").staged_version == 2
         assert SwitchRecord(dest).read() is not None and server.count("update") == 0  # still the cron's load
         thread.join(20)
@@ -424,16 +433,7 @@ def test_the_ledger_says_switching_while_a_killed_cron_runs_load_may_run(trainer
 
 
 def test_a_watcher_stopped_while_a_cycle_waits_for_a_killed_cron_run_leaves_its_entry(trainer, staged_v1):
-    dest, v1_dir = staged_v1
-    with WheelSGLang(v1_dir, weight_version="1") as server:
-        sub = Subscriber(trainer.store, dest, engine(server), host_id="h", **FAST)
-        sub.start()
-        trainer.push()
-        pull(trainer.store, dest)
-        _killed_record(dest, "2", 60.0)
-        thread = threading.Thread(target=sub.once)
-        thread.start()
-        wait_until(lambda: ledger(trainer.store, "h").state == "switching", what="the wait shown")
+    with _cycle_waiting_for_killed_cron(trainer, staged_v1, 60.0) as (_dest, server, sub, thread):
         sub.stop()
         thread.join(10)
         sub.close()
