@@ -125,14 +125,20 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     b = _as_u8(base)
     if b.size != n.size:
         raise ValueError(f"base chunk has {b.size} bytes, new chunk {n.size}")
+    small = n.size <= SMALL_CHUNK and width > 1
+    written = None  # a small chunk's gamma payload, when it is a candidate (most elements moved, within DENSE_TRUSTED)
+    if small and width in GAMMA_WIDTHS:
+        # Small chunks (biases, norms) are dominated by per-call costs: one pass over the differences answers
+        # "what changed" and, when most elements moved (an optimizer step on F32), sizes the gamma codec and
+        # writes its payload where it is a candidate below.
+        counts, written = gamma.count_and_write(n, b, width, SMALL_DENSE_TRY, DENSE_TRUSTED[width])
+        if written is not None and _gamma_alone(counts, n.size // width):
+            return Encoded(gamma.record(width, counts.plan), written, counts.changed)  # the usual small F32 step
     dtype = streams.UINT[width]
     nw, bw = n.view(dtype), b.view(dtype)
-    if n.size <= SMALL_CHUNK and width > 1:
-        # Small chunks (biases, norms) are dominated by per-call costs: one pass over the differences answers
-        # "what changed" and, when most elements moved (an optimizer step on F32), sizes the gamma codec.
+    if small:
         d = planes = None
-        if width in GAMMA_WIDTHS:
-            counts = count(nw, bw)
+        if counts is not None:
             changed = counts.changed
         elif native.loops() is not None:  # one compiled pass counts the changes and makes the dense stream
             changed, planes = dense_planes(nw, bw)
@@ -146,16 +152,21 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
             # encode here). The size answers the same question: small arithmetic steps leave at least one byte
             # per element near zero, so a payload within DENSE_TRUSTED of the chunk is a trainer step; a larger
             # one (unrelated values, bit flips) goes on to the general path, which tries every codec.
+            step: tuple[Codec, bytes] | None
             if counts is not None:
+                # The smaller of gamma (written above unless over DENSE_TRUSTED) and dense, as _difference chooses;
+                # gamma over DENSE_TRUSTED is never written (the general path below decides).
                 if _gamma_alone(counts, nw.size):
-                    # The usual small F32 step, decided by the counts alone: gamma's size is plan.payload, so a
-                    # payload over DENSE_TRUSTED is never written (the general path below decides).
-                    plan = counts.plan
-                    if plan.payload <= DENSE_TRUSTED[width] * n.size:
-                        return Encoded(gamma.record(width, plan), gamma.payload(nw, bw, plan), changed)
-                    step = None
+                    step = None  # written is None: over DENSE_TRUSTED
                 else:
-                    step = _difference(nw, bw, level, counts)
+                    dense = Dense.encode(nw, bw, level)
+                    plan = counts.plan
+                    if plan.payload >= len(dense[1]):
+                        step = dense
+                    elif written is not None:
+                        step = Gamma(width, plan.center, plan.rice, plan.unary), written
+                    else:
+                        step = None
             else:
                 step = Dense.encode(nw, bw, level, diff=d, planes=planes)
             if step is not None and len(step[1]) <= DENSE_TRUSTED[width] * n.size:

@@ -1105,6 +1105,35 @@ static double lowbits_skew(const int64_t *top, Py_ssize_t m) {
     return saved > 0 ? saved / 8 : 0;
 }
 
+/* The counts lengths() returns, of the n width-byte elements at nb against bb: h (8 * width + 1 entries) filled,
+ * *repeats and *skew set, plan the layout of h; returns the changed count. */
+static Py_ssize_t count_lengths(const uint8_t *nb, const uint8_t *bb, Py_ssize_t n, int width, int64_t *h,
+                                Py_ssize_t *repeats_out, double *skew, int64_t plan[5]) {
+    /* One count per element, by its length and (from length 4) the three bits below its leading one: the
+     * length histogram is the sum of each row. 264 bins also make back-to-back increments of one counter (a
+     * store-to-load chain) rarer than 33 would. */
+    int64_t top[33 * 8] = {0};
+    Py_ssize_t repeats = 0;
+    uint32_t prev = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint32_t z = zz_at(nb, bb, i, width);
+        const int L = bit_length(z);
+        top[8 * L + (L >= 4 ? (z >> (L - 4)) & 7 : 0)]++;
+        repeats += i > 0 && z == prev;
+        prev = z;
+    }
+    for (int L = 0; L <= 8 * width; L++) {
+        int64_t sum = 0;
+        for (int t = 0; t < 8; t++)
+            sum += top[8 * L + t];
+        h[L] = sum;
+    }
+    *repeats_out = repeats;
+    *skew = lowbits_skew(top, 8 * width + 1);
+    plan_lengths(h, 8 * width + 1, plan);
+    return n - (Py_ssize_t)h[0];
+}
+
 /* lengths(new, base, width, hist_out) -> (changed, repeats, skew, center, k, unary_bytes, remainder_bytes,
  *                                         mantissa_bytes)
  *
@@ -1123,32 +1152,8 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
     int64_t o[5];
     if ((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
         hist.len == (8 * width + 1) * 8) {
-        int64_t *h = (int64_t *)hist.buf;
-        const uint8_t *nb = (const uint8_t *)nbuf.buf, *bb = (const uint8_t *)bbuf.buf;
-        const Py_ssize_t n = nbuf.len / width;
         RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
-        memset(h, 0, hist.len);
-        /* One count per element, by its length and (from length 4) the three bits below its leading one: the
-         * length histogram is the sum of each row. 264 bins also make back-to-back increments of one counter (a
-         * store-to-load chain) rarer than 33 would. */
-        int64_t top[33 * 8] = {0};
-        uint32_t prev = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const uint32_t z = zz_at(nb, bb, i, width);
-            const int L = bit_length(z);
-            top[8 * L + (L >= 4 ? (z >> (L - 4)) & 7 : 0)]++;
-            repeats += i > 0 && z == prev;
-            prev = z;
-        }
-        for (int L = 0; L <= 8 * width; L++) {
-            int64_t sum = 0;
-            for (int t = 0; t < 8; t++)
-                sum += top[8 * L + t];
-            h[L] = sum;
-        }
-        changed = n - (Py_ssize_t)h[0];
-        skew = lowbits_skew(top, 8 * width + 1);
-        plan_lengths(h, 8 * width + 1, o);
+        changed = count_lengths(nbuf.buf, bbuf.buf, nbuf.len / width, width, hist.buf, &repeats, &skew, o);
         TAKE_GIL()
     } else
         PyErr_SetString(PyExc_ValueError, "lengths: width must be 1, 2 or 4 and the buffers sized alike");
@@ -1291,6 +1296,34 @@ static inline void flush_bits(bitwriter *w) {
  * (the caller computed the sizes with plan(); ValueError if the streams come out another size).
  * 0 <= center <= 8 * width, 0 <= k <= 8.
  */
+/* The three streams of the n width-byte elements at nb against bb into o (un_len + rem_len + man_len bytes);
+ * 1 if they came out exactly those sizes. */
+static int gamma_streams(const uint8_t *nb, const uint8_t *bb, Py_ssize_t n, int width, int center, int k,
+                         uint8_t *o, Py_ssize_t un_len, Py_ssize_t rem_len, Py_ssize_t man_len) {
+    bitwriter u = {o, un_len, 0, 0, 0}, r = {o + un_len, rem_len, 0, 0, 0}, m = {o + un_len + rem_len, man_len, 0, 0, 0};
+    /* No branch on the data but the rare long unary code: the bit lengths of an optimizer step vary at random
+     * from one element to the next, and branches on them were mispredicted about twice per element (12 against
+     * 7.5 ns per element on F32 steps, 65 Ki elements). */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint32_t z = zz_at(nb, bb, i, width);
+        const int L = bit_length(z), s = L - center, low = L - (L > 0); /* low: the bits below the leading one */
+        const uint32_t g = ((uint32_t)s << 1) ^ (uint32_t)(s >> 31); /* zigzag: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... */
+        const uint32_t q = g >> k;
+        if (__builtin_expect(q < 32, 1))
+            put_bits(&u, 1, (int)q + 1); /* q zeros, then the one */
+        else {
+            put_zeros(&u, q);
+            put_bits(&u, 1, 1);
+        }
+        put_bits(&r, g & ((1u << k) - 1), k);
+        put_bits(&m, z & ((1u << low) - 1), low);
+    }
+    flush_bits(&u);
+    flush_bits(&r);
+    flush_bits(&m);
+    return u.pos == un_len && r.pos == rem_len && m.pos == man_len;
+}
+
 static PyObject *gamma_encode(PyObject *self, PyObject *args) {
     Py_buffer nbuf, bbuf, out;
     Py_ssize_t un_len, rem_len;
@@ -1301,34 +1334,10 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
              center >= 0 && center <= 8 * width && k >= 0 && k <= 8 && un_len >= 0 && rem_len >= 0 &&
              out.len >= 8 && un_len + rem_len <= out.len - 8;
     if (ok) {
-        const uint8_t *nb = (const uint8_t *)nbuf.buf, *bb = (const uint8_t *)bbuf.buf;
-        uint8_t *o = (uint8_t *)out.buf;
-        const Py_ssize_t n = nbuf.len / width, man_len = out.len - 8 - un_len - rem_len;
-        bitwriter u = {o, un_len, 0, 0, 0}, r = {o + un_len, rem_len, 0, 0, 0},
-                  m = {o + un_len + rem_len, man_len, 0, 0, 0};
         RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
-        /* No branch on the data but the rare long unary code: the bit lengths of an optimizer step vary at random
-         * from one element to the next, and branches on them were mispredicted about twice per element (12 against
-         * 7.5 ns per element on F32 steps, 65 Ki elements). */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const uint32_t z = zz_at(nb, bb, i, width);
-            const int L = bit_length(z), s = L - center, low = L - (L > 0); /* low: the bits below the leading one */
-            const uint32_t g = ((uint32_t)s << 1) ^ (uint32_t)(s >> 31); /* zigzag: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... */
-            const uint32_t q = g >> k;
-            if (__builtin_expect(q < 32, 1))
-                put_bits(&u, 1, (int)q + 1); /* q zeros, then the one */
-            else {
-                put_zeros(&u, q);
-                put_bits(&u, 1, 1);
-            }
-            put_bits(&r, g & ((1u << k) - 1), k);
-            put_bits(&m, z & ((1u << low) - 1), low);
-        }
-        flush_bits(&u);
-        flush_bits(&r);
-        flush_bits(&m);
+        ok = gamma_streams(nbuf.buf, bbuf.buf, nbuf.len / width, width, center, k, out.buf, un_len, rem_len,
+                           out.len - 8 - un_len - rem_len);
         TAKE_GIL()
-        ok = u.pos == un_len && r.pos == rem_len && m.pos == man_len;
         if (!ok)
             PyErr_SetString(PyExc_ValueError, "gamma: the streams do not have the sizes given");
     } else
@@ -1339,6 +1348,80 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
     if (!ok)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* counted(new, base, width, hist_out, changed_from, payload_within, digest)
+ *     -> (*lengths(new, base, width, hist_out), payload or None)
+ *
+ * lengths(), and in the same call the whole gamma payload (the streams, then the trailer: digest(body) as 8
+ * little-endian bytes, digest being xxhash.xxh3_64_intdigest) when changed > 0, changed >= changed_from * elements
+ * and the payload's bytes <= payload_within * the chunk's bytes; else None. Comparisons in double precision, as
+ * Python compares an int with a float: exact at these sizes.
+ */
+static PyObject *gamma_counted(PyObject *self, PyObject *args) {
+    Py_buffer nbuf, bbuf, hist;
+    int width;
+    double changed_from, payload_within;
+    PyObject *digest;
+    if (!PyArg_ParseTuple(args, "y*y*iw*ddO", &nbuf, &bbuf, &width, &hist, &changed_from, &payload_within, &digest))
+        return NULL;
+    PyObject *result = NULL, *payload = NULL;
+    if (!((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
+          hist.len == (8 * width + 1) * 8)) {
+        PyErr_SetString(PyExc_ValueError, "counted: width must be 1, 2 or 4 and the buffers sized alike");
+        goto done;
+    }
+    const Py_ssize_t n = nbuf.len / width;
+    Py_ssize_t changed, repeats;
+    double skew;
+    int64_t o[5];
+    {
+        RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
+        changed = count_lengths(nbuf.buf, bbuf.buf, n, width, hist.buf, &repeats, &skew, o);
+        TAKE_GIL()
+    }
+    const int64_t size = o[2] + o[3] + o[4] + 8;
+    if (changed > 0 && (double)changed >= changed_from * (double)n && (double)size <= payload_within * (double)nbuf.len) {
+        payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+        if (!payload)
+            goto done;
+        uint8_t *p = (uint8_t *)PyBytes_AS_STRING(payload);
+        int ok;
+        {
+            RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
+            ok = gamma_streams(nbuf.buf, bbuf.buf, n, width, (int)o[0], (int)o[1], p, o[2], o[3], o[4]);
+            TAKE_GIL()
+        }
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError, "counted: the streams do not have the sizes planned");
+            goto done;
+        }
+        /* The trailer, from the same hash function as every other payload's (deltafs.codec.streams.seal). */
+        PyObject *body = PyMemoryView_FromMemory((char *)p, (Py_ssize_t)size - 8, PyBUF_READ);
+        if (!body)
+            goto done;
+        PyObject *h = PyObject_CallOneArg(digest, body);
+        Py_DECREF(body);
+        if (!h)
+            goto done;
+        const unsigned long long v = PyLong_AsUnsignedLongLong(h);
+        Py_DECREF(h);
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        for (int j = 0; j < 8; j++)
+            p[size - 8 + j] = (uint8_t)(v >> (8 * j));
+    } else {
+        payload = Py_None;
+        Py_INCREF(payload);
+    }
+    result = Py_BuildValue("nndLLLLLO", changed, repeats, skew, (long long)o[0], (long long)o[1], (long long)o[2],
+                           (long long)o[3], (long long)o[4], payload);
+done:
+    Py_XDECREF(payload);
+    PyBuffer_Release(&nbuf);
+    PyBuffer_Release(&bbuf);
+    PyBuffer_Release(&hist);
+    return result;
 }
 
 /* A reader of an MSB-first stream that peeks 64 bits at any bit position: bytes past the end read as zeros, and
@@ -1861,6 +1944,8 @@ static PyMethodDef methods[] = {
     {"simd", simd, METH_NOARGS, "simd() -> the vector compare changes() uses here: 2 AVX-512, 1 AVX2, 0 none"},
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
     {"lengths", lengths, METH_VARARGS, "lengths(new, base, width, hist_out) -> (changed, repeats, skew, *plan(hist_out))"},
+    {"counted", gamma_counted, METH_VARARGS,
+     "counted(new, base, width, hist_out, changed_from, payload_within, digest) -> (*lengths(...), payload or None)"},
     {"plan", gamma_plan, METH_VARARGS, "plan(hist) -> (center, k, unary_bytes, remainder_bytes, mantissa_bytes)"},
     {"gamma", gamma_encode, METH_VARARGS, "gamma(new, base, width, center, k, unary_len, remainder_len, payload_out)"},
     {"ungamma", gamma_decode, METH_VARARGS, "ungamma(body, unary_len, width, center, k, base, out) -> status"},

@@ -77,6 +77,25 @@ def count(nw: np.ndarray, bw: np.ndarray) -> Counts:
                   layout(hist))
 
 
+def count_and_write(n: np.ndarray, b: np.ndarray, width: int, changed_from: float,
+                    payload_within: float) -> tuple[Counts, bytes | None]:
+    """count() of new against base (uint8; width 1, 2 or 4), and the gamma payload too when at least changed_from
+    of the elements changed (at least one) and it takes at most payload_within of the chunk's bytes, else None.
+    One compiled call where built (a small F32 chunk's whole encode); the same answer and bytes in numpy."""
+    c = native.loops()
+    if c is not None:
+        hist = np.empty(8 * width + 1, np.int64)
+        r = c.counted(n, b, width, hist, changed_from, payload_within, streams.digest)
+        return _tuple(Counts, (hist, r[0], r[1], r[2], _tuple(Layout, r[3:8]))), r[8]
+    dtype = streams.UINT[width]
+    nw, bw = n.view(dtype), b.view(dtype)
+    counts = count(nw, bw)
+    if (counts.changed > 0 and counts.changed >= changed_from * nw.size
+            and counts.plan.payload <= payload_within * n.size):
+        return counts, payload(nw, bw, counts.plan)
+    return counts, None
+
+
 def _skew(z: np.ndarray, lengths: np.ndarray, width: int) -> float:
     """Bytes a coder of the three bits below each leading one, by their frequencies per bit length, would save
     against storing them as they are, as gamma does: the sum over lengths L >= 4 of 3 n_L - n_L H_L bits (H_L the

@@ -130,6 +130,8 @@ def decompress(frame: bytes | memoryview, size: int, what: str) -> np.ndarray:
 # payload raises instead of decoding to different bytes.
 TRAILER = 8
 _PUT_U64 = struct.Struct("<Q").pack_into
+# The trailer's function, as an integer of the bytes it covers (the compiled gamma writer calls it too).
+digest = xxhash.xxh3_64_intdigest
 _GET_U64 = struct.Struct("<Q").unpack_from
 
 
@@ -142,7 +144,7 @@ def seal(parts: list[Any]) -> bytes:
 def trail(payload: bytearray) -> None:
     """seal() in place: payload's last TRAILER bytes become the checksum of the bytes before them."""
     end = len(payload) - TRAILER
-    _PUT_U64(payload, end, xxhash.xxh3_64_intdigest(memoryview(payload)[:end]))  # little-endian, as seal()
+    _PUT_U64(payload, end, digest(memoryview(payload)[:end]))  # little-endian, as seal()
 
 
 def unseal(payload: bytes | memoryview, what: str) -> memoryview:
@@ -152,7 +154,7 @@ def unseal(payload: bytes | memoryview, what: str) -> memoryview:
         raise IntegrityError(f"{what}: payload of {len(view)} bytes is too short")
     end = len(view) - TRAILER
     body = view[:end]
-    if xxhash.xxh3_64_intdigest(body) != _GET_U64(view, end)[0]:
+    if digest(body) != _GET_U64(view, end)[0]:
         raise IntegrityError(f"{what}: payload checksum does not match")
     return body
 

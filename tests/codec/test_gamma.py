@@ -85,6 +85,55 @@ def test_compiled_counts_match_numpy(pair: tuple[np.ndarray, np.ndarray]) -> Non
     assert compiled.skew >= 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(pair=pairs(), changed_from=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+       within=st.sampled_from([0.05, 0.5, 0.75, 1.0, 3.0]))
+def test_count_and_write_gives_the_same_counts_and_payload_on_both_paths(
+        pair: tuple[np.ndarray, np.ndarray], changed_from: float, within: float) -> None:
+    """The one-call count and write (compiled: counted) answers as count() and writes gamma.payload()'s bytes,
+    exactly when at least one and at least changed_from of the elements changed and the payload is within its
+    share of the chunk; the numpy path gives the same."""
+    new, base = pair
+    width = new.dtype.itemsize
+    n8, b8 = new.view(np.uint8), base.view(np.uint8)
+    got = each_path(lambda: gamma.count_and_write(n8, b8, width, changed_from, within))
+    counts = gamma.count(new, base)
+    expect = (gamma.payload(new, base, counts.plan) if counts.changed > 0 and counts.changed >= changed_from * new.size
+              and counts.plan.payload <= within * n8.size else None)
+    for c, written in got:
+        assert (c.changed, c.repeats, c.plan, c.hist.tolist()) == (counts.changed, counts.repeats, counts.plan,
+                                                                  counts.hist.tolist())
+        assert c.skew == pytest.approx(counts.skew, rel=1e-12, abs=1e-9)
+        assert written == expect
+    if expect is not None:  # the trailer is the one unseal checks, and the payload decodes to new
+        rec = gamma.record(width, counts.plan)
+        assert codec.decode(rec, expect, b8, b8.size, width).tobytes() == n8.tobytes()
+
+
+@built
+def test_compiled_count_and_write_refuses_what_it_cannot_write() -> None:
+    c = native.module
+    assert c is not None
+    hist = np.empty(33, np.int64)
+    a = np.arange(64, dtype=np.uint32).view(np.uint8)
+    with pytest.raises(ValueError, match="sized alike"):
+        c.counted(a, a[:-4], 4, hist, 0.0, 1.0, streams.digest)
+    with pytest.raises(ValueError, match="sized alike"):
+        c.counted(a, a, 8, hist, 0.0, 1.0, streams.digest)
+    with pytest.raises(ValueError, match="sized alike"):
+        c.counted(a, a, 4, hist[:-1], 0.0, 1.0, streams.digest)
+
+    def broken(body: memoryview) -> int:
+        raise RuntimeError("no digest")
+
+    b = (np.arange(64, dtype=np.uint32) + 3).view(np.uint8)
+    with pytest.raises(RuntimeError, match="no digest"):
+        c.counted(b, a, 4, hist, 0.0, 10.0, broken)
+    with pytest.raises(OverflowError):
+        c.counted(b, a, 4, hist, 0.0, 10.0, lambda body: -1)
+    assert c.counted(b, a, 4, hist, 0.0, 10.0, lambda body: 0x0102030405060708)[8][-8:] == bytes(range(8, 0, -1))
+
+
 def test_skew_tells_uniform_low_bits_from_clustered_ones() -> None:
     """Differences whose bits below the leading one are uniform (random steps of any size) estimate a small skew
     against gamma's payload; steps that take few values within their bit length (a relative step of fixed size:
