@@ -56,6 +56,11 @@ SMALL_CHUNK = 64 << 10
 # smaller is kept: on the trained data set's 256-element F32 LayerNorm weights at 75-90% changed, dense is 0.57-0.70x
 # the sparse payload (sparse's fixed costs per stream dominate tiny chunks); dense costs one zstd call here.
 SMALL_DENSE_TRY = 0.5
+# Small chunks (width 2 or 4) of at least this many elements are compared first (compiled, level < SPLIT_LEVEL): one
+# pass that costs about a twentieth of gamma's counts over the same chunk, and encodes the chunk outright when at
+# most SPARSE_ONLY_BELOW of it changed (a bf16 chunk of a trainer step), which the counts would only have counted.
+# Smaller chunks (F32 norms and biases, mostly changed) go to the counts directly.
+SMALL_COMPARE_FIRST = 8192
 # From this level on, sparse chunks may split elements into two classes by base magnitude (see choose_split): on
 # bf16 trainer deltas about 18% smaller, but each encode and decode pays a pass over the base chunk plus a rank or
 # a select per change: on the trained set's bf16 chunks 1.35-1.6x the encode and 1.75-1.9x the decode time of
@@ -127,7 +132,18 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         raise ValueError(f"base chunk has {b.size} bytes, new chunk {n.size}")
     small = n.size <= SMALL_CHUNK and width > 1
     written = None  # a small chunk's gamma payload, when it is a candidate (most elements moved, within DENSE_TRUSTED)
+    found = None  # (idx, nv, bv) of the compiled compare, when made early (below)
     if small and width in GAMMA_WIDTHS:
+        if (n.size >= SMALL_COMPARE_FIRST * width and known is None and level < SPLIT_LEVEL
+                and (c := native.loops()) is not None):
+            # A sparse small chunk (few changes: gamma's counts below would only say how many) costs one compiled
+            # call, as a large one does; otherwise the compare's result is kept for the general path.
+            found, grouped = compare.changes_or_group(c, n, b, width, SPARSE_ONLY_BELOW)
+            if grouped is not None:
+                return Encoded(*Sparse.encode_grouped(grouped, width, level), grouped[0])
+            assert found is not None
+            if not found[0].size:
+                return Encoded(dict(_SAME), None, 0)
         # Small chunks (biases, norms) are dominated by per-call costs: one pass over the differences answers
         # "what changed" and, when most elements moved (an optimizer step on F32), sizes the gamma codec and
         # writes its payload where it is a candidate below.
@@ -181,9 +197,20 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         if not moved.all():
             idx, nv, bv = idx[moved], nv[moved], bv[moved]
         nv = nv.view(dtype)
+    elif found is not None:
+        idx, nv, bv = found
     else:
-        # One vectorized compare + nonzero over the chunk is the main cost of a sparse delta.
-        idx, nv, bv = compare.changes(n, b, width)
+        # One vectorized compare + nonzero over the chunk is the main cost of a sparse delta. Compiled, and where
+        # no split is possible, the streams of a chunk under SPARSE_ONLY_BELOW changed come from the same call.
+        c = native.loops()
+        if c is not None and level < SPLIT_LEVEL:
+            found, grouped = compare.changes_or_group(c, n, b, width, SPARSE_ONLY_BELOW)
+            if grouped is not None:  # what Sparse.encode below makes of them, in fewer calls
+                return Encoded(*Sparse.encode_grouped(grouped, width, level), grouped[0])
+            assert found is not None
+            idx, nv, bv = found
+        else:
+            idx, nv, bv = compare.changes(n, b, width)
     changed = int(idx.size)
     if changed == 0:
         return Encoded(dict(_SAME), None, 0)

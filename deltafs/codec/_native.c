@@ -144,7 +144,7 @@ static int encode_streams(const int64_t *gaps, Py_ssize_t count, int k, uint8_t 
                           uint8_t *rem, Py_ssize_t rem_len) {
     memset(unary, 0, (size_t)unary_len);
     uint64_t bit = 0; /* next bit of the unary stream */
-    uint64_t acc = 0;
+    uint64_t acc = 0; /* remainder bits not yet written: the low nacc (< 32 between gaps) */
     int nacc = 0;
     Py_ssize_t rp = 0;
     const uint64_t mask = k ? ((1ULL << k) - 1) : 0;
@@ -158,15 +158,27 @@ static int encode_streams(const int64_t *gaps, Py_ssize_t count, int k, uint8_t 
         unary[bit >> 3] |= (uint8_t)(0x80u >> (bit & 7));
         bit++;
         if (k) {
+            /* k <= 32 new bits on top of fewer than 32 kept: fits 64; whole 32-bit words out, MSB first. */
             acc = (acc << k) | ((uint64_t)g & mask);
             nacc += k;
-            while (nacc >= 8) {
-                if (rp >= rem_len)
+            if (nacc >= 32) {
+                nacc -= 32;
+                if (rp + 4 > rem_len)
                     return -1;
-                rem[rp++] = (uint8_t)(acc >> (nacc - 8));
-                nacc -= 8;
+                const uint32_t word = (uint32_t)(acc >> nacc);
+                rem[rp] = (uint8_t)(word >> 24);
+                rem[rp + 1] = (uint8_t)(word >> 16);
+                rem[rp + 2] = (uint8_t)(word >> 8);
+                rem[rp + 3] = (uint8_t)word;
+                rp += 4;
             }
         }
+    }
+    while (nacc >= 8) {
+        if (rp >= rem_len)
+            return -1;
+        nacc -= 8;
+        rem[rp++] = (uint8_t)(acc >> nacc);
     }
     if (nacc) {
         if (rp >= rem_len)
@@ -225,12 +237,11 @@ static PyObject *encode(PyObject *self, PyObject *args) {
             if ((i & 7) == 7)                                                                                    \
                 signs[i >> 3] = (uint8_t)acc;                                                                    \
             m = d < neg ? d : neg;                                                                               \
-            if (m != 1) {                                                                                        \
-                const T v = (T)(m - 2);                                                                          \
-                big_at[nbig] = i;                                                                                \
-                memcpy(big + nbig * W, &v, W);                                                                   \
-                nbig++;                                                                                          \
-            }                                                                                                    \
+            /* Written always, kept (counted) only when big: no branch to mispredict; nbig <= i < count. */      \
+            const T v = (T)(m - 2);                                                                              \
+            big_at[nbig] = i;                                                                                    \
+            memcpy(big + nbig * W, &v, W);                                                                       \
+            nbig += m != 1;                                                                                      \
         }                                                                                                        \
         if (count & 7)                                                                                           \
             signs[count >> 3] = (uint8_t)((acc << (8 - (count & 7))) & 0xFF);                                    \
@@ -300,18 +311,40 @@ static uint64_t quotient_sum(const int64_t *gaps, Py_ssize_t count, int k) {
     return total;
 }
 
+/* The quotient sums for k - 1, k and k + 1 (k in 1..31) in one pass over the gaps. */
+static void quotient_sums3(const int64_t *gaps, Py_ssize_t count, int k, uint64_t out[3]) {
+    uint64_t a = 0, b = 0, c = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const uint64_t g = (uint64_t)gaps[i] >> (k - 1);
+        a += g;
+        b += g >> 1;
+        c += g >> 2;
+    }
+    out[0] = a;
+    out[1] = b;
+    out[2] = c;
+}
+
 static int rice_walk(const int64_t *gaps, Py_ssize_t count, uint64_t total, uint64_t *qsum) {
-    /* streams._walk_k: down from the start while the cost falls, then up. */
+    /* streams._walk_k: down from the start while the cost falls, then up. The start's neighbours' sums come from
+     * the same pass as its own (the walk reads them first); sums further away, one pass each. */
     int k = rice_start(count, total);
-    uint64_t best = quotient_sum(gaps, count, k);
+    const int k0 = k;
+    uint64_t near[3] = {0, 0, 0};
+    const int have_near = k0 >= 1 && k0 <= 31;
+    if (have_near)
+        quotient_sums3(gaps, count, k0, near);
+    uint64_t best = have_near ? near[1] : quotient_sum(gaps, count, k);
     uint64_t cost = (uint64_t)count * (uint64_t)(k + 1) + best;
     for (int step = -1; step <= 1; step += 2) {
         while (k + step >= 0 && k + step <= 32) {
-            const uint64_t q = quotient_sum(gaps, count, k + step);
-            const uint64_t c = (uint64_t)count * (uint64_t)(k + step + 1) + q;
+            const int at = k + step;
+            const uint64_t q = have_near && at >= k0 - 1 && at <= k0 + 1 ? near[at - k0 + 1]
+                                                                        : quotient_sum(gaps, count, at);
+            const uint64_t c = (uint64_t)count * (uint64_t)(at + 1) + q;
             if (c >= cost)
                 break;
-            k += step;
+            k = at;
             cost = c;
             best = q;
         }
@@ -320,22 +353,17 @@ static int rice_walk(const int64_t *gaps, Py_ssize_t count, uint64_t total, uint
     return k;
 }
 
-static PyObject *group(PyObject *self, PyObject *args) {
-    Py_buffer ranks, diff;
-    int width;
-    Py_ssize_t space;
-    if (!PyArg_ParseTuple(args, "y*y*in", &ranks, &diff, &width, &space))
-        return NULL;
+/* The streams of one class from its count ascending ranks (below space) and their wrapped differences: group()'s
+ * work, shared with changes_group(). The planes come back as one bytes object (group's tuple) or, with split,
+ * one per plane after the count (changes_group's). ValueError when the ranks are not ascending or not below space.
+ * Called with the GIL held; releases it around the loops. */
+static PyObject *group_streams(const int64_t *r, Py_ssize_t count, const uint8_t *d, int width, Py_ssize_t space,
+                               int split) {
     PyObject *result = NULL;
     PyObject *out[6] = {NULL, NULL, NULL, NULL, NULL, NULL}; /* unary, remainder, signs, big_unary, big_rem, planes */
+    PyObject *planes[8] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     int64_t *gaps = NULL, *big_at = NULL;
     uint8_t *big = NULL;
-    const Py_ssize_t count = ranks.len / 8;
-    if (!(width == 1 || width == 2 || width == 4 || width == 8) || ranks.len % 8 || diff.len != count * width ||
-        space < count) {
-        PyErr_SetString(PyExc_ValueError, "group: width must be 1, 2, 4 or 8, ranks int64 and diff one per rank");
-        goto done;
-    }
     gaps = PyMem_RawMalloc((size_t)(count + 1) * 8);
     big_at = PyMem_RawMalloc((size_t)(count ? count : 1) * 8);
     big = PyMem_RawMalloc((size_t)(count ? count : 1) * (size_t)width);
@@ -343,18 +371,24 @@ static PyObject *group(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    const int64_t *r = (const int64_t *)ranks.buf;
     int ascending = 1, k = 0, big_k = 0;
     uint64_t qsum = 0, big_qsum = 0;
     Py_ssize_t nbig = 0;
     uint8_t *sg = NULL;
     Py_BEGIN_ALLOW_THREADS
-    int64_t prev = -1;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        ascending &= r[i] > prev && r[i] < (int64_t)space;
-        gaps[i] = r[i] - prev - 1;
-        prev = r[i];
+    /* Ascending and below space: every rank and every gap non-negative (so no difference overflows) and the last
+     * rank below space; the sign bits are gathered branch-free. */
+    uint64_t negative = 0;
+    if (count) {
+        gaps[0] = r[0];
+        negative |= (uint64_t)r[0];
     }
+    for (Py_ssize_t i = 1; i < count; i++) {
+        gaps[i] = r[i] - r[i - 1] - 1;
+        negative |= (uint64_t)r[i] | (uint64_t)gaps[i];
+    }
+    const int64_t prev = count ? r[count - 1] : -1;
+    ascending = !(negative >> 63) && prev < (int64_t)space;
     gaps[count] = (int64_t)space - 1 - prev;
     if (ascending)
         k = rice_walk(gaps, count + 1, (uint64_t)(space - count), &qsum);
@@ -368,7 +402,6 @@ static PyObject *group(PyObject *self, PyObject *args) {
         goto done;
     sg = (uint8_t *)PyBytes_AS_STRING(out[2]);
     Py_BEGIN_ALLOW_THREADS
-    const uint8_t *d = (const uint8_t *)diff.buf;
     switch (width) {
     case 1: nbig = signs_1(d, count, sg, big_at, big); break;
     case 2: nbig = signs_2(d, count, sg, big_at, big); break;
@@ -390,32 +423,90 @@ static PyObject *group(PyObject *self, PyObject *args) {
     out[1] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)(count + 1) * (uint64_t)k + 7) / 8));
     out[3] = PyBytes_FromStringAndSize(NULL, nbig ? (Py_ssize_t)((big_qsum + (uint64_t)nbig + 7) / 8) : 0);
     out[4] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)nbig * (uint64_t)big_k + 7) / 8));
-    out[5] = PyBytes_FromStringAndSize(NULL, nbig * width);
-    if (!out[0] || !out[1] || !out[3] || !out[4] || !out[5])
+    if (!out[0] || !out[1] || !out[3] || !out[4])
         goto done;
+    uint8_t *pl[8] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    if (split) {
+        for (int j = 0; j < width; j++) {
+            planes[j] = PyBytes_FromStringAndSize(NULL, nbig);
+            if (!planes[j])
+                goto done;
+            pl[j] = (uint8_t *)PyBytes_AS_STRING(planes[j]);
+        }
+    } else {
+        out[5] = PyBytes_FromStringAndSize(NULL, nbig * width);
+        if (!out[5])
+            goto done;
+        for (int j = 0; j < width; j++)
+            pl[j] = (uint8_t *)PyBytes_AS_STRING(out[5]) + j * nbig;
+    }
     int status = 0;
     uint8_t *u = (uint8_t *)PyBytes_AS_STRING(out[0]), *rm = (uint8_t *)PyBytes_AS_STRING(out[1]);
     uint8_t *bu = (uint8_t *)PyBytes_AS_STRING(out[3]), *br = (uint8_t *)PyBytes_AS_STRING(out[4]);
-    uint8_t *pl = (uint8_t *)PyBytes_AS_STRING(out[5]);
     Py_BEGIN_ALLOW_THREADS
     status = encode_streams(gaps, count + 1, k, u, PyBytes_GET_SIZE(out[0]), rm, PyBytes_GET_SIZE(out[1]));
     if (!status && nbig)
         status = encode_streams(big_at, nbig, big_k, bu, PyBytes_GET_SIZE(out[3]), br, PyBytes_GET_SIZE(out[4]));
     for (Py_ssize_t i = 0; i < nbig; i++)
         for (int j = 0; j < width; j++)
-            pl[j * nbig + i] = big[i * width + j];
+            pl[j][i] = big[i * width + j];
     Py_END_ALLOW_THREADS
     if (status) {
         PyErr_SetString(PyExc_RuntimeError, "group: stream sizes disagree (a bug)");
         goto done;
     }
-    result = Py_BuildValue("(iOOOniOOO)", k, out[0], out[1], out[2], nbig, big_k, out[3], out[4], out[5]);
+    if (!split) {
+        result = Py_BuildValue("(iOOOniOOO)", k, out[0], out[1], out[2], nbig, big_k, out[3], out[4], out[5]);
+        goto done;
+    }
+    /* (count, k, unary, remainder, signs, big, big_k, big_unary, big_remainder, plane 0, ..., plane width - 1) */
+    result = PyTuple_New(9 + width);
+    if (!result)
+        goto done;
+    PyObject *items[9] = {PyLong_FromSsize_t(count), PyLong_FromLong(k), out[0], out[1], out[2],
+                          PyLong_FromSsize_t(nbig), PyLong_FromLong(big_k), out[3], out[4]};
+    for (int i = 0; i < 9; i++) {
+        if (!items[i]) {
+            Py_CLEAR(result);
+            for (int m = 0; m < 9; m++)
+                if (m != 2 && m != 3 && m != 4 && m != 7 && m != 8)
+                    Py_XDECREF(items[m]);
+            goto done;
+        }
+    }
+    for (int i = 0; i < 9; i++) {
+        if (i == 2 || i == 3 || i == 4 || i == 7 || i == 8)
+            Py_INCREF(items[i]); /* out[] keeps its own reference, dropped below */
+        PyTuple_SET_ITEM(result, i, items[i]);
+    }
+    for (int j = 0; j < width; j++) {
+        PyTuple_SET_ITEM(result, 9 + j, planes[j]);
+        planes[j] = NULL;
+    }
 done:
     for (int i = 0; i < 6; i++)
         Py_XDECREF(out[i]);
+    for (int j = 0; j < 8; j++)
+        Py_XDECREF(planes[j]);
     PyMem_RawFree(gaps);
     PyMem_RawFree(big_at);
     PyMem_RawFree(big);
+    return result;
+}
+
+static PyObject *group(PyObject *self, PyObject *args) {
+    Py_buffer ranks, diff;
+    int width;
+    Py_ssize_t space;
+    if (!PyArg_ParseTuple(args, "y*y*in", &ranks, &diff, &width, &space))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t count = ranks.len / 8;
+    if (!(width == 1 || width == 2 || width == 4 || width == 8) || ranks.len % 8 || diff.len != count * width ||
+        space < count)
+        PyErr_SetString(PyExc_ValueError, "group: width must be 1, 2, 4 or 8, ranks int64 and diff one per rank");
+    else
+        result = group_streams((const int64_t *)ranks.buf, count, (const uint8_t *)diff.buf, width, space, 0);
     PyBuffer_Release(&ranks);
     PyBuffer_Release(&diff);
     return result;
@@ -1043,6 +1134,69 @@ static PyObject *changes(PyObject *self, PyObject *args) {
     if (count < 0)
         return NULL;
     return PyLong_FromSsize_t(count);
+}
+
+/* changes_group(new, base, width, idx_out, new_out, base_out, simd, sparse_below) -> count or the sparse streams
+ *
+ * changes() and, where the changes fit the outputs and count / elements <= sparse_below (a double, compared as
+ * Python compares count / elements with it), group() of them as one class of every element, in one call: the
+ * tuple (count, k, unary, remainder, signs, big, big_k, big_unary, big_remainder, plane 0, ..., plane width - 1).
+ * Otherwise (no changes, too many, or more than the outputs hold) the count, as changes() returns it, with what
+ * fits written to the outputs. */
+static PyObject *changes_group(PyObject *self, PyObject *args) {
+    Py_buffer n, b, idx, nv, bv;
+    int width, simd = 2;
+    double below;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*id", &n, &b, &width, &idx, &nv, &bv, &simd, &below))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t count = -1, elements = 0, cap = 0;
+    if ((width == 1 || width == 2 || width == 4 || width == 8) && n.len == b.len && n.len % width == 0 &&
+        idx.len % 8 == 0 && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
+        elements = n.len / width;
+        cap = idx.len / 8;
+        Py_BEGIN_ALLOW_THREADS
+        count = find_changes((const uint8_t *)n.buf, (const uint8_t *)b.buf, elements, width, (int64_t *)idx.buf,
+                             (uint8_t *)nv.buf, (uint8_t *)bv.buf, cap, simd);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "changes_group: width must be 1, 2, 4 or 8 and the buffers sized alike");
+    if (count < 0)
+        goto done;
+    if (count == 0 || count > cap || (double)count / (double)elements > below) {
+        result = PyLong_FromSsize_t(count);
+        goto done;
+    }
+    {
+        /* The wrapped differences new - base, in place over new_out (the caller's scratch). */
+        uint8_t *x = (uint8_t *)nv.buf;
+        const uint8_t *y = (const uint8_t *)bv.buf;
+        switch (width) {
+#define SUB_LOOP(W, T)                                                                                           \
+    case W:                                                                                                      \
+        for (Py_ssize_t i = 0; i < count; i++) {                                                                 \
+            T p, q;                                                                                              \
+            memcpy(&p, x + i * W, W);                                                                            \
+            memcpy(&q, y + i * W, W);                                                                            \
+            p = (T)(p - q);                                                                                      \
+            memcpy(x + i * W, &p, W);                                                                            \
+        }                                                                                                        \
+        break;
+            SUB_LOOP(1, uint8_t)
+            SUB_LOOP(2, uint16_t)
+            SUB_LOOP(4, uint32_t)
+            SUB_LOOP(8, uint64_t)
+#undef SUB_LOOP
+        }
+        result = group_streams((const int64_t *)idx.buf, count, x, width, elements, 1);
+    }
+done:
+    PyBuffer_Release(&n);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&nv);
+    PyBuffer_Release(&bv);
+    return result;
 }
 
 /* The gamma codec (manifests/FORMAT.md, "gamma"): every element's zigzag difference z as its bit length L
@@ -2102,6 +2256,9 @@ static PyMethodDef methods[] = {
     {"select", select_ranks, METH_VARARGS, "select(words, before, n, ranks, bit, out) -> status"},
     {"choose_split", choose_split, METH_VARARGS,
      "choose_split(base, width, stride, idx, idx_stride, shift, gain) -> split"},
+    {"changes_group", changes_group, METH_VARARGS,
+     "changes_group(new, base, width, idx_out, new_out, base_out, simd, sparse_below) -> count or (count, k, unary, "
+     "remainder, signs, big, big_k, big_unary, big_remainder, *planes)"},
     {"group", group, METH_VARARGS,
      "group(ranks, diff, width, space) -> (k, unary, remainder, signs, big, big_k, big_unary, big_remainder, planes)"},
     {NULL, NULL, 0, NULL},

@@ -603,6 +603,28 @@ class Sparse:
         rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(map(len, stored)))
         return rec, streams.seal(stored)
 
+    @staticmethod
+    def encode_grouped(grouped: tuple[Any, ...], width: int, level: int) -> tuple[dict[str, Any], bytes]:
+        """encode()'s record (as to_json gives it) and payload for a chunk without split, from its one group's
+        streams as compare.changes_or_group returns them: the same bytes, without the calls between."""
+        count, k, unary, remainder, signs, big, big_k, big_unary, big_remainder, *planes = grouped
+        compress = streams.compressor(level).compress
+        # streams.pack on the streams _worth_trying marks (bytes, never empty here except the big ones), inline.
+        stored = [unary if len(f := compress(unary)) >= len(unary) else f]
+        if width == 1:
+            tried: list[Any] = [remainder, signs, big_unary, big_remainder, *planes]
+        else:
+            for p in (remainder, signs, big_unary, big_remainder):
+                stored.append(p if len(p) < UNIFORM_TRY_FROM or len(f := compress(p)) >= len(p) else f)
+            tried = planes
+        for p in tried:
+            stored.append(p if not p or len(f := compress(p)) >= len(p) else f)
+        frames = list(map(len, stored))
+        group = {"count": count, "rice": k, "unary": len(unary), "big": big, "big_rice": big_k,
+                 "big_unary": len(big_unary)}
+        return ({"name": "sparse", "width": width, "split": 0, "groups": [group], "frames": frames},
+                streams.seal(stored))
+
     def _stored_streams(self, data: memoryview, gi: int, pos: int, *, as_arrays: bool) -> tuple[list[Any], int]:
         """Group gi's 5 + width streams from the payload at pos, decompressed where stored as a zstd frame; raw
         ones as views of the payload (uint8 arrays with as_arrays). Returns them and the position after them."""

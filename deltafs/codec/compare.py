@@ -63,6 +63,25 @@ def _compiled_changes(c: Any, n: np.ndarray, b: np.ndarray, width: int,
 
 _ROOM = 1 << 16
 
+
+def changes_or_group(c: Any, n: np.ndarray, b: np.ndarray, width: int, below: float
+                     ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray] | None, tuple[Any, ...] | None]:
+    """(changes(n, b, width), None), or (None, the sparse streams of those changes) where at least one element and
+    at most a fraction `below` of them changed: the compiled compare and group (native.changes_group) in one call,
+    for a chunk without split. The streams: (count, k, unary, remainder, signs, big, big_k, big_unary,
+    big_remainder, plane 0, ..., plane width - 1), as native.group gives them for the class of every element."""
+    dtype = streams.UINT[width]
+    elements = n.size // width
+    room = elements if elements <= _ROOM else max(_ROOM, elements >> 4)
+    idx, nv, bv = np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype)
+    got = c.changes_group(n, b, width, idx, nv, bv, native.simd_level, below)
+    if type(got) is tuple:
+        return None, got
+    if got > room:
+        idx, nv, bv = np.empty(got, np.int64), np.empty(got, dtype), np.empty(got, dtype)
+        c.changes(n, b, width, idx, nv, bv, native.simd_level)
+    return (idx[:got], nv[:got], bv[:got]), None
+
 _SIGNED: dict[int, np.dtype[Any]] = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 # Shift counts as numpy scalars of each width's dtype: a Python int operand costs a type resolution per call.
 _ONE = {w: streams.UINT[w].type(1) for w in streams.UINT}

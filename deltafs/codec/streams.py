@@ -29,7 +29,8 @@ U8: np.dtype[Any] = np.dtype(np.uint8)
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's zstd compressor for level (what compress() and pack() use)."""
     cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "compressors", None)
     if cache is None:
         cache = _local.compressors = {}
@@ -76,7 +77,7 @@ def temporary(name: str, nbytes: int, dtype: np.dtype[Any]) -> np.ndarray:
 
 def compress(data: Any, level: int) -> bytes:
     """One zstd frame holding data, with its content size in the frame header."""
-    return _compressor(level).compress(data)
+    return compressor(level).compress(data)
 
 
 def pack(data: np.ndarray | bytes, level: int) -> bytes:

@@ -559,3 +559,37 @@ def test_group_refuses_ranks_out_of_order_or_range() -> None:
     with pytest.raises(ValueError):
         native.module.group(np.array([0, 1], np.int64), diff, 2, 10)  # one difference per rank
     assert native.module.group(np.array([0, 5, 9], np.int64), diff, 2, 10)[4] == 0  # no big changes
+
+
+@built
+@settings(max_examples=150, deadline=None)
+@given(width=st.sampled_from([1, 2, 4, 8]), elements=st.integers(1, 3000), rate=st.sampled_from([0.0, 0.001, 0.05, 0.1, 0.3]),
+       seed=st.integers(0, 2**32 - 1))
+def test_changes_group_alike(width: int, elements: int, rate: float, seed: int) -> None:
+    """The compare and group in one call (native.changes_group, through compare.changes_or_group): the streams of
+    native.group on compare.changes' result where at least one and at most a tenth of the elements changed, else
+    those changes themselves; and encode() gives the bytes it gives without the compiled loops."""
+    from deltafs.codec import compare
+
+    rng = np.random.default_rng(seed)
+    dtype = streams.UINT[width]
+    base = rng.integers(0, 2 ** (8 * width) - 1, elements, dtype=dtype, endpoint=True)
+    new = base.copy()
+    at = rng.random(elements) < rate
+    steps = rng.choice(np.array([1, 2 ** (8 * width) - 1, 2, 300 % 2 ** (8 * width)], dtype=dtype), elements)
+    new[at] += steps[at]
+    n, b = new.view(np.uint8), base.view(np.uint8)
+    assert native.module is not None
+    idx, nv, bv = compare.changes(n, b, width)
+    found, grouped = compare.changes_or_group(native.module, n, b, width, 0.1)
+    if idx.size and idx.size / elements <= 0.1:
+        assert found is None and grouped is not None
+        k, u, r, s, big, big_k, bu, br, planes = native.module.group(idx, nv - bv, width, elements)
+        assert grouped[:9] == (idx.size, k, u, r, s, big, big_k, bu, br)
+        assert b"".join(grouped[9:]) == planes and len(grouped) == 9 + width
+    else:
+        assert grouped is None and found is not None
+        for x, y in zip(found, (idx, nv, bv), strict=True):
+            assert np.array_equal(x, y)
+    a, c = _both(lambda: codec.encode(n, b, width))
+    assert (a.codec, a.payload, a.changed) == (c.codec, c.payload, c.changed)
