@@ -140,7 +140,7 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
             # call, as a large one does; otherwise the compare's result is kept for the general path.
             found, grouped = compare.changes_or_group(c, n, b, width, SPARSE_ONLY_BELOW)
             if grouped is not None:
-                return Encoded(*Sparse.encode_grouped(grouped, width, level), grouped[0])
+                return _sparse_grouped(grouped, width, level)
             assert found is not None
             if not found[0].size:
                 return Encoded(dict(_SAME), None, 0)
@@ -199,6 +199,16 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         nv = nv.view(dtype)
     elif found is not None:
         idx, nv, bv = found
+    elif small_dense is not None and level < SPLIT_LEVEL and (c := native.loops()) is not None:
+        # A small chunk at least SMALL_DENSE_TRY changed, with a trainer step's dense or gamma payload in hand: the
+        # smaller of it and sparse (sparse on a tie), sparse's streams from the compare in the same compiled call.
+        # The sparse encode stops once it cannot be the smaller, usually after its first zstd call.
+        grouped = compare.changes_or_group(c, n, b, width, 1.0)[1]
+        assert grouped is not None  # some changed, and a small chunk's every element fits the outputs
+        sparse_json = Sparse.encode_grouped(grouped, width, level, len(small_dense[1]))
+        if sparse_json is not None:
+            return Encoded(*sparse_json, grouped[0])
+        return Encoded(small_dense[0].to_json(), small_dense[1], grouped[0])
     else:
         # One vectorized compare + nonzero over the chunk is the main cost of a sparse delta. Compiled, and where
         # no split is possible, the streams of a chunk under SPARSE_ONLY_BELOW changed come from the same call.
@@ -206,7 +216,7 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         if c is not None and level < SPLIT_LEVEL:
             found, grouped = compare.changes_or_group(c, n, b, width, SPARSE_ONLY_BELOW)
             if grouped is not None:  # what Sparse.encode below makes of them, in fewer calls
-                return Encoded(*Sparse.encode_grouped(grouped, width, level), grouped[0])
+                return _sparse_grouped(grouped, width, level)
             assert found is not None
             idx, nv, bv = found
         else:
@@ -262,6 +272,13 @@ def _difference(nw: np.ndarray, bw: np.ndarray, level: int, counts: Counts) -> t
         return Gamma.encode(nw, bw, plan)
     dense = Dense.encode(nw, bw, level)
     return Gamma.encode(nw, bw, plan) if plan.payload < len(dense[1]) else dense
+
+
+def _sparse_grouped(grouped: tuple[Any, ...], width: int, level: int) -> Encoded:
+    """The chunk changes_or_group returned sparse streams for, encoded (Sparse.encode_grouped, no limit)."""
+    encoded = Sparse.encode_grouped(grouped, width, level)
+    assert encoded is not None  # no limit: always encoded
+    return Encoded(encoded[0], encoded[1], grouped[0])
 
 
 def _gamma_alone(counts: Counts, elements: int) -> bool:

@@ -300,6 +300,23 @@ def _group_streams(ranks: np.ndarray, diff: np.ndarray, space: int) -> tuple[Gro
     return group, arrays, _worth_trying(arrays, width)
 
 
+def _stored(parts: list[Any], tries: list[bool], level: int, limit: int | None) -> list[Any] | None:
+    """A sparse chunk's streams as stored (streams.pack where tries says so, else as they are: 1-D byte arrays, bytes
+    or memoryviews, so len() is their size and seal joins them without a copy each); None when the payload would
+    exceed limit bytes. The raw streams count first, the others are compressed largest first, so a losing payload
+    is usually known after one zstd call instead of 5 + width."""
+    if limit is None:
+        return [streams.pack(p, level) if t else p for p, t in zip(parts, tries, strict=True)]
+    stored = list(parts)
+    total = streams.TRAILER + sum(len(p) for p, t in zip(parts, tries, strict=True) if not t)
+    for j in sorted((j for j, t in enumerate(tries) if t), key=lambda j: -len(parts[j])):
+        if total > limit:
+            return None
+        stored[j] = streams.pack(parts[j], level)
+        total += len(stored[j])
+    return None if total > limit else stored
+
+
 def _worth_trying(parts: list[Any], width: int) -> list[bool]:
     """For each of a group's streams, whether zstd is tried on it (see UNIFORM_TRY_FROM). Bytewise chunks (safetensors
     headers, other files) are not numbers stepped by an optimizer: every stream is tried there."""
@@ -586,43 +603,25 @@ class Sparse:
             groups.append(g)
             parts += p
             tries += t
-        # Raw streams are stored as they are (1-D byte arrays or memoryviews, so len() is their size; seal joins them
-        # without a copy each).
-        if limit is None:
-            stored = [streams.pack(p, level) if t else p for p, t in zip(parts, tries, strict=True)]
-        else:
-            stored = list(parts)
-            total = streams.TRAILER + sum(len(p) for p, t in zip(parts, tries, strict=True) if not t)
-            for j in sorted((j for j, t in enumerate(tries) if t), key=lambda j: -len(parts[j])):
-                if total > limit:
-                    return None
-                stored[j] = streams.pack(parts[j], level)
-                total += len(stored[j])
-            if total > limit:
-                return None
+        stored = _stored(parts, tries, level, limit)
+        if stored is None:
+            return None
         rec = Sparse(nw.dtype.itemsize, split, tuple(groups), tuple(map(len, stored)))
         return rec, streams.seal(stored)
 
     @staticmethod
-    def encode_grouped(grouped: tuple[Any, ...], width: int, level: int) -> tuple[dict[str, Any], bytes]:
-        """encode()'s record (as to_json gives it) and payload for a chunk without split, from its one group's
-        streams as compare.changes_or_group returns them: the same bytes, without the calls between."""
+    def encode_grouped(grouped: tuple[Any, ...], width: int, level: int, limit: int | None = None
+                       ) -> tuple[dict[str, Any], bytes] | None:
+        """encode_within()'s answer, its record as to_json gives it, for a chunk without split from its one group's
+        streams as compare.changes_or_group returns them: the same bytes, without the objects between."""
         count, k, unary, remainder, signs, big, big_k, big_unary, big_remainder, *planes = grouped
-        compress = streams.compressor(level).compress
-        # streams.pack on the streams _worth_trying marks (bytes, never empty here except the big ones), inline.
-        stored = [unary if len(f := compress(unary)) >= len(unary) else f]
-        if width == 1:
-            tried: list[Any] = [remainder, signs, big_unary, big_remainder, *planes]
-        else:
-            for p in (remainder, signs, big_unary, big_remainder):
-                stored.append(p if len(p) < UNIFORM_TRY_FROM or len(f := compress(p)) >= len(p) else f)
-            tried = planes
-        for p in tried:
-            stored.append(p if not p or len(f := compress(p)) >= len(p) else f)
-        frames = list(map(len, stored))
+        parts = [unary, remainder, signs, big_unary, big_remainder, *planes]
+        stored = _stored(parts, _worth_trying(parts, width), level, limit)
+        if stored is None:
+            return None
         group = {"count": count, "rice": k, "unary": len(unary), "big": big, "big_rice": big_k,
                  "big_unary": len(big_unary)}
-        return ({"name": "sparse", "width": width, "split": 0, "groups": [group], "frames": frames},
+        return ({"name": "sparse", "width": width, "split": 0, "groups": [group], "frames": list(map(len, stored))},
                 streams.seal(stored))
 
     def _stored_streams(self, data: memoryview, gi: int, pos: int, *, as_arrays: bool) -> tuple[list[Any], int]:
