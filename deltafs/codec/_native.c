@@ -1441,14 +1441,14 @@ typedef struct {
 } gwriter;
 
 /* v < 2**n, n + nacc <= 63 (so n <= 56), buf + pos + 8 within the writable memory. */
-static inline void gw_put_fast(uint8_t *p, uint64_t *acc, unsigned *nacc, Py_ssize_t *pos, uint64_t v, unsigned n) {
-    uint64_t a = *acc | (v << ((64 - n - *nacc) & 63)); /* n + nacc = 0 only with v = 0: shift 0 */
-    const unsigned c = *nacc + n;
+static inline void gw_put_fast(gwriter *w, uint64_t v, unsigned n) {
+    const uint64_t a = w->acc | (v << ((64 - n - w->nacc) & 63)); /* n + nacc = 0 only with v = 0: shift 0 */
+    const unsigned c = w->nacc + n;
     const uint64_t be = __builtin_bswap64(a);
-    memcpy(p + *pos, &be, 8);
-    *pos += c >> 3;
-    *acc = a << (c & 56);
-    *nacc = c & 7;
+    memcpy(w->buf + w->pos, &be, 8);
+    w->pos += c >> 3;
+    w->acc = a << (c & 56);
+    w->nacc = c & 7;
 }
 
 /* The same bits, byte by byte, never past len (bytes beyond are counted, not written). n <= 56. */
@@ -1529,6 +1529,15 @@ static inline void gcodes_sse2_w4(const uint8_t *nb, const uint8_t *bb, Py_ssize
 }
 #endif
 
+/* Whether a block of cnt codes of lens[j] + extra bits each fits w's room with 16 bytes to spare: the fast paths'
+ * 8-byte stores then stay inside the stream. */
+static inline int gw_block_fits(const gwriter *w, const uint32_t *lens, int cnt, uint32_t extra) {
+    uint64_t bits = 0;
+    for (int j = 0; j < cnt; j++)
+        bits += lens[j] + extra;
+    return w->pos + (Py_ssize_t)(bits >> 3) + 16 <= w->len;
+}
+
 /* The three streams of the n width-byte elements at nb against bb into o (un_len + rem_len + man_len bytes);
  * 1 if they came out exactly those sizes. Per block of GAMMA_BLOCK elements: the codes first (four elements at a
  * time with SSE2 for width 4), then each stream in its own loop, without a branch on the data where the block's
@@ -1546,62 +1555,44 @@ static int gamma_streams(const uint8_t *nb, const uint8_t *bb, Py_ssize_t n, int
         else
 #endif
             gcodes_scalar(nb, bb, i0, cnt, width, center, k, low, mval, q, rem);
-        /* unary stream: worst case per element q + 1 bits */
-        {
-            uint64_t bits = 0;
-            for (int j = 0; j < cnt; j++)
-                bits += q[j] + 1;
-            if (u.pos + (Py_ssize_t)(bits >> 3) + 16 <= u.len) {
-                uint8_t *p = u.buf;
-                uint64_t acc = u.acc;
-                unsigned nacc = u.nacc;
-                Py_ssize_t pos = u.pos;
-                int j = 0;
-                for (; j + 2 <= cnt; j += 2) {
-                    const uint32_t a = q[j], b = q[j + 1], nn = a + b + 2;
-                    if (__builtin_expect(nn <= 56, 1))
-                        gw_put_fast(p, &acc, &nacc, &pos, (2ull << b) | 1u, nn);
-                    else {
-                        u.acc = acc; u.nacc = nacc; u.pos = pos;
-                        gw_zeros_one_safe(&u, a);
-                        gw_zeros_one_safe(&u, b);
-                        acc = u.acc; nacc = u.nacc; pos = u.pos;
-                    }
+        /* The unary stream, two codes per store where they fit, on a copy of the writer (kept in registers). */
+        if (gw_block_fits(&u, q, cnt, 1)) {
+            gwriter w = u;
+            int j = 0;
+            for (; j + 2 <= cnt; j += 2) {
+                const uint32_t a = q[j], b = q[j + 1], nn = a + b + 2;
+                if (__builtin_expect(nn <= 56, 1))
+                    gw_put_fast(&w, (2ull << b) | 1u, nn);
+                else {
+                    gw_zeros_one_safe(&w, a);
+                    gw_zeros_one_safe(&w, b);
                 }
-                u.acc = acc; u.nacc = nacc; u.pos = pos;
-                for (; j < cnt; j++)
-                    gw_zeros_one_safe(&u, q[j]);
-            } else
-                for (int j = 0; j < cnt; j++)
-                    gw_zeros_one_safe(&u, q[j]);
-        }
-        /* low bits */
-        {
-            uint64_t bits = 0;
+            }
+            for (; j < cnt; j++)
+                gw_zeros_one_safe(&w, q[j]);
+            u = w;
+        } else
             for (int j = 0; j < cnt; j++)
-                bits += low[j];
-            if (m.pos + (Py_ssize_t)(bits >> 3) + 16 <= m.len) {
-                uint8_t *p = m.buf;
-                uint64_t acc = m.acc;
-                unsigned nacc = m.nacc;
-                Py_ssize_t pos = m.pos;
-                int j = 0;
-                for (; j + 2 <= cnt; j += 2) {
-                    const uint32_t a = low[j], b = low[j + 1], nn = a + b;
-                    if (__builtin_expect(nn <= 56, 1))
-                        gw_put_fast(p, &acc, &nacc, &pos, ((uint64_t)mval[j] << b) | mval[j + 1], nn);
-                    else {
-                        gw_put_fast(p, &acc, &nacc, &pos, mval[j], a);
-                        gw_put_fast(p, &acc, &nacc, &pos, mval[j + 1], b);
-                    }
+                gw_zeros_one_safe(&u, q[j]);
+        /* The low bits, two elements per store where they fit. */
+        if (gw_block_fits(&m, low, cnt, 0)) {
+            gwriter w = m;
+            int j = 0;
+            for (; j + 2 <= cnt; j += 2) {
+                const uint32_t a = low[j], b = low[j + 1], nn = a + b;
+                if (__builtin_expect(nn <= 56, 1))
+                    gw_put_fast(&w, ((uint64_t)mval[j] << b) | mval[j + 1], nn);
+                else {
+                    gw_put_fast(&w, mval[j], a);
+                    gw_put_fast(&w, mval[j + 1], b);
                 }
-                for (; j < cnt; j++)
-                    gw_put_fast(p, &acc, &nacc, &pos, mval[j], low[j]);
-                m.acc = acc; m.nacc = nacc; m.pos = pos;
-            } else
-                for (int j = 0; j < cnt; j++)
-                    gw_put_safe(&m, mval[j], low[j]);
-        }
+            }
+            for (; j < cnt; j++)
+                gw_put_fast(&w, mval[j], low[j]);
+            m = w;
+        } else
+            for (int j = 0; j < cnt; j++)
+                gw_put_safe(&m, mval[j], low[j]);
         /* remainder stream: k bits each; blocks of 8 elements are k whole bytes */
         if (k) {
             int j = 0;
