@@ -24,6 +24,8 @@
 #define GIL_FROM (16 << 10)
 #define RELEASE_GIL_IF(big) PyThreadState *released_ = (big) ? PyEval_SaveThread() : NULL;
 #define TAKE_GIL() if (released_) PyEval_RestoreThread(released_);
+/* int64 buffers are read and written as int64_t: numpy's arrays are aligned, a hand-made view may not be. */
+#define ALIGNED8(b) (((uintptr_t)(b).buf & 7u) == 0)
 
 enum { OK = 0, WRONG_COUNT = 1, TRAILING_BYTES = 2, OUT_OF_RANGE = 3, SHORT_REMAINDER = 4 };
 
@@ -376,20 +378,21 @@ static PyObject *group_streams(const int64_t *r, Py_ssize_t count, const uint8_t
     Py_ssize_t nbig = 0;
     uint8_t *sg = NULL;
     Py_BEGIN_ALLOW_THREADS
-    /* Ascending and below space: every rank and every gap non-negative (so no difference overflows) and the last
-     * rank below space; the sign bits are gathered branch-free. */
+    /* Ascending and below space: every rank and every gap non-negative, and the last rank below space; the sign
+     * bits are gathered branch-free. The differences are taken as unsigned (hostile ranks wrap, they do not
+     * overflow), and a wrapped one is negative as a gap or comes from a negative rank, so the verdict holds. */
     uint64_t negative = 0;
     if (count) {
         gaps[0] = r[0];
         negative |= (uint64_t)r[0];
     }
     for (Py_ssize_t i = 1; i < count; i++) {
-        gaps[i] = r[i] - r[i - 1] - 1;
+        gaps[i] = (int64_t)((uint64_t)r[i] - (uint64_t)r[i - 1] - 1u);
         negative |= (uint64_t)r[i] | (uint64_t)gaps[i];
     }
     const int64_t prev = count ? r[count - 1] : -1;
     ascending = !(negative >> 63) && prev < (int64_t)space;
-    gaps[count] = (int64_t)space - 1 - prev;
+    gaps[count] = (int64_t)((uint64_t)space - 1u - (uint64_t)prev);
     if (ascending)
         k = rice_walk(gaps, count + 1, (uint64_t)(space - count), &qsum);
     Py_END_ALLOW_THREADS
@@ -1119,13 +1122,13 @@ static PyObject *changes(PyObject *self, PyObject *args) {
         return NULL;
     Py_ssize_t count = -1;
     if ((width == 1 || width == 2 || width == 4 || width == 8) && n.len == b.len && n.len % width == 0 &&
-        idx.len % 8 == 0 && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
+        idx.len % 8 == 0 && ALIGNED8(idx) && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
         Py_BEGIN_ALLOW_THREADS
         count = find_changes((const uint8_t *)n.buf, (const uint8_t *)b.buf, n.len / width, width, (int64_t *)idx.buf,
                              (uint8_t *)nv.buf, (uint8_t *)bv.buf, idx.len / 8, simd);
         Py_END_ALLOW_THREADS
     } else
-        PyErr_SetString(PyExc_ValueError, "changes: width must be 1, 2, 4 or 8 and the buffers sized alike");
+        PyErr_SetString(PyExc_ValueError, "changes: width must be 1, 2, 4 or 8 and the buffers sized alike (idx_out 8-byte aligned)");
     PyBuffer_Release(&n);
     PyBuffer_Release(&b);
     PyBuffer_Release(&idx);
@@ -1152,7 +1155,7 @@ static PyObject *changes_group(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t count = -1, elements = 0, cap = 0;
     if ((width == 1 || width == 2 || width == 4 || width == 8) && n.len == b.len && n.len % width == 0 &&
-        idx.len % 8 == 0 && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
+        idx.len % 8 == 0 && ALIGNED8(idx) && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
         elements = n.len / width;
         cap = idx.len / 8;
         Py_BEGIN_ALLOW_THREADS
@@ -1160,10 +1163,10 @@ static PyObject *changes_group(PyObject *self, PyObject *args) {
                              (uint8_t *)nv.buf, (uint8_t *)bv.buf, cap, simd);
         Py_END_ALLOW_THREADS
     } else
-        PyErr_SetString(PyExc_ValueError, "changes_group: width must be 1, 2, 4 or 8 and the buffers sized alike");
+        PyErr_SetString(PyExc_ValueError, "changes_group: width must be 1, 2, 4 or 8 and the buffers sized alike (idx_out 8-byte aligned)");
     if (count < 0)
         goto done;
-    if (count == 0 || count > cap || (double)count / (double)elements > below) {
+    if (count == 0 || count > cap || !((double)count / (double)elements <= below)) { /* NaN: not sparse */
         result = PyLong_FromSsize_t(count);
         goto done;
     }
@@ -1336,12 +1339,12 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
     double skew = 0;
     int64_t o[5];
     if ((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
-        hist.len == (8 * width + 1) * 8) {
+        hist.len == (8 * width + 1) * 8 && ALIGNED8(hist)) {
         RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
         changed = count_lengths(nbuf.buf, bbuf.buf, nbuf.len / width, width, hist.buf, &repeats, &skew, o);
         TAKE_GIL()
     } else
-        PyErr_SetString(PyExc_ValueError, "lengths: width must be 1, 2 or 4 and the buffers sized alike");
+        PyErr_SetString(PyExc_ValueError, "lengths: width must be 1, 2 or 4 and the buffers sized alike (hist_out 8-byte aligned)");
     PyBuffer_Release(&nbuf);
     PyBuffer_Release(&bbuf);
     PyBuffer_Release(&hist);
@@ -1410,9 +1413,9 @@ static PyObject *gamma_plan(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*", &hist))
         return NULL;
     const Py_ssize_t m = hist.len / 8;
-    if (hist.len % 8 || m < 1 || m > 65) {
+    if (hist.len % 8 || m < 1 || m > 65 || !ALIGNED8(hist)) {
         PyBuffer_Release(&hist);
-        PyErr_SetString(PyExc_ValueError, "plan: hist must be 1 to 65 int64 counts");
+        PyErr_SetString(PyExc_ValueError, "plan: hist must be 1 to 65 int64 counts, 8-byte aligned");
         return NULL;
     }
     int64_t o[5];
@@ -1624,7 +1627,7 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
         return NULL;
     int ok = (width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
              center >= 0 && center <= 8 * width && k >= 0 && k <= 8 && un_len >= 0 && rem_len >= 0 &&
-             out.len >= 8 && un_len + rem_len <= out.len - 8;
+             out.len >= 8 && un_len <= out.len - 8 && rem_len <= out.len - 8 - un_len;
     if (ok) {
         RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
         ok = gamma_streams(nbuf.buf, bbuf.buf, nbuf.len / width, width, center, k, out.buf, un_len, rem_len,
@@ -1659,8 +1662,8 @@ static PyObject *gamma_counted(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *result = NULL, *payload = NULL;
     if (!((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
-          hist.len == (8 * width + 1) * 8)) {
-        PyErr_SetString(PyExc_ValueError, "counted: width must be 1, 2 or 4 and the buffers sized alike");
+          hist.len == (8 * width + 1) * 8 && ALIGNED8(hist))) {
+        PyErr_SetString(PyExc_ValueError, "counted: width must be 1, 2 or 4 and the buffers sized alike (hist_out 8-byte aligned)");
         goto done;
     }
     const Py_ssize_t n = nbuf.len / width;
@@ -1689,7 +1692,12 @@ static PyObject *gamma_counted(PyObject *self, PyObject *args) {
             goto done;
         }
         /* The trailer, from the same hash function as every other payload's (deltafs.codec.streams.seal). */
-        PyObject *body = PyMemoryView_FromMemory((char *)p, (Py_ssize_t)size - 8, PyBUF_READ);
+        /* A view that holds a reference to the payload: a digest that keeps it cannot outlive the bytes. */
+        PyObject *whole = PyMemoryView_FromObject(payload);
+        if (!whole)
+            goto done;
+        PyObject *body = PySequence_GetSlice(whole, 0, (Py_ssize_t)size - 8);
+        Py_DECREF(whole);
         if (!body)
             goto done;
         PyObject *h = PyObject_CallOneArg(digest, body);

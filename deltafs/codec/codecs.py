@@ -664,9 +664,13 @@ class Sparse:
             raise IntegrityError("sparse: payload size differs from its frames", expected=sum(self.frames),
                                  actual=len(data))
         for g in self.groups:
-            # A valid unary stream has count one bits within the n + count bits the gaps can span.
+            # A valid unary stream has count one bits within the n + count bits the gaps can span. Checked before
+            # any stream is decompressed, as is big (it sizes the big remainders and the planes): a record may not
+            # make the decoder inflate more than the chunk can hold.
             if g.unary > (n + g.count + 8) // 8 or g.big_unary > (2 * g.count + 7) // 8:
                 raise IntegrityError("sparse: gap stream larger than the chunk allows")
+            if g.big > g.count:
+                raise IntegrityError("sparse: more large differences than changes", expected=g.count, actual=g.big)
         c = native.loops()
         if c is not None and not self.split:
             done = self._decode_compiled(c, data, b, n, out)

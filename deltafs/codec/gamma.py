@@ -87,6 +87,8 @@ def count_and_write(n: np.ndarray, b: np.ndarray, width: int, changed_from: floa
         hist = np.empty(8 * width + 1, np.int64)
         r = c.counted(n, b, width, hist, changed_from, payload_within, streams.digest)
         return _tuple(Counts, (hist, r[0], r[1], r[2], _tuple(Layout, r[3:8]))), r[8]
+    if width not in WIDTHS or n.size != b.size or n.size % width:  # as the compiled call refuses them
+        raise ValueError("counted: width must be 1, 2 or 4 and the buffers sized alike")
     dtype = streams.UINT[width]
     nw, bw = n.view(dtype), b.view(dtype)
     counts = count(nw, bw)
@@ -212,7 +214,10 @@ class Gamma:
         n = size // width
         target = np.empty(size, np.uint8) if out is None else out
         c = native.loops()
-        if c is not None and c.ungamma(body, self.unary, width, self.center, self.rice, base, target) == 0:
+        # The compiled loop reads base[i] before it writes out[i]: out may be base itself, but not overlap it
+        # otherwise (numpy's add below handles any overlap).
+        if (c is not None and (target is base or not np.may_share_memory(target, base))
+                and c.ungamma(body, self.unary, width, self.center, self.rice, base, target) == 0):
             return target
         # The numpy decode: also where the compiled one refused, so both refuse with the same message.
         rem_end = self.unary + (n * self.rice + 7) // 8

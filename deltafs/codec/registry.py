@@ -53,6 +53,8 @@ _SIMPLE: dict[tuple[Any, Any], Codec] = {}
 
 
 def _simple_key(raw: dict[str, Any]) -> tuple[Any, Any] | None:
+    if type(raw.get("name")) is not str:  # also keeps unhashable names (lists, objects) out of the cache's lookup
+        return None
     if len(raw) == 1:
         return (raw.get("name"), None)
     width = raw.get("width")

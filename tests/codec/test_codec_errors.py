@@ -143,6 +143,52 @@ def test_sparse_stream_bomb_and_out_of_range_positions() -> None:
         codec.decode(enc.codec, enc.payload, base[:short], short, 2)
 
 
+def test_sparse_big_beyond_count_is_refused_before_any_stream_is_inflated() -> None:
+    """A record's `big` sizes the big remainders and the magnitude planes; one larger than its count is refused
+    before a stream is decompressed, so a frame without a declared size cannot make the decoder inflate (or try to
+    allocate) what the chunk could never hold, and no MemoryError escapes."""
+    enc, new, base = encoded("sparse")
+    for big in (enc.codec["groups"][0]["count"] + 1, 1 << 28, 1 << 40):
+        record = copy.deepcopy(enc.codec)
+        record["groups"][0]["big"] = big
+        for use in (True, False):
+            codec.native.enabled = use and codec.native.BUILT
+            try:
+                with pytest.raises(IntegrityError, match="more large differences than changes"):
+                    codec.decode(record, enc.payload, base, new.size, 2)
+            finally:
+                codec.native.enabled = codec.native.BUILT
+
+
+@pytest.mark.parametrize("name", [["sparse"], {"a": 1}, [], 3.5, None])
+@pytest.mark.parametrize("width", [None, 2])
+def test_codec_names_that_are_not_strings_are_format_errors(name: Any, width: int | None) -> None:
+    record = {"name": name} if width is None else {"name": name, "width": width}
+    with pytest.raises(FormatError):
+        codec.decode(record, b"", np.zeros(16, np.uint8), 16, 2)
+
+
+@pytest.mark.parametrize("shift", [4, -4, 8])
+def test_gamma_decodes_into_an_out_that_overlaps_its_base(shift: int) -> None:
+    """out may be base itself (in place), or overlap it elsewhere: both paths give the chunk's bytes."""
+    rng = np.random.default_rng(3)
+    n = 4096
+    base_w = (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+    new = (base_w + rng.integers(-3000, 3001, n).astype(np.uint32)).view(np.uint8)
+    enc = codec.encode(new, base_w.view(np.uint8), 4)
+    assert enc.codec["name"] == "gamma"
+    size = new.size
+    for use in (True, False):
+        codec.native.enabled = use and codec.native.BUILT
+        try:
+            buf = np.zeros(size + abs(shift), np.uint8)
+            b, out = (buf[:size], buf[shift:]) if shift > 0 else (buf[-shift:], buf[:size])
+            b[:] = base_w.view(np.uint8)
+            assert codec.decode(enc.codec, enc.payload, b, size, 4, out=out).tobytes() == new.tobytes()
+        finally:
+            codec.native.enabled = codec.native.BUILT
+
+
 def test_sparse_counts_that_disagree_with_streams() -> None:
     enc, new, base = encoded("sparse")
     for field, delta in (("count", 1), ("count", -1), ("rice", 1), ("big", 1), ("big_rice", 1)):

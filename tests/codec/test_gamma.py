@@ -134,6 +134,60 @@ def test_compiled_count_and_write_refuses_what_it_cannot_write() -> None:
     assert c.counted(b, a, 4, hist, 0.0, 10.0, lambda body: 0x0102030405060708)[8][-8:] == bytes(range(8, 0, -1))
 
 
+@pytest.mark.parametrize("width, new_size, base_size", [(4, 8, 4), (1, 2, 1), (8, 16, 16), (3, 6, 6), (4, 6, 6)])
+def test_count_and_write_refuses_bad_shapes_alike_on_both_paths(width: int, new_size: int, base_size: int) -> None:
+    n, b = np.arange(new_size, dtype=np.uint8), np.zeros(base_size, np.uint8)
+    for use in ((True, False) if native.BUILT else (False,)):
+        with loops(use), pytest.raises(ValueError, match="sized alike"):
+            gamma.count_and_write(n, b, width, 0.0, 1.0)
+
+
+@built
+def test_counted_hands_the_digest_a_view_that_keeps_the_payload() -> None:
+    """A digest that keeps the view it was given holds the payload itself, not memory freed with it."""
+    c = native.module
+    assert c is not None
+    kept: list[memoryview] = []
+
+    def keep(body: memoryview) -> int:
+        kept.append(body)
+        return int(streams.digest(body))
+
+    a = np.arange(64, dtype=np.uint32).view(np.uint8)
+    b = (np.arange(64, dtype=np.uint32) + 3).view(np.uint8)
+    payload = c.counted(b, a, 4, np.empty(33, np.int64), 0.0, 10.0, keep)[8]
+    assert kept[0].obj is payload and kept[0].tobytes() == payload[:-8]
+    del payload
+    assert len(kept[0].tobytes()) == kept[0].nbytes  # still readable: the view holds the bytes alive
+
+
+@built
+def test_compiled_loops_refuse_sizes_that_overflow_and_unaligned_int64_buffers() -> None:
+    c = native.module
+    assert c is not None
+    a = np.arange(64, dtype=np.uint32).view(np.uint8)
+    with pytest.raises(ValueError):
+        c.gamma(a, a, 4, 0, 0, 1 << 62, 1 << 62, bytearray(64))
+    unaligned = memoryview(bytearray(33 * 8 + 1))[1:]
+    with pytest.raises(ValueError, match="aligned"):
+        c.lengths(a, a, 4, unaligned)
+    with pytest.raises(ValueError, match="aligned"):
+        c.counted(a, a, 4, unaligned, 0.0, 1.0, streams.digest)
+    with pytest.raises(ValueError, match="aligned"):
+        c.plan(unaligned)
+    idx = memoryview(bytearray(64 * 8 + 1))[1:]
+    with pytest.raises(ValueError, match="aligned"):
+        c.changes(a, a, 4, idx, bytearray(256), bytearray(256))
+    with pytest.raises(ValueError, match="aligned"):
+        c.changes_group(a, a, 4, idx, bytearray(256), bytearray(256), 2, 0.1)
+    # A share that is not a number never asks for the streams (as Python's `changed / n <= share` answers).
+    b = a.copy()
+    b[0] ^= 1
+    got = c.changes_group(b, a, 4, np.empty(64, np.int64), np.empty(64, np.uint32), np.empty(64, np.uint32), 2,
+                          float("nan"))
+    assert got == 1
+
+
 def test_skew_tells_uniform_low_bits_from_clustered_ones() -> None:
     """Differences whose bits below the leading one are uniform (random steps of any size) estimate a small skew
     against gamma's payload; steps that take few values within their bit length (a relative step of fixed size:
