@@ -10,8 +10,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -83,9 +82,9 @@ REPEATS_TRY_DENSE = 0.125
 SKEW_TRY_DENSE = 0.04
 
 
-@dataclass(frozen=True)
-class Encoded:
-    """One encoded chunk: its codec record (JSON-able), the stored payload, and what changed."""
+class Encoded(NamedTuple):
+    """One encoded chunk: its codec record (JSON-able), the stored payload, and what changed. (A named tuple, not a
+    frozen dataclass: one is made per chunk, and the dataclass took ~1 us of a small F32 tensor's ~12 us.)"""
 
     codec: dict[str, Any]
     payload: bytes | None
@@ -131,7 +130,6 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     if b.size != n.size:
         raise ValueError(f"base chunk has {b.size} bytes, new chunk {n.size}")
     small = n.size <= SMALL_CHUNK and width > 1
-    written = None  # a small chunk's gamma payload, when it is a candidate (most elements moved, within DENSE_TRUSTED)
     found = None  # (idx, nv, bv) of the compiled compare, when made early (below)
     if small and width in GAMMA_WIDTHS:
         if (n.size >= SMALL_COMPARE_FIRST * width and known is None and level < SPLIT_LEVEL
@@ -147,9 +145,10 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
         # Small chunks (biases, norms) are dominated by per-call costs: one pass over the differences answers
         # "what changed" and, when most elements moved (an optimizer step on F32), sizes the gamma codec and
         # writes its payload where it is a candidate below.
-        counts, written = gamma.count_and_write(n, b, width, SMALL_DENSE_TRY, DENSE_TRUSTED[width])
-        if written is not None and _gamma_alone(counts, n.size // width):
-            return Encoded(gamma.record(width, counts.plan), written, counts.changed)  # the usual small F32 step
+        counts, written = gamma.count_and_write(n, b, width, _ALONE[width])
+        if written is not None and counts.changed >= DENSE_FROM * (n.size // width):
+            # The usual small F32 step: gamma alone (_gamma_alone), within DENSE_TRUSTED.
+            return Encoded(gamma.record(width, counts.plan), written, counts.changed)
     dtype = streams.UINT[width]
     nw, bw = n.view(dtype), b.view(dtype)
     if small:
@@ -170,17 +169,21 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
             # one (unrelated values, bit flips) goes on to the general path, which tries every codec.
             step: tuple[Codec, bytes] | None
             if counts is not None:
-                # The smaller of gamma (written above unless over DENSE_TRUSTED) and dense, as _difference chooses;
-                # gamma over DENSE_TRUSTED is never written (the general path below decides).
+                # The smaller of gamma and dense, as _difference chooses; gamma over DENSE_TRUSTED is never
+                # written (the general path below decides). Gamma alone within it was written above, and so was
+                # a chunk below DENSE_FROM changed (where gamma usually wins: every one on the trained set); from
+                # DENSE_FROM on, a chunk that fails the alone test is where dense often wins (a relative step of
+                # fixed size: 69% of benchmarks/small_tensors.py's), so its gamma is written only if it wins.
+                plan = counts.plan
                 if _gamma_alone(counts, nw.size):
-                    step = None  # written is None: over DENSE_TRUSTED
+                    step = None
                 else:
                     dense = Dense.encode(nw, bw, level)
-                    plan = counts.plan
                     if plan.payload >= len(dense[1]):
                         step = dense
-                    elif written is not None:
-                        step = Gamma(width, plan.center, plan.rice, plan.unary), written
+                    elif plan.payload <= DENSE_TRUSTED[width] * n.size:
+                        step = (Gamma(width, plan.center, plan.rice, plan.unary),
+                                written if written is not None else gamma.payload(nw, bw, plan))
                     else:
                         step = None
             else:
@@ -283,8 +286,13 @@ def _sparse_grouped(grouped: tuple[Any, ...], width: int, level: int) -> Encoded
 
 def _gamma_alone(counts: Counts, elements: int) -> bool:
     """Whether _difference writes gamma without trying dense (its docstring says when)."""
-    return (counts.repeats < REPEATS_TRY_DENSE * elements and counts.changed >= DENSE_FROM * elements
-            and counts.skew < SKEW_TRY_DENSE * counts.plan.payload)
+    return gamma.passes(counts, elements, _GAMMA_ALONE)
+
+
+# _gamma_alone's test; per width of a small chunk, with DENSE_TRUSTED's limit on the payload: the test
+# gamma.count_and_write applies, so a small chunk that passes it is written in the counting call.
+_GAMMA_ALONE = gamma.Alone(DENSE_FROM, float("inf"), REPEATS_TRY_DENSE, SKEW_TRY_DENSE, SMALL_DENSE_TRY)
+_ALONE = {w: _GAMMA_ALONE._replace(payload_within=DENSE_TRUSTED[w]) for w in GAMMA_WIDTHS if w in DENSE_TRUSTED}
 
 
 def decode(codec: dict[str, Any], payload: bytes | None, base: Any | None, size: int, itemsize: int, *,

@@ -1645,20 +1645,24 @@ static PyObject *gamma_encode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* counted(new, base, width, hist_out, changed_from, payload_within, digest)
- *     -> (*lengths(new, base, width, hist_out), payload or None)
+/* counted(new, base, width, hist_out, changed_from, payload_within, repeats_below, skew_below, written_from,
+ *         digest) -> (*lengths(new, base, width, hist_out), payload or None)
  *
  * lengths(), and in the same call the whole gamma payload (the streams, then the trailer: digest(body) as 8
- * little-endian bytes, digest being xxhash.xxh3_64_intdigest) when changed > 0, changed >= changed_from * elements
- * and the payload's bytes <= payload_within * the chunk's bytes; else None. Comparisons in double precision, as
- * Python compares an int with a float: exact at these sizes.
+ * little-endian bytes, digest being xxhash.xxh3_64_intdigest) when changed > 0, the payload's bytes <=
+ * payload_within * the chunk's bytes, and either the counts pass deltafs.codec's test for writing gamma without
+ * trying another codec (changed >= changed_from * elements, repeats < repeats_below * elements, skew <
+ * skew_below * the payload's bytes) or written_from * elements <= changed < changed_from * elements (a candidate
+ * the caller tries others against); else None. Comparisons in double precision, as Python compares an int with a
+ * float: exact at these sizes (a NaN share passes nothing).
  */
 static PyObject *gamma_counted(PyObject *self, PyObject *args) {
     Py_buffer nbuf, bbuf, hist;
     int width;
-    double changed_from, payload_within;
+    double changed_from, payload_within, repeats_below, skew_below, written_from;
     PyObject *digest;
-    if (!PyArg_ParseTuple(args, "y*y*iw*ddO", &nbuf, &bbuf, &width, &hist, &changed_from, &payload_within, &digest))
+    if (!PyArg_ParseTuple(args, "y*y*iw*dddddO", &nbuf, &bbuf, &width, &hist, &changed_from, &payload_within,
+                          &repeats_below, &skew_below, &written_from, &digest))
         return NULL;
     PyObject *result = NULL, *payload = NULL;
     if (!((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
@@ -1676,7 +1680,10 @@ static PyObject *gamma_counted(PyObject *self, PyObject *args) {
         TAKE_GIL()
     }
     const int64_t size = o[2] + o[3] + o[4] + 8;
-    if (changed > 0 && (double)changed >= changed_from * (double)n && (double)size <= payload_within * (double)nbuf.len) {
+    const int alone = (double)changed >= changed_from * (double)n && (double)repeats < repeats_below * (double)n &&
+                      skew < skew_below * (double)size;
+    const int candidate = (double)changed >= written_from * (double)n && (double)changed < changed_from * (double)n;
+    if (changed > 0 && (alone || candidate) && (double)size <= payload_within * (double)nbuf.len) {
         payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
         if (!payload)
             goto done;
@@ -1814,7 +1821,8 @@ static int gamma_pass(const uint8_t *un, Py_ssize_t un_len, const uint8_t *rem, 
  * body: the payload without its trailer, the three streams one after the other (the unary stream's length is
  * the record's; the remainder stream's follows from the element count). Checks them whole (every code in range,
  * no byte missing or left over, zero padding), then writes base + the decoded differences into out, which may
- * be base itself: nothing is written unless all is well. A nonzero status leaves the message to numpy's decode.
+ * be base itself or overlap it otherwise: nothing is written unless all is well. A nonzero status leaves the
+ * message to numpy's decode.
  */
 static PyObject *gamma_decode(PyObject *self, PyObject *args) {
     Py_buffer body, base, out;
@@ -1842,7 +1850,11 @@ static PyObject *gamma_decode(PyObject *self, PyObject *args) {
         RELEASE_GIL_IF(out.len >= GIL_FROM)
         status = gamma_pass(un, unary_len, rem, rem_len, man, man_len, width, center, k, n, diff);
         if (status == OK) { /* only now is out written: it may be the base */
-            for (Py_ssize_t i = 0; i < n; i++) {
+            /* out[i] from base[i] alone, as memmove copies: from the end where out overlaps base from above, so
+             * no element of base is read after it was written (exactly the base, or apart: either order). */
+            const int backward = (uintptr_t)o > (uintptr_t)b && (uintptr_t)o < (uintptr_t)b + (uintptr_t)out.len;
+            for (Py_ssize_t j = 0; j < n; j++) {
+                const Py_ssize_t i = backward ? n - 1 - j : j;
                 switch (width) {
                 case 1: o[i] = (uint8_t)(b[i] + diff[i]); break;
                 case 2: { uint16_t x; memcpy(&x, b + 2 * i, 2); x = (uint16_t)(x + diff[i]); memcpy(o + 2 * i, &x, 2); break; }
@@ -2245,7 +2257,9 @@ static PyMethodDef methods[] = {
     {"signs", signs, METH_VARARGS, "signs(diff, width, signs_out, big_at_out, big_out) -> big"},
     {"lengths", lengths, METH_VARARGS, "lengths(new, base, width, hist_out) -> (changed, repeats, skew, *plan(hist_out))"},
     {"counted", gamma_counted, METH_VARARGS,
-     "counted(new, base, width, hist_out, changed_from, payload_within, digest) -> (*lengths(...), payload or None)"},
+     "counted(new, base, width, hist_out, changed_from, payload_within, repeats_below, skew_below, written_from, "
+     "digest) -> "
+     "(*lengths(...), payload or None)"},
     {"plan", gamma_plan, METH_VARARGS, "plan(hist) -> (center, k, unary_bytes, remainder_bytes, mantissa_bytes)"},
     {"gamma", gamma_encode, METH_VARARGS, "gamma(new, base, width, center, k, unary_len, remainder_len, payload_out)"},
     {"ungamma", gamma_decode, METH_VARARGS, "ungamma(body, unary_len, width, center, k, base, out) -> status"},

@@ -16,7 +16,8 @@ def changes_group(new: Any, base: Any, width: int, idx_out: Any, new_out: Any, b
 def group(ranks: Any, diff: Any, width: int, space: int, /) -> tuple[int, bytes, bytes, bytes, int, int, bytes, bytes, bytes]: ...
 def lengths(new: Any, base: Any, width: int, hist_out: Any, /) -> tuple[int, int, int, int, int, int, int]: ...
 def counted(new: Any, base: Any, width: int, hist_out: Any, changed_from: float, payload_within: float,
-            digest: Any, /) -> tuple[Any, ...]: ...  # (*lengths(...), payload or None)
+            repeats_below: float, skew_below: float, written_from: float, digest: Any, /
+            ) -> tuple[Any, ...]: ...  # (*lengths(...), payload or None)
 def gamma(new: Any, base: Any, width: int, center: int, k: int, unary_len: int, remainder_len: int,
           payload_out: Any, /) -> None: ...
 def ungamma(body: Any, unary_len: int, width: int, center: int, k: int, base: Any, out: Any, /) -> int: ...  # 0: ok

@@ -77,23 +77,40 @@ def count(nw: np.ndarray, bw: np.ndarray) -> Counts:
                   layout(hist))
 
 
-def count_and_write(n: np.ndarray, b: np.ndarray, width: int, changed_from: float,
-                    payload_within: float) -> tuple[Counts, bytes | None]:
-    """count() of new against base (uint8; width 1, 2 or 4), and the gamma payload too when at least changed_from
-    of the elements changed (at least one) and it takes at most payload_within of the chunk's bytes, else None.
-    One compiled call where built (a small F32 chunk's whole encode); the same answer and bytes in numpy."""
+class Alone(NamedTuple):
+    """When a chunk is written as gamma without trying another codec (deltafs.codec's test, with its size limit),
+    and from what share of changes below that its payload is written anyway, as a candidate."""
+
+    changed_from: float  # changed >= changed_from * elements (and at least one)
+    payload_within: float  # payload bytes <= payload_within * chunk bytes
+    repeats_below: float  # repeats < repeats_below * elements
+    skew_below: float  # skew < skew_below * payload bytes
+    written_from: float  # written_from * elements <= changed < changed_from * elements: written as a candidate
+
+
+def passes(counts: Counts, elements: int, alone: Alone) -> bool:
+    """Whether counts pass alone's tests but the payload's size."""
+    return (counts.changed > 0 and counts.changed >= alone.changed_from * elements
+            and counts.repeats < alone.repeats_below * elements and counts.skew < alone.skew_below * counts.plan.payload)
+
+
+def count_and_write(n: np.ndarray, b: np.ndarray, width: int, alone: Alone) -> tuple[Counts, bytes | None]:
+    """count() of new against base (uint8; width 1, 2 or 4), and the gamma payload too when it is within alone's
+    size limit and the counts pass alone's test or make it a candidate, else None. One compiled call where built (a
+    small F32 step's whole encode); the same answer and bytes in numpy."""
     c = native.loops()
     if c is not None:
         hist = np.empty(8 * width + 1, np.int64)
-        r = c.counted(n, b, width, hist, changed_from, payload_within, streams.digest)
+        r = c.counted(n, b, width, hist, *alone, streams.digest)
         return _tuple(Counts, (hist, r[0], r[1], r[2], _tuple(Layout, r[3:8]))), r[8]
     if width not in WIDTHS or n.size != b.size or n.size % width:  # as the compiled call refuses them
         raise ValueError("counted: width must be 1, 2 or 4 and the buffers sized alike")
     dtype = streams.UINT[width]
     nw, bw = n.view(dtype), b.view(dtype)
     counts = count(nw, bw)
-    if (counts.changed > 0 and counts.changed >= changed_from * nw.size
-            and counts.plan.payload <= payload_within * n.size):
+    candidate = alone.written_from * nw.size <= counts.changed < alone.changed_from * nw.size
+    if ((passes(counts, nw.size, alone) or (candidate and counts.changed > 0))
+            and counts.plan.payload <= alone.payload_within * n.size):
         return counts, payload(nw, bw, counts.plan)
     return counts, None
 
@@ -214,10 +231,9 @@ class Gamma:
         n = size // width
         target = np.empty(size, np.uint8) if out is None else out
         c = native.loops()
-        # The compiled loop reads base[i] before it writes out[i]: out may be base itself, but not overlap it
-        # otherwise (numpy's add below handles any overlap).
-        if (c is not None and (target is base or not np.may_share_memory(target, base))
-                and c.ungamma(body, self.unary, width, self.center, self.rice, base, target) == 0):
+        # out may be base, or overlap it otherwise: the compiled loop writes in the order that reads every base
+        # element before it is written, as numpy's add below does.
+        if c is not None and c.ungamma(body, self.unary, width, self.center, self.rice, base, target) == 0:
             return target
         # The numpy decode: also where the compiled one refused, so both refuse with the same message.
         rem_end = self.unary + (n * self.rice + 7) // 8

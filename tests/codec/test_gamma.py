@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -85,20 +86,27 @@ def test_compiled_counts_match_numpy(pair: tuple[np.ndarray, np.ndarray]) -> Non
     assert compiled.skew >= 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(pair=pairs(), changed_from=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
-       within=st.sampled_from([0.05, 0.5, 0.75, 1.0, 3.0]))
+       within=st.sampled_from([0.05, 0.5, 0.75, 1.0, 3.0]), repeats=st.sampled_from([0.0, 0.125, 2.0]),
+       skew=st.sampled_from([0.0, 0.04, math.inf]), written_from=st.sampled_from([0.0, 0.5, 2.0]))
 def test_count_and_write_gives_the_same_counts_and_payload_on_both_paths(
-        pair: tuple[np.ndarray, np.ndarray], changed_from: float, within: float) -> None:
+        pair: tuple[np.ndarray, np.ndarray], changed_from: float, within: float, repeats: float, skew: float,
+        written_from: float) -> None:
     """The one-call count and write (compiled: counted) answers as count() and writes gamma.payload()'s bytes,
-    exactly when at least one and at least changed_from of the elements changed and the payload is within its
-    share of the chunk; the numpy path gives the same."""
+    exactly when at least one element changed, the payload is within its share of the chunk, and the counts pass
+    the test (at least changed_from of the elements changed, fewer repeats and skew than their shares) or make it a
+    candidate (written_from <= changed share < changed_from); the numpy path gives the same."""
     new, base = pair
     width = new.dtype.itemsize
     n8, b8 = new.view(np.uint8), base.view(np.uint8)
-    got = each_path(lambda: gamma.count_and_write(n8, b8, width, changed_from, within))
+    alone = gamma.Alone(changed_from, within, repeats, skew, written_from)
+    got = each_path(lambda: gamma.count_and_write(n8, b8, width, alone))
     counts = gamma.count(new, base)
-    expect = (gamma.payload(new, base, counts.plan) if counts.changed > 0 and counts.changed >= changed_from * new.size
+    passes = (counts.changed >= changed_from * new.size and counts.repeats < repeats * new.size
+              and counts.skew < skew * counts.plan.payload)
+    candidate = written_from * new.size <= counts.changed < changed_from * new.size
+    expect = (gamma.payload(new, base, counts.plan) if counts.changed > 0 and (passes or candidate)
               and counts.plan.payload <= within * n8.size else None)
     for c, written in got:
         assert (c.changed, c.repeats, c.plan, c.hist.tolist()) == (counts.changed, counts.repeats, counts.plan,
@@ -117,21 +125,21 @@ def test_compiled_count_and_write_refuses_what_it_cannot_write() -> None:
     hist = np.empty(33, np.int64)
     a = np.arange(64, dtype=np.uint32).view(np.uint8)
     with pytest.raises(ValueError, match="sized alike"):
-        c.counted(a, a[:-4], 4, hist, 0.0, 1.0, streams.digest)
+        c.counted(a, a[:-4], 4, hist, 0.0, 1.0, 9.0, 9.0, 9.0, streams.digest)
     with pytest.raises(ValueError, match="sized alike"):
-        c.counted(a, a, 8, hist, 0.0, 1.0, streams.digest)
+        c.counted(a, a, 8, hist, 0.0, 1.0, 9.0, 9.0, 9.0, streams.digest)
     with pytest.raises(ValueError, match="sized alike"):
-        c.counted(a, a, 4, hist[:-1], 0.0, 1.0, streams.digest)
+        c.counted(a, a, 4, hist[:-1], 0.0, 1.0, 9.0, 9.0, 9.0, streams.digest)
 
     def broken(body: memoryview) -> int:
         raise RuntimeError("no digest")
 
     b = (np.arange(64, dtype=np.uint32) + 3).view(np.uint8)
     with pytest.raises(RuntimeError, match="no digest"):
-        c.counted(b, a, 4, hist, 0.0, 10.0, broken)
+        c.counted(b, a, 4, hist, 0.0, 10.0, 9.0, 9.0, 9.0, broken)
     with pytest.raises(OverflowError):
-        c.counted(b, a, 4, hist, 0.0, 10.0, lambda body: -1)
-    assert c.counted(b, a, 4, hist, 0.0, 10.0, lambda body: 0x0102030405060708)[8][-8:] == bytes(range(8, 0, -1))
+        c.counted(b, a, 4, hist, 0.0, 10.0, 9.0, 9.0, 9.0, lambda body: -1)
+    assert c.counted(b, a, 4, hist, 0.0, 10.0, 9.0, 9.0, 9.0, lambda body: 0x0102030405060708)[8][-8:] == bytes(range(8, 0, -1))
 
 
 @pytest.mark.parametrize("width, new_size, base_size", [(4, 8, 4), (1, 2, 1), (8, 16, 16), (3, 6, 6), (4, 6, 6)])
@@ -139,7 +147,7 @@ def test_count_and_write_refuses_bad_shapes_alike_on_both_paths(width: int, new_
     n, b = np.arange(new_size, dtype=np.uint8), np.zeros(base_size, np.uint8)
     for use in ((True, False) if native.BUILT else (False,)):
         with loops(use), pytest.raises(ValueError, match="sized alike"):
-            gamma.count_and_write(n, b, width, 0.0, 1.0)
+            gamma.count_and_write(n, b, width, gamma.Alone(0.0, 1.0, 9.0, 9.0, 9.0))
 
 
 @built
@@ -155,7 +163,7 @@ def test_counted_hands_the_digest_a_view_that_keeps_the_payload() -> None:
 
     a = np.arange(64, dtype=np.uint32).view(np.uint8)
     b = (np.arange(64, dtype=np.uint32) + 3).view(np.uint8)
-    payload = c.counted(b, a, 4, np.empty(33, np.int64), 0.0, 10.0, keep)[8]
+    payload = c.counted(b, a, 4, np.empty(33, np.int64), 0.0, 10.0, 9.0, 9.0, 9.0, keep)[8]
     assert kept[0].obj is payload and kept[0].tobytes() == payload[:-8]
     del payload
     assert len(kept[0].tobytes()) == kept[0].nbytes  # still readable: the view holds the bytes alive
@@ -172,7 +180,7 @@ def test_compiled_loops_refuse_sizes_that_overflow_and_unaligned_int64_buffers()
     with pytest.raises(ValueError, match="aligned"):
         c.lengths(a, a, 4, unaligned)
     with pytest.raises(ValueError, match="aligned"):
-        c.counted(a, a, 4, unaligned, 0.0, 1.0, streams.digest)
+        c.counted(a, a, 4, unaligned, 0.0, 1.0, 9.0, 9.0, 9.0, streams.digest)
     with pytest.raises(ValueError, match="aligned"):
         c.plan(unaligned)
     idx = memoryview(bytearray(64 * 8 + 1))[1:]
