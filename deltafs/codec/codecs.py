@@ -305,14 +305,24 @@ def _stored(parts: list[Any], tries: list[bool], level: int, limit: int | None) 
     or memoryviews, so len() is their size and seal joins them without a copy each); None when the payload would
     exceed limit bytes. The raw streams count first, the others are compressed largest first, so a losing payload
     is usually known after one zstd call instead of 5 + width."""
+    # streams.pack, inline (a call per stream adds up on small chunks): a frame where it is smaller, else the
+    # contiguous stream as it is.
+    compress = streams.compressor(level).compress
     if limit is None:
-        return [streams.pack(p, level) if t else p for p, t in zip(parts, tries, strict=True)]
+        stored = []
+        for p, t in zip(parts, tries, strict=True):
+            if t and len(p) and len(frame := compress(p)) < len(p):
+                p = frame
+            stored.append(p)
+        return stored
     stored = list(parts)
     total = streams.TRAILER + sum(len(p) for p, t in zip(parts, tries, strict=True) if not t)
     for j in sorted((j for j, t in enumerate(tries) if t), key=lambda j: -len(parts[j])):
         if total > limit:
             return None
-        stored[j] = streams.pack(parts[j], level)
+        p = parts[j]
+        if len(p) and len(frame := compress(p)) < len(p):
+            stored[j] = frame
         total += len(stored[j])
     return None if total > limit else stored
 
@@ -322,7 +332,9 @@ def _worth_trying(parts: list[Any], width: int) -> list[bool]:
     headers, other files) are not numbers stepped by an optimizer: every stream is tried there."""
     if width == 1:
         return [True] * len(parts)
-    return [True, *(len(p) >= UNIFORM_TRY_FROM for p in parts[1:5]), *([True] * (len(parts) - 5))]
+    least = UNIFORM_TRY_FROM
+    return [True, len(parts[1]) >= least, len(parts[2]) >= least, len(parts[3]) >= least,
+            len(parts[4]) >= least] + [True] * (len(parts) - 5)
 
 
 def _signs_and_big(diff: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
