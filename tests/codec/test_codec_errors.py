@@ -168,14 +168,17 @@ def test_codec_names_that_are_not_strings_are_format_errors(name: Any, width: in
         codec.decode(record, b"", np.zeros(16, np.uint8), 16, 2)
 
 
-@pytest.mark.parametrize("shift", [4, -4, 8])
-def test_gamma_decodes_into_an_out_that_overlaps_its_base(shift: int) -> None:
-    """out may be base itself (in place), or overlap it elsewhere: both paths give the chunk's bytes."""
+@pytest.mark.parametrize("shift", [1, 2, 3, 4, 8, -1, -3, -4])
+@pytest.mark.parametrize("width", [2, 4])
+def test_gamma_decodes_into_an_out_that_overlaps_its_base(shift: int, width: int) -> None:
+    """out may be base itself (in place), or overlap it elsewhere, by whole elements or not: both paths give the
+    chunk's bytes."""
     rng = np.random.default_rng(3)
     n = 4096
-    base_w = (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
-    new = (base_w + rng.integers(-3000, 3001, n).astype(np.uint32)).view(np.uint8)
-    enc = codec.encode(new, base_w.view(np.uint8), 4)
+    dtype = np.dtype(f"<u{width}")
+    base_w = rng.integers(0, 1 << (8 * width - 2), n).astype(dtype)
+    new = (base_w + rng.integers(-3000, 3001, n).astype(dtype)).view(np.uint8)
+    enc = codec.encode(new, base_w.view(np.uint8), width)
     assert enc.codec["name"] == "gamma"
     size = new.size
     for use in (True, False):
@@ -184,7 +187,7 @@ def test_gamma_decodes_into_an_out_that_overlaps_its_base(shift: int) -> None:
             buf = np.zeros(size + abs(shift), np.uint8)
             b, out = (buf[:size], buf[shift:]) if shift > 0 else (buf[-shift:], buf[:size])
             b[:] = base_w.view(np.uint8)
-            assert codec.decode(enc.codec, enc.payload, b, size, 4, out=out).tobytes() == new.tobytes()
+            assert codec.decode(enc.codec, enc.payload, b, size, width, out=out).tobytes() == new.tobytes()
         finally:
             codec.native.enabled = codec.native.BUILT
 
