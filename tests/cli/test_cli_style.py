@@ -83,9 +83,10 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     write_safetensors(str(src / "model.safetensors"),
                       {f"t{i}": ("U8", (16 << 20,), rng.integers(0, 255, 16 << 20, dtype=np.uint8).tobytes()) for i in range(8)})
     # zstd level 19 over 128 MiB of random bytes takes ~15 s of one core, so the signal always lands while the push
-    # is encoding (at the default level the push could finish between the store's creation and the signal).
-    proc = subprocess.Popen([_console(), "push", str(src), str(tmp_path / "store"), "--threads", "1", "--level", "19"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # is encoding. A first push stores its chunks at --full-level (--level is a delta's): at the default full level
+    # it took 0.6 s, and under load it could finish between the store's creation and the signal (a CI run did).
+    proc = subprocess.Popen([_console(), "push", str(src), str(tmp_path / "store"), "--threads", "1",
+                             "--full-level", "19"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not os.path.exists(tmp_path / "store" / "deltafs.json") and time.monotonic() < deadline:
         time.sleep(0.05)  # wait until the push is under way

@@ -91,14 +91,20 @@ def test_an_interrupted_pull_stops_its_workers_before_closing_their_files(tmp_pa
         (src / f"f{i}.bin").write_bytes(os.urandom(1 << 16))
     push(store, str(src))
     real = rebuild.Builder._run_bytes
+    signalled = threading.Event()
 
     def slow(self, run, buf):
+        # The first run a worker takes interrupts the main thread, then keeps the worker busy: the signal lands
+        # while workers hold the files open, however loaded the machine (a timer did not, once, under load).
+        if not signalled.is_set():
+            signalled.set()
+            os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.3)
         return real(self, run, buf)
 
     monkeypatch.setattr(rebuild.Builder, "_run_bytes", slow)
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         pull(store, dest, threads=2)
+    assert signalled.is_set()
     assert not [t for t in threading.enumerate() if t.name.startswith("deltafs-pull-")]
     assert not os.path.lexists(dest)
