@@ -4,6 +4,7 @@ the chunk objects a local store serves."""
 from __future__ import annotations
 
 import collections
+import signal
 import uuid
 from typing import Any, Iterator
 
@@ -11,6 +12,12 @@ import pytest
 
 from deltafs.testing.checkpoints import CheckpointMaker
 from deltafs.testing.s3server import S3Server, start_thread_server
+
+# A suite started with `cmd &` from a script (no job control) inherits SIGINT ignored, and Python then installs no
+# KeyboardInterrupt handler; children inherit the ignore across exec. The tests that press Ctrl-C on a push or a pull
+# need it delivered, so the suite restores Python's own handler (its children then start with the default action).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
