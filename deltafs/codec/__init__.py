@@ -169,23 +169,12 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
             # one (unrelated values, bit flips) goes on to the general path, which tries every codec.
             step: tuple[Codec, bytes] | None
             if counts is not None:
-                # The smaller of gamma and dense, as _difference chooses; gamma over DENSE_TRUSTED is never
-                # written (the general path below decides). Gamma alone within it was written above, and so was
-                # a chunk below DENSE_FROM changed (where gamma usually wins: every one on the trained set); from
-                # DENSE_FROM on, a chunk that fails the alone test is where dense often wins (a relative step of
-                # fixed size: 69% of benchmarks/small_tensors.py's), so its gamma is written only if it wins.
-                plan = counts.plan
-                if _gamma_alone(counts, nw.size):
-                    step = None
-                else:
-                    dense = Dense.encode(nw, bw, level)
-                    if plan.payload >= len(dense[1]):
-                        step = dense
-                    elif plan.payload <= DENSE_TRUSTED[width] * n.size:
-                        step = (Gamma(width, plan.center, plan.rice, plan.unary),
-                                written if written is not None else gamma.payload(nw, bw, plan))
-                    else:
-                        step = None
+                # The smaller of gamma and dense. Gamma alone within DENSE_TRUSTED was written above, and so was a
+                # chunk below DENSE_FROM changed (where gamma usually wins: every one on the trained set); gamma
+                # alone over it is left to the general path below. From DENSE_FROM on, a chunk that fails the
+                # alone test is where dense often wins (a relative step of fixed size: 69% of
+                # benchmarks/small_tensors.py's), so its gamma is written only if it wins.
+                step = None if _gamma_alone(counts, nw.size) else _difference(nw, bw, level, counts, written)
             else:
                 step = Dense.encode(nw, bw, level, diff=d, planes=planes)
             if step is not None and len(step[1]) <= DENSE_TRUSTED[width] * n.size:
@@ -258,8 +247,10 @@ def encode(new: Any, base: Any | None, itemsize: int, *, level: int = DEFAULT_LE
     return Encoded(rec.to_json(), payload, changed)
 
 
-def _difference(nw: np.ndarray, bw: np.ndarray, level: int, counts: Counts) -> tuple[Codec, bytes]:
-    """The chunk as gamma, or as dense where that may be smaller and is.
+def _difference(nw: np.ndarray, bw: np.ndarray, level: int, counts: Counts, written: bytes | None = None
+                ) -> tuple[Codec, bytes]:
+    """The chunk as gamma, or as dense where that may be smaller and is. written: gamma's payload, when the
+    counting call wrote it (gamma.count_and_write).
 
     Gamma's size is known exactly from the counts; dense's only by running zstd, which beats the bit lengths on
     differences that repeat (a constant shift; a first step from zeros, where Adam moves every element by the same
@@ -271,10 +262,13 @@ def _difference(nw: np.ndarray, bw: np.ndarray, level: int, counts: Counts) -> t
     is 0.84x dense's bytes.
     """
     plan = counts.plan
-    if _gamma_alone(counts, nw.size):
+    if not _gamma_alone(counts, nw.size):
+        dense = Dense.encode(nw, bw, level)
+        if plan.payload >= len(dense[1]):
+            return dense
+    if written is None:
         return Gamma.encode(nw, bw, plan)
-    dense = Dense.encode(nw, bw, level)
-    return Gamma.encode(nw, bw, plan) if plan.payload < len(dense[1]) else dense
+    return Gamma(nw.dtype.itemsize, plan.center, plan.rice, plan.unary), written
 
 
 def _sparse_grouped(grouped: tuple[Any, ...], width: int, level: int) -> Encoded:

@@ -49,19 +49,30 @@ def changes(n: np.ndarray, b: np.ndarray, width: int) -> tuple[np.ndarray, np.nd
 
 def _compiled_changes(c: Any, n: np.ndarray, b: np.ndarray, width: int,
                       dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """changes() in one compiled pass; room for 1/16 of the elements (all of a small chunk) first, again if more
-    changed (an unused np.empty costs no memory until written)."""
-    elements = n.size // width
-    room = elements if elements <= _ROOM else max(_ROOM, elements >> 4)
-    idx, nv, bv = np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype)
-    count: int = c.changes(n, b, width, idx, nv, bv, native.simd_level)
-    if count > room:
-        idx, nv, bv = np.empty(count, np.int64), np.empty(count, dtype), np.empty(count, dtype)
-        c.changes(n, b, width, idx, nv, bv, native.simd_level)
-    return idx[:count], nv[:count], bv[:count]
+    """changes() in one compiled pass (see _outputs and _fitted)."""
+    out = _outputs(n.size // width, dtype)
+    return _fitted(c, n, b, width, out, c.changes(n, b, width, *out, native.simd_level))
 
 
 _ROOM = 1 << 16
+
+
+def _outputs(elements: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Room for the compiled compare's first try: 1/16 of the elements (all of a small chunk); an unused np.empty
+    costs no memory until written."""
+    room = elements if elements <= _ROOM else max(_ROOM, elements >> 4)
+    return np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype)
+
+
+def _fitted(c: Any, n: np.ndarray, b: np.ndarray, width: int, out: tuple[np.ndarray, np.ndarray, np.ndarray],
+            count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The count changes the compiled compare found into out, compared again into room for all of them where more
+    changed than out holds."""
+    idx, nv, bv = out
+    if count > idx.size:
+        idx, nv, bv = np.empty(count, np.int64), np.empty(count, nv.dtype), np.empty(count, bv.dtype)
+        c.changes(n, b, width, idx, nv, bv, native.simd_level)
+    return idx[:count], nv[:count], bv[:count]
 
 
 def changes_or_group(c: Any, n: np.ndarray, b: np.ndarray, width: int, below: float
@@ -70,17 +81,11 @@ def changes_or_group(c: Any, n: np.ndarray, b: np.ndarray, width: int, below: fl
     at most a fraction `below` of them changed: the compiled compare and group (native.changes_group) in one call,
     for a chunk without split. The streams: (count, k, unary, remainder, signs, big, big_k, big_unary,
     big_remainder, plane 0, ..., plane width - 1), as native.group gives them for the class of every element."""
-    dtype = streams.UINT[width]
-    elements = n.size // width
-    room = elements if elements <= _ROOM else max(_ROOM, elements >> 4)
-    idx, nv, bv = np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype)
-    got = c.changes_group(n, b, width, idx, nv, bv, native.simd_level, below)
+    out = _outputs(n.size // width, streams.UINT[width])
+    got = c.changes_group(n, b, width, *out, native.simd_level, below)
     if type(got) is tuple:
         return None, got
-    if got > room:
-        idx, nv, bv = np.empty(got, np.int64), np.empty(got, dtype), np.empty(got, dtype)
-        c.changes(n, b, width, idx, nv, bv, native.simd_level)
-    return (idx[:got], nv[:got], bv[:got]), None
+    return _fitted(c, n, b, width, out, got), None
 
 _SIGNED: dict[int, np.dtype[Any]] = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 # Shift counts as numpy scalars of each width's dtype: a Python int operand costs a type resolution per call.
