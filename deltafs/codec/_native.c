@@ -1115,14 +1115,21 @@ static Py_ssize_t find_changes(const uint8_t *n, const uint8_t *b, Py_ssize_t el
     }
 }
 
+/* The buffers changes() and changes_group() take: a width they compare, new and base alike, and outputs for the
+ * same number of changes (idx_out 8-byte aligned). */
+static inline int changes_buffers_ok(const Py_buffer *n, const Py_buffer *b, int width, const Py_buffer *idx,
+                                     const Py_buffer *nv, const Py_buffer *bv) {
+    return (width == 1 || width == 2 || width == 4 || width == 8) && n->len == b->len && n->len % width == 0 &&
+           idx->len % 8 == 0 && ALIGNED8(*idx) && nv->len == (idx->len / 8) * width && bv->len == nv->len;
+}
+
 static PyObject *changes(PyObject *self, PyObject *args) {
     Py_buffer n, b, idx, nv, bv;
     int width, simd = 2;
     if (!PyArg_ParseTuple(args, "y*y*iw*w*w*|i", &n, &b, &width, &idx, &nv, &bv, &simd))
         return NULL;
     Py_ssize_t count = -1;
-    if ((width == 1 || width == 2 || width == 4 || width == 8) && n.len == b.len && n.len % width == 0 &&
-        idx.len % 8 == 0 && ALIGNED8(idx) && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
+    if (changes_buffers_ok(&n, &b, width, &idx, &nv, &bv)) {
         Py_BEGIN_ALLOW_THREADS
         count = find_changes((const uint8_t *)n.buf, (const uint8_t *)b.buf, n.len / width, width, (int64_t *)idx.buf,
                              (uint8_t *)nv.buf, (uint8_t *)bv.buf, idx.len / 8, simd);
@@ -1154,8 +1161,7 @@ static PyObject *changes_group(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t count = -1, elements = 0, cap = 0;
-    if ((width == 1 || width == 2 || width == 4 || width == 8) && n.len == b.len && n.len % width == 0 &&
-        idx.len % 8 == 0 && ALIGNED8(idx) && nv.len == (idx.len / 8) * width && bv.len == nv.len) {
+    if (changes_buffers_ok(&n, &b, width, &idx, &nv, &bv)) {
         elements = n.len / width;
         cap = idx.len / 8;
         Py_BEGIN_ALLOW_THREADS
@@ -1330,6 +1336,13 @@ static Py_ssize_t count_lengths(const uint8_t *nb, const uint8_t *bb, Py_ssize_t
  * steps, which zstd on dense's byte planes codes far below their bit lengths); skew: lowbits_skew of the three bits
  * below the leading one, counted per bit length; then plan_lengths of hist.
  */
+/* The buffers lengths() and counted() take: a gamma width, new and base alike, an int64 histogram of 8 * width + 1
+ * lengths (8-byte aligned). */
+static inline int lengths_buffers_ok(const Py_buffer *n, const Py_buffer *b, int width, const Py_buffer *hist) {
+    return (width == 1 || width == 2 || width == 4) && n->len == b->len && n->len % width == 0 &&
+           hist->len == (8 * width + 1) * 8 && ALIGNED8(*hist);
+}
+
 static PyObject *lengths(PyObject *self, PyObject *args) {
     Py_buffer nbuf, bbuf, hist;
     int width;
@@ -1338,8 +1351,7 @@ static PyObject *lengths(PyObject *self, PyObject *args) {
     Py_ssize_t changed = -1, repeats = 0;
     double skew = 0;
     int64_t o[5];
-    if ((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
-        hist.len == (8 * width + 1) * 8 && ALIGNED8(hist)) {
+    if (lengths_buffers_ok(&nbuf, &bbuf, width, &hist)) {
         RELEASE_GIL_IF(nbuf.len >= GIL_FROM)
         changed = count_lengths(nbuf.buf, bbuf.buf, nbuf.len / width, width, hist.buf, &repeats, &skew, o);
         TAKE_GIL()
@@ -1665,8 +1677,7 @@ static PyObject *gamma_counted(PyObject *self, PyObject *args) {
                           &repeats_below, &skew_below, &written_from, &digest))
         return NULL;
     PyObject *result = NULL, *payload = NULL;
-    if (!((width == 1 || width == 2 || width == 4) && nbuf.len == bbuf.len && nbuf.len % width == 0 &&
-          hist.len == (8 * width + 1) * 8 && ALIGNED8(hist))) {
+    if (!lengths_buffers_ok(&nbuf, &bbuf, width, &hist)) {
         PyErr_SetString(PyExc_ValueError, "counted: width must be 1, 2 or 4 and the buffers sized alike (hist_out 8-byte aligned)");
         goto done;
     }
