@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zstandard
+from codec_helpers import loops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,12 +153,8 @@ def test_sparse_big_beyond_count_is_refused_before_any_stream_is_inflated() -> N
         record = copy.deepcopy(enc.codec)
         record["groups"][0]["big"] = big
         for use in (True, False):
-            codec.native.enabled = use and codec.native.BUILT
-            try:
-                with pytest.raises(IntegrityError, match="more large differences than changes"):
-                    codec.decode(record, enc.payload, base, new.size, 2)
-            finally:
-                codec.native.enabled = codec.native.BUILT
+            with loops(use), pytest.raises(IntegrityError, match="more large differences than changes"):
+                codec.decode(record, enc.payload, base, new.size, 2)
 
 
 @pytest.mark.parametrize("name", [["sparse"], {"a": 1}, [], 3.5, None])
@@ -182,14 +179,11 @@ def test_gamma_decodes_into_an_out_that_overlaps_its_base(shift: int, width: int
     assert enc.codec["name"] == "gamma"
     size = new.size
     for use in (True, False):
-        codec.native.enabled = use and codec.native.BUILT
-        try:
+        with loops(use):
             buf = np.zeros(size + abs(shift), np.uint8)
             b, out = (buf[:size], buf[shift:]) if shift > 0 else (buf[-shift:], buf[:size])
             b[:] = base_w.view(np.uint8)
             assert codec.decode(enc.codec, enc.payload, b, size, width, out=out).tobytes() == new.tobytes()
-        finally:
-            codec.native.enabled = codec.native.BUILT
 
 
 def test_sparse_counts_that_disagree_with_streams() -> None:

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 
 import numpy as np
+from codec_helpers import loops
 
 from deltafs import codec
-from deltafs.codec import native
 
 SPEC = Path(__file__).resolve().parents[2] / "manifests" / "FORMAT.md"
 
@@ -44,12 +44,9 @@ def test_spec_gamma_example_encodes_and_decodes_byte_for_byte() -> None:
     new = (base.astype(np.int64) + np.array([5, -3, 0, 1, 12, -2])).astype("<u4")
     rec, payload = example_from_spec("gamma")
     for use in (True, False):  # the compiled loops and numpy write the same bytes
-        native.enabled = use and native.BUILT
-        try:
+        with loops(use):
             gamma, written = codec.Gamma.encode(new, base)
             assert gamma.to_json() == rec
             assert written == payload
             out = codec.decode(rec, payload, base.view(np.uint8), base.nbytes, 4)
             assert out.tobytes() == new.tobytes()
-        finally:
-            native.enabled = native.BUILT

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
+from codec_helpers import each_path, loops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,27 +17,6 @@ from deltafs.codec.streams import seal
 from deltafs.errors import FormatError, IntegrityError
 
 built = pytest.mark.skipif(not native.BUILT, reason="deltafs.codec._native was not built (no C compiler)")
-
-
-@contextmanager
-def loops(use: bool) -> Iterator[None]:
-    native.enabled = use and native.BUILT
-    try:
-        yield
-    finally:
-        native.enabled = native.BUILT
-
-
-def each_path(fn: Callable[[], Any]) -> list[Any]:
-    """fn() with the compiled loops (where built) and with numpy: each a result or the refusal's class."""
-    out: list[Any] = []
-    for use in ((True, False) if native.BUILT else (False,)):
-        with loops(use):
-            try:
-                out.append(fn())
-            except (FormatError, IntegrityError) as exc:
-                out.append(type(exc))
-    return out
 
 
 @st.composite
